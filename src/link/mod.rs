@@ -1,0 +1,1 @@
+//! One peer's connection.

@@ -1,0 +1,1 @@
+//! Provider seam (device, PD, MR, CQ, RC QP). See issue: soft provider.
