@@ -1,1 +1,132 @@
-//! One peer's connection.
+//! One peer's connection, seen by the mux as an ordered, reliable,
+//! message-preserving batch pipe that lives for exactly one epoch.
+//!
+//! ```text
+//!  mux peer task ─ reserve() ─► SendBuf (link credit + buffer) ─ encode in place ─ post()
+//!  mux peer task ◄─ recv() ◄─ Batch (borrowed; drop = buffer back = credit to the peer)
+//!  any error ─► fail(EpochEnd) ─► both ends' waiters fail; delivered batches drain first
+//! ```
+//!
+//! A [`Link`] object is one epoch: once it ends it never revives, and the next
+//! epoch is a new object handed to the mux (docs/design.md § "A Link is one
+//! epoch"). Link credit never reaches the slot layer.
+//!
+//! Implementations: [`mem`] (in-process pair for tests).
+
+pub mod mem;
+
+use std::future::Future;
+use std::ops::{Deref, DerefMut};
+
+use thiserror::Error;
+
+use crate::mux::engine::ProtocolError;
+use crate::mux::protocol::Epoch;
+
+/// Why an epoch ended. Decided once, in one place, per epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+pub enum EpochEnd {
+    /// This end closed gracefully (after a Goodbye).
+    #[error("closed locally")]
+    Closed,
+    /// The peer ended the epoch (its close, its fault, or its verdict on us).
+    #[error("the peer ended the epoch")]
+    PeerClosed,
+    /// The peer stopped answering (liveness channel timed out or reset).
+    #[error("the peer was lost")]
+    PeerLost,
+    /// The local transport failed (an error completion, a failed post).
+    #[error("transport fault: {0}")]
+    Fault(LinkFault),
+    /// The peer broke the protocol; the mux ended the epoch.
+    #[error("peer violated the protocol: {0}")]
+    Violation(#[from] ProtocolError),
+    /// A newer connection to the same peer replaced this one.
+    #[error("replaced by a newer connection")]
+    Replaced,
+    /// The transport is shutting down.
+    #[error("transport shutdown")]
+    Shutdown,
+}
+
+/// A local transport fault that ends an epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+pub enum LinkFault {
+    /// A work completion with an error status (provider's status code).
+    #[error("work completion failed with status {status}")]
+    Completion {
+        /// The provider's completion status.
+        status: u32,
+    },
+    /// Posting a work request failed.
+    #[error("post failed")]
+    PostFailed,
+    /// The peer returned more link credit than it was ever given.
+    #[error("peer returned {claimed} credits, at most {granted} were granted")]
+    CreditOverclaim {
+        /// Cumulative credits the peer claimed.
+        claimed: u32,
+        /// Cumulative credits we ever granted.
+        granted: u32,
+    },
+    /// A socket or device I/O error.
+    #[error("i/o error: {0:?}")]
+    Io(std::io::ErrorKind),
+    /// An injected fault (tests).
+    #[error("injected fault")]
+    Injected,
+}
+
+/// Errors of link operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+pub enum LinkError {
+    /// The epoch is over; nothing more can be sent or received on this link.
+    #[error("epoch {epoch} ended: {reason}")]
+    Ended {
+        /// The epoch that ended.
+        epoch: Epoch,
+        /// Why.
+        reason: EpochEnd,
+    },
+    /// `post` was given more bytes than a batch may hold.
+    #[error("batch of {len} bytes exceeds the link's {max} bytes")]
+    BatchTooLarge {
+        /// The length posted.
+        len: usize,
+        /// The link's `max_batch`.
+        max: usize,
+    },
+}
+
+/// An ordered, reliable batch pipe to one peer for one epoch.
+///
+/// `reserve` and `recv` are cancel-safe: dropping their futures loses no
+/// credit and no batch, so the mux can `select!` over them.
+pub trait Link: Send + Sync + 'static {
+    /// A writable send buffer holding one link credit until posted or dropped.
+    type SendBuf: DerefMut<Target = [u8]> + Send + 'static;
+    /// A received batch; dropping it gives the buffer back (and the peer its credit).
+    type Batch: Deref<Target = [u8]> + Send + 'static;
+
+    /// The epoch this link is.
+    fn epoch(&self) -> Epoch;
+
+    /// Largest batch `post` accepts, and the length of every `SendBuf`.
+    fn max_batch(&self) -> usize;
+
+    /// Waits for a link credit and a free send buffer.
+    fn reserve(&self) -> impl Future<Output = Result<Self::SendBuf, LinkError>> + Send;
+
+    /// Sends the first `len` bytes of `buf`, in order after every earlier post.
+    fn post(&self, buf: Self::SendBuf, len: usize) -> Result<(), LinkError>;
+
+    /// The next batch from the peer. After the epoch ends, batches the link
+    /// had already received are still returned, then the error.
+    fn recv(&self) -> impl Future<Output = Result<Self::Batch, LinkError>> + Send;
+
+    /// Ends the epoch on both ends (idempotent; the first reason wins).
+    fn fail(&self, reason: EpochEnd);
+
+    /// Resolves once the epoch has ended, with the reason.
+    fn ended(&self) -> impl Future<Output = EpochEnd> + Send;
+}

@@ -1,0 +1,107 @@
+//! An in-process network of muxes joined by mem links, for tests and benches.
+//!
+//! Each node's [`Dialer`] asks the fabric for a link; the fabric makes a
+//! pair for the next epoch of that node pair and attaches one end to each mux.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use super::{MemConfig, MemLink, pair};
+use crate::link::{EpochEnd, Link};
+use crate::mux::protocol::Epoch;
+use crate::mux::{Dialer, Mux, PeerId};
+
+#[derive(Default)]
+struct Nodes {
+    muxes: HashMap<PeerId, Mux<MemLink>>,
+    links: HashMap<(PeerId, PeerId), MemLink>,
+    epochs: HashMap<(PeerId, PeerId), Epoch>,
+}
+
+/// Muxes by node id, and the mem link currently joining each pair.
+pub struct MemFabric {
+    config: MemConfig,
+    nodes: Mutex<Nodes>,
+}
+
+impl MemFabric {
+    /// An empty fabric whose links have `config`'s shape.
+    pub fn new(config: MemConfig) -> Arc<MemFabric> {
+        Arc::new(MemFabric {
+            config,
+            nodes: Mutex::new(Nodes::default()),
+        })
+    }
+
+    fn nodes(&self) -> MutexGuard<'_, Nodes> {
+        self.nodes.lock().expect("fabric state poisoned")
+    }
+
+    /// The dialer node `me` should give its mux.
+    pub fn dialer(self: &Arc<Self>, me: PeerId) -> Arc<dyn Dialer> {
+        Arc::new(FabricDialer {
+            fabric: Arc::downgrade(self),
+            me,
+        })
+    }
+
+    /// Adds node `me`'s mux to the fabric.
+    pub fn add(&self, me: PeerId, mux: Mux<MemLink>) {
+        self.nodes().muxes.insert(me, mux);
+    }
+
+    /// Joins `a` and `b` with a fresh link unless a live one exists; returns
+    /// the new epoch.
+    pub fn connect(&self, a: PeerId, b: PeerId) -> Option<Epoch> {
+        let pair_key = if a < b { (a, b) } else { (b, a) };
+        let mut nodes = self.nodes();
+        if nodes.links.get(&pair_key).is_some_and(|l| !l.is_ended()) {
+            return None;
+        }
+        let (mux_a, mux_b) = (nodes.muxes.get(&a)?.clone(), nodes.muxes.get(&b)?.clone());
+        let epoch = nodes
+            .epochs
+            .get(&pair_key)
+            .copied()
+            .unwrap_or_default()
+            .next();
+        nodes.epochs.insert(pair_key, epoch);
+        let (end_a, end_b) = pair(epoch, self.config);
+        nodes.links.insert(pair_key, end_a.clone());
+        drop(nodes);
+        mux_a.attach(b, end_a);
+        mux_b.attach(a, end_b);
+        Some(epoch)
+    }
+
+    /// Ends the current link between `a` and `b` with `reason` (seen by `a`).
+    pub fn kill(&self, a: PeerId, b: PeerId, reason: EpochEnd) -> bool {
+        let pair_key = if a < b { (a, b) } else { (b, a) };
+        match self.nodes().links.get(&pair_key) {
+            Some(link) if !link.is_ended() => {
+                link.fail(reason);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The current link between `a` and `b`, if any (for credit checks).
+    pub fn link(&self, a: PeerId, b: PeerId) -> Option<MemLink> {
+        let pair_key = if a < b { (a, b) } else { (b, a) };
+        self.nodes().links.get(&pair_key).cloned()
+    }
+}
+
+struct FabricDialer {
+    fabric: Weak<MemFabric>,
+    me: PeerId,
+}
+
+impl Dialer for FabricDialer {
+    fn want_link(&self, peer: PeerId) {
+        if let Some(fabric) = self.fabric.upgrade() {
+            fabric.connect(self.me, peer);
+        }
+    }
+}

@@ -1,0 +1,211 @@
+use std::time::Duration;
+
+use super::*;
+
+fn config(credits: usize) -> MemConfig {
+    MemConfig {
+        credits,
+        max_batch: 256,
+        send_buffers: credits + 2,
+    }
+}
+
+/// Lets every runnable task run; waits on no clock.
+async fn settle() {
+    for _ in 0..16 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn sender_without_credit_waits_until_a_batch_is_dropped() {
+    let (a, b) = pair(Epoch(1), config(2));
+    for i in 0..2u8 {
+        let mut buf = a.reserve().await.expect("credit available");
+        buf[0] = i;
+        a.post(buf, 1).expect("posted");
+    }
+    assert_eq!(
+        a.credit_state(),
+        CreditState {
+            held: 0,
+            in_flight: 2,
+            consumer_held: 0
+        }
+    );
+
+    let a2 = a.clone();
+    let blocked = tokio::spawn(async move { a2.reserve().await.map(|_| ()) });
+    settle().await;
+    assert!(
+        !blocked.is_finished(),
+        "reserve with zero credits must wait"
+    );
+
+    let first = b.recv().await.expect("batch");
+    assert_eq!(&first[..], &[0]);
+    assert_eq!(
+        a.credit_state(),
+        CreditState {
+            held: 0,
+            in_flight: 1,
+            consumer_held: 1
+        }
+    );
+    settle().await;
+    assert!(
+        !blocked.is_finished(),
+        "receiving is not returning: only drop returns credit"
+    );
+
+    drop(first);
+    blocked.await.expect("task").expect("credit came back");
+    assert_eq!(a.credit_state().total(), 2);
+}
+
+#[tokio::test]
+async fn dropping_a_batch_returns_exactly_one_credit() {
+    let (a, b) = pair(Epoch(1), config(4));
+    for _ in 0..4 {
+        let buf = a.reserve().await.expect("credit");
+        a.post(buf, 0).expect("posted");
+    }
+    let batches: Vec<MemBatch> = [b.recv().await, b.recv().await]
+        .into_iter()
+        .map(|r| r.expect("batch"))
+        .collect();
+    assert_eq!(a.credit_state().held, 0);
+    drop(batches);
+    let state = a.credit_state();
+    assert_eq!(
+        state,
+        CreditState {
+            held: 2,
+            in_flight: 2,
+            consumer_held: 0
+        }
+    );
+    assert_eq!(state.total(), 4);
+}
+
+#[tokio::test]
+async fn unposted_send_buffer_returns_its_credit() {
+    let (a, _b) = pair(Epoch(1), config(1));
+    let buf = a.reserve().await.expect("credit");
+    assert_eq!(a.credit_state().total(), 1);
+    drop(buf);
+    let again = a.reserve().await.expect("credit returned by drop");
+    assert_eq!(again.len(), 256);
+}
+
+#[tokio::test]
+async fn credits_are_never_exceeded_under_random_traffic() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+    let (a, b) = pair(Epoch(3), config(3));
+    let mut held: Vec<MemBatch> = Vec::new();
+    let mut sent = 0u32;
+    let mut received = 0u32;
+    for _ in 0..2_000 {
+        match rng.random_range(0..3) {
+            0 => {
+                // Try to send without waiting: only possible with a credit.
+                let before = a.credit_state();
+                let attempt = tokio::time::timeout(Duration::ZERO, a.reserve()).await;
+                match attempt {
+                    Ok(Ok(mut buf)) => {
+                        assert!(before.held > 0, "reserved without a credit");
+                        buf[..4].copy_from_slice(&sent.to_be_bytes());
+                        a.post(buf, 4).expect("posted");
+                        sent += 1;
+                    }
+                    Ok(Err(e)) => panic!("link failed: {e}"),
+                    Err(_) => assert_eq!(before.held, 0, "waited while holding a credit"),
+                }
+            }
+            1 => {
+                if let Ok(Ok(batch)) = tokio::time::timeout(Duration::ZERO, b.recv()).await {
+                    assert_eq!(&batch[..], &received.to_be_bytes(), "in order");
+                    received += 1;
+                    held.push(batch);
+                }
+            }
+            _ => {
+                if !held.is_empty() {
+                    held.remove(rng.random_range(0..held.len()));
+                }
+            }
+        }
+        let state = a.credit_state();
+        assert_eq!(state.total(), 3, "{state:?}");
+    }
+    assert!(sent > 100 && received > 100);
+}
+
+#[tokio::test]
+async fn fail_wakes_every_waiter_on_both_ends_with_the_dead_epoch() {
+    let (a, b) = pair(Epoch(42), config(1));
+    let buf = a.reserve().await.expect("credit");
+    a.post(buf, 0).expect("posted");
+
+    let waiting_reserve = tokio::spawn({
+        let a = a.clone();
+        async move { a.reserve().await.map(|_| ()) }
+    });
+    let waiting_recv = tokio::spawn({
+        let a = a.clone();
+        async move { a.recv().await.map(|_| ()) }
+    });
+    let waiting_ended = tokio::spawn({
+        let b = b.clone();
+        async move { b.ended().await }
+    });
+    settle().await;
+
+    b.fail(EpochEnd::Fault(super::super::LinkFault::Injected));
+
+    let ended_a = LinkError::Ended {
+        epoch: Epoch(42),
+        reason: EpochEnd::PeerClosed,
+    };
+    assert_eq!(waiting_reserve.await.expect("task"), Err(ended_a));
+    assert_eq!(waiting_recv.await.expect("task"), Err(ended_a));
+    let reason_b = EpochEnd::Fault(super::super::LinkFault::Injected);
+    assert_eq!(waiting_ended.await.expect("task"), reason_b);
+
+    // The batch b had already received is still delivered, then the error.
+    let delivered = b
+        .recv()
+        .await
+        .expect("completed receive survives the failure");
+    assert_eq!(delivered.len(), 0);
+    assert_eq!(
+        b.recv().await.unwrap_err(),
+        LinkError::Ended {
+            epoch: Epoch(42),
+            reason: reason_b
+        }
+    );
+    assert!(matches!(
+        a.reserve().await,
+        Err(LinkError::Ended {
+            epoch: Epoch(42),
+            ..
+        })
+    ));
+    let first_reason_wins = EpochEnd::Closed;
+    a.fail(first_reason_wins);
+    assert_eq!(a.ended().await, EpochEnd::PeerClosed);
+}
+
+#[tokio::test]
+async fn oversized_post_is_refused() {
+    let (a, _b) = pair(Epoch(1), config(1));
+    let buf = a.reserve().await.expect("credit");
+    assert_eq!(
+        a.post(buf, 257).unwrap_err(),
+        LinkError::BatchTooLarge { len: 257, max: 256 }
+    );
+    // The refused buffer's credit came back.
+    assert_eq!(a.credit_state().held, 1);
+}

@@ -1,0 +1,66 @@
+//! Mux knobs and their defaults.
+
+use std::time::Duration;
+
+/// When the peer task cuts a batch. The flush gate decides, and nothing else does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlushPolicy {
+    /// Write at the end of each wake, after draining everything already
+    /// queued. Never waits for work that has not arrived.
+    Auto,
+    /// Like `Auto`, but a batch that is not full may wait up to `max_linger`
+    /// for more records.
+    AutoLinger {
+        /// Longest a partly filled batch waits.
+        max_linger: Duration,
+    },
+    /// Write data only on `flush(peer)`. Control the peer is owed (credit,
+    /// opens, closes, pongs) still goes out after `reply_linger`.
+    Manual {
+        /// Longest owed control waits for a flush.
+        reply_linger: Duration,
+    },
+}
+
+/// Configuration of a mux. Defaults are documented per field.
+#[derive(Clone, Debug)]
+pub struct MuxConfig {
+    /// When batches are cut. Default: [`FlushPolicy::Auto`].
+    pub flush: FlushPolicy,
+    /// Slot credit a receiver grants a new slot, in bytes: what one stream may
+    /// have in flight plus buffered at its consumer. Default 256 KiB, about
+    /// the bandwidth-delay product of a soft-RoCE or 100 Gb/s link at tens of
+    /// microseconds (docs/design.md § "Slot credit in bytes, sized to the BDP").
+    pub slot_window: u32,
+    /// Bytes a producer may queue on one slot before `send` waits. Default 1 MiB.
+    pub slot_budget: usize,
+    /// Bytes all producers may queue toward one peer. Default 8 MiB.
+    pub peer_budget: usize,
+    /// Backstop sweep that returns any drained-but-unreturned credit. Default 200 ms.
+    pub credit_sweep: Duration,
+    /// Heartbeat for slots idle this long; `None` disables. Default 5 s.
+    pub heartbeat: Option<Duration>,
+    /// A peer with no live slot for this long closes its link gracefully and
+    /// its task retires. Default 60 s.
+    pub idle_retire: Duration,
+    /// Live egress plus ingress slots per peer. Default 65,536.
+    pub max_slots_per_peer: u32,
+    /// Largest logical record (reassembled from fragments). Default 16 MiB.
+    pub max_record: usize,
+}
+
+impl Default for MuxConfig {
+    fn default() -> Self {
+        MuxConfig {
+            flush: FlushPolicy::Auto,
+            slot_window: 256 * 1024,
+            slot_budget: 1024 * 1024,
+            peer_budget: 8 * 1024 * 1024,
+            credit_sweep: Duration::from_millis(200),
+            heartbeat: Some(Duration::from_secs(5)),
+            idle_retire: Duration::from_secs(60),
+            max_slots_per_peer: 65_536,
+            max_record: 16 * 1024 * 1024,
+        }
+    }
+}

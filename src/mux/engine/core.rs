@@ -1,0 +1,854 @@
+//! One peer's mux state for one epoch, without I/O: batches and control in,
+//! batches out. The driver (`driver.rs`) adds the link and the clock.
+//!
+//! ```text
+//!  handle_control ◄─ dirty inlets / dirty rx slots / flush kicks (PeerControl)
+//!  handle_batch   ◄─ a received batch: deliver, grant, close, or a ProtocolError
+//!  poll_batch     ─► control owed (pong, closes, grants, opens), then data round-robin
+//!  handle_timeout ◄─ credit sweep, heartbeats;  poll_timeout ─► next deadline
+//! ```
+//!
+//! Owner: the peer task. Nothing here survives the epoch: the next one builds
+//! a new `PeerCore` (docs/design.md § "All slot state is epoch-scoped").
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use tokio::time::Instant;
+
+use super::ProtocolError;
+use crate::mux::config::{FlushPolicy, MuxConfig};
+use crate::mux::protocol::{
+    BatchEncoder, BatchView, CloseReason, EncodeError, Epoch, FrameSeq, Lane, Record, RecordBody,
+    SlotId,
+};
+use crate::mux::slot::{
+    Inlet, InletStatus, OpenOutcome, PeerControl, Pop, Registry, RxSlot, SendError,
+};
+use crate::mux::stats::Counters;
+use crate::mux::surface::{DropReason, Frame, StreamKey};
+
+/// Smallest first fragment worth starting at the end of a batch.
+const MIN_FRAGMENT: usize = 256;
+
+#[derive(Debug)]
+struct EgressSlot {
+    inlet: Arc<Inlet>,
+    id: SlotId,
+    credit: i64,
+    seq: FrameSeq,
+    open_sent: bool,
+    /// The unsent rest of the current record.
+    partial: Option<Bytes>,
+    /// Whether the current record's first fragment is out (credit was spent).
+    partial_started: bool,
+    /// A popped terminal waiting for room in a batch.
+    terminal: Option<CloseReason>,
+    in_ready: bool,
+    heartbeat_owed: bool,
+    sent_since_tick: bool,
+}
+
+#[derive(Debug)]
+struct IngressSlot {
+    id: SlotId,
+    rx: Arc<RxSlot>,
+    expected: FrameSeq,
+    /// Bytes received and not yet granted back.
+    outstanding: u64,
+    reassembly: Option<BytesMut>,
+}
+
+/// The slot table's per-index entry: the generation outlives the slot.
+#[derive(Debug, Default)]
+struct IndexEntry {
+    generation: u8,
+    slot: Option<EgressSlot>,
+}
+
+/// What filling one slot into the batch ended with.
+enum Fill {
+    /// The batch is full; the slot still has work.
+    Full,
+    /// The slot has records but no credit.
+    Blocked,
+    /// Nothing left to send for now.
+    Idle,
+    /// The terminal went out; the slot is gone.
+    Closed,
+}
+
+pub(crate) struct PeerCore {
+    epoch: Epoch,
+    config: Arc<MuxConfig>,
+    control: Arc<PeerControl>,
+    registry: Arc<Registry>,
+    counters: Arc<Counters>,
+
+    table: Vec<IndexEntry>,
+    free: Vec<u32>,
+    by_inlet: HashMap<usize, u32>,
+    live_egress: usize,
+    ready: VecDeque<u32>,
+    opens_owed: VecDeque<u32>,
+
+    ingress: HashMap<u32, IngressSlot>,
+    by_rx: HashMap<usize, u32>,
+    grants_owed: BTreeMap<u32, (SlotId, u64)>,
+    closes_owed: BTreeMap<u32, (SlotId, CloseReason)>,
+    pong_owed: Option<u64>,
+
+    batch_seq_out: u32,
+    batch_seq_in: u32,
+    goodbye_received: bool,
+    flush_requested: bool,
+    control_since: Option<Instant>,
+    data_since: Option<Instant>,
+    sweep_at: Instant,
+    heartbeat_at: Option<Instant>,
+    idle_since: Instant,
+}
+
+impl PeerCore {
+    pub fn new(
+        epoch: Epoch,
+        config: Arc<MuxConfig>,
+        control: Arc<PeerControl>,
+        registry: Arc<Registry>,
+        now: Instant,
+    ) -> PeerCore {
+        let counters = control.counters.clone();
+        PeerCore {
+            epoch,
+            sweep_at: now + config.credit_sweep,
+            heartbeat_at: config.heartbeat.map(|h| now + h),
+            config,
+            control,
+            registry,
+            counters,
+            table: Vec::new(),
+            free: Vec::new(),
+            by_inlet: HashMap::new(),
+            live_egress: 0,
+            ready: VecDeque::new(),
+            opens_owed: VecDeque::new(),
+            ingress: HashMap::new(),
+            by_rx: HashMap::new(),
+            grants_owed: BTreeMap::new(),
+            closes_owed: BTreeMap::new(),
+            pong_owed: None,
+            batch_seq_out: 0,
+            batch_seq_in: 0,
+            goodbye_received: false,
+            flush_requested: false,
+            control_since: None,
+            data_since: None,
+            idle_since: now,
+        }
+    }
+
+    pub fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    /// Live slots in both directions.
+    pub fn live_slots(&self) -> usize {
+        self.live_egress + self.ingress.len()
+    }
+
+    pub fn goodbye_received(&self) -> bool {
+        self.goodbye_received
+    }
+
+    // ---- inputs ----
+
+    /// Takes the coalesced control that producers, consumers and `flush` left.
+    pub fn handle_control(&mut self, now: Instant) {
+        let (inlets, rxs, flush) = {
+            let mut state = self.control.state();
+            (
+                std::mem::take(&mut state.dirty_inlets),
+                std::mem::take(&mut state.dirty_rx),
+                std::mem::take(&mut state.flush_requested),
+            )
+        };
+        self.flush_requested |= flush;
+        for inlet in inlets {
+            match inlet.take_dirty() {
+                InletStatus::New => self.adopt(inlet, now),
+                InletStatus::Known => {
+                    let key = Arc::as_ptr(&inlet) as usize;
+                    if let Some(&index) = self.by_inlet.get(&key) {
+                        self.make_ready(index, now);
+                    }
+                }
+                InletStatus::Closed => {}
+            }
+        }
+        for rx in rxs {
+            self.visit_rx(&rx, now);
+        }
+    }
+
+    /// Processes one received batch. An error is the peer's protocol violation.
+    pub fn handle_batch(&mut self, bytes: &[u8], now: Instant) -> Result<(), ProtocolError> {
+        let view = BatchView::new_checked(bytes)?;
+        if view.epoch() != self.epoch {
+            return Err(ProtocolError::WrongEpoch {
+                expected: self.epoch,
+                got: view.epoch(),
+            });
+        }
+        if view.batch_seq() != self.batch_seq_in {
+            return Err(ProtocolError::BatchSeqGap {
+                expected: self.batch_seq_in,
+                got: view.batch_seq(),
+            });
+        }
+        self.batch_seq_in = self.batch_seq_in.wrapping_add(1);
+        Counters::add(&self.counters.batches_received, 1);
+        Counters::add(
+            &self.counters.records_received,
+            u64::from(view.record_count()),
+        );
+        for record in view.records() {
+            if self.goodbye_received {
+                return Err(ProtocolError::AfterGoodbye);
+            }
+            self.handle_record(record, now)?;
+        }
+        Ok(())
+    }
+
+    /// Fires the timers that are due.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if now >= self.sweep_at {
+            self.sweep_at = now + self.config.credit_sweep;
+            let slots: Vec<Arc<RxSlot>> = self.ingress.values().map(|s| s.rx.clone()).collect();
+            for rx in slots {
+                self.visit_rx(&rx, now);
+            }
+        }
+        if let (Some(at), Some(interval)) = (self.heartbeat_at, self.config.heartbeat) {
+            if now >= at {
+                self.heartbeat_at = Some(now + interval);
+                let mut owed = Vec::new();
+                for (index, entry) in self.table.iter_mut().enumerate() {
+                    let Some(slot) = entry.slot.as_mut() else {
+                        continue;
+                    };
+                    let idle = !std::mem::take(&mut slot.sent_since_tick);
+                    if idle && slot.open_sent {
+                        slot.heartbeat_owed = true;
+                        owed.push(index as u32);
+                    }
+                }
+                for index in owed {
+                    self.make_ready(index, now);
+                }
+            }
+        }
+    }
+
+    // ---- outputs ----
+
+    /// The earliest time `handle_timeout` or the flush gate needs attention.
+    pub fn poll_timeout(&self) -> Instant {
+        let mut at = self.sweep_at;
+        if let Some(h) = self.heartbeat_at {
+            at = at.min(h);
+        }
+        if let Some(gate) = self.gate_deadline() {
+            at = at.min(gate);
+        }
+        at
+    }
+
+    /// The flush gate: should a batch be written now?
+    pub fn wants_write(&self, now: Instant) -> bool {
+        let control = self.has_control_owed();
+        let data = !self.ready.is_empty();
+        match self.config.flush {
+            FlushPolicy::Auto => control || data,
+            FlushPolicy::AutoLinger { max_linger } => {
+                control || (data && self.data_since.is_some_and(|t| now >= t + max_linger))
+            }
+            FlushPolicy::Manual { reply_linger } => {
+                (self.flush_requested && (control || data))
+                    || (control && self.control_since.is_some_and(|t| now >= t + reply_linger))
+            }
+        }
+    }
+
+    /// True when the peer is owed nothing and no slot has data ready.
+    pub fn is_quiet(&self) -> bool {
+        !self.has_control_owed() && self.ready.is_empty()
+    }
+
+    /// When this peer has had no live slot since, for idle retirement.
+    pub fn idle_since(&self) -> Option<Instant> {
+        (self.live_slots() == 0 && self.is_quiet()).then_some(self.idle_since)
+    }
+
+    /// Encodes the next batch into `buf`; returns its length, 0 if nothing to send.
+    pub fn poll_batch(&mut self, buf: &mut [u8], now: Instant) -> usize {
+        let include_data = match self.config.flush {
+            FlushPolicy::Auto => true,
+            FlushPolicy::AutoLinger { max_linger } => {
+                self.data_since.is_some_and(|t| now >= t + max_linger)
+            }
+            FlushPolicy::Manual { .. } => self.flush_requested,
+        };
+        let mut enc = match BatchEncoder::new(buf, self.epoch, self.batch_seq_out, Lane(0)) {
+            Ok(enc) => enc,
+            Err(err) => {
+                tracing::error!(%err, "link buffer cannot hold a batch");
+                return 0;
+            }
+        };
+        let control_done = self.write_control(&mut enc);
+        if control_done {
+            self.control_since = None;
+        }
+        if include_data && control_done {
+            self.write_data(&mut enc, now);
+            if self.ready.is_empty() {
+                self.data_since = None;
+                self.flush_requested = false;
+            }
+        }
+        if enc.is_empty() {
+            return 0;
+        }
+        self.batch_seq_out = self.batch_seq_out.wrapping_add(1);
+        Counters::add(&self.counters.batches_sent, 1);
+        Counters::add(&self.counters.records_sent, u64::from(enc.record_count()));
+        enc.finish()
+    }
+
+    /// Writes a Goodbye as the last batch of the epoch.
+    pub fn poll_goodbye(&mut self, buf: &mut [u8]) -> usize {
+        let Ok(mut enc) = BatchEncoder::new(buf, self.epoch, self.batch_seq_out, Lane(0)) else {
+            return 0;
+        };
+        if enc.push_goodbye().is_err() {
+            return 0;
+        }
+        self.batch_seq_out = self.batch_seq_out.wrapping_add(1);
+        enc.finish()
+    }
+
+    /// Ends the epoch for every live slot: exactly one `Dropped` each.
+    pub fn fail_all(&mut self, reason: DropReason) {
+        let mut dropped = 0u64;
+        for entry in &mut self.table {
+            if let Some(slot) = entry.slot.take() {
+                slot.inlet.close(SendError::Dropped(reason));
+                dropped += 1;
+            }
+        }
+        for (_, slot) in self.ingress.drain() {
+            if slot.rx.end(Frame::Dropped(reason)) {
+                dropped += 1;
+            }
+            if slot.rx.receiver_gone() {
+                self.registry.remove(&slot.rx);
+            }
+        }
+        self.live_egress = 0;
+        self.by_inlet.clear();
+        self.by_rx.clear();
+        self.ready.clear();
+        self.opens_owed.clear();
+        Counters::add(&self.counters.slots_dropped, dropped);
+    }
+
+    // ---- egress internals ----
+
+    fn adopt(&mut self, inlet: Arc<Inlet>, now: Instant) {
+        let limit = self.config.max_slots_per_peer;
+        if self.live_slots() >= limit as usize {
+            inlet.close(SendError::PeerClosed(CloseReason::Refused));
+            return;
+        }
+        let index = match self.free.pop() {
+            Some(index) => index,
+            None => {
+                let index = self.table.len() as u32;
+                if index > SlotId::MAX_INDEX {
+                    inlet.close(SendError::PeerClosed(CloseReason::Refused));
+                    return;
+                }
+                self.table.push(IndexEntry::default());
+                index
+            }
+        };
+        let entry = &mut self.table[index as usize];
+        let id = SlotId::new(index, entry.generation).expect("index checked above");
+        self.by_inlet.insert(Arc::as_ptr(&inlet) as usize, index);
+        entry.slot = Some(EgressSlot {
+            inlet,
+            id,
+            credit: i64::from(self.config.slot_window),
+            seq: FrameSeq(0),
+            open_sent: false,
+            partial: None,
+            partial_started: false,
+            terminal: None,
+            in_ready: false,
+            heartbeat_owed: false,
+            sent_since_tick: false,
+        });
+        self.live_egress += 1;
+        self.opens_owed.push_back(index);
+        self.control_since.get_or_insert(now);
+        self.make_ready(index, now);
+    }
+
+    fn make_ready(&mut self, index: u32, now: Instant) {
+        if let Some(slot) = self.table[index as usize].slot.as_mut() {
+            if !slot.in_ready {
+                slot.in_ready = true;
+                self.ready.push_back(index);
+                self.data_since.get_or_insert(now);
+            }
+        }
+    }
+
+    fn free_slot(&mut self, index: u32) {
+        let entry = &mut self.table[index as usize];
+        if let Some(slot) = entry.slot.take() {
+            self.by_inlet.remove(&(Arc::as_ptr(&slot.inlet) as usize));
+            entry.generation = entry.generation.wrapping_add(1);
+            self.free.push(index);
+            self.live_egress -= 1;
+        }
+    }
+
+    fn egress_slot(&mut self, id: SlotId) -> Option<&mut EgressSlot> {
+        self.table
+            .get_mut(id.index() as usize)
+            .and_then(|e| e.slot.as_mut())
+            .filter(|s| s.id == id)
+    }
+
+    fn has_control_owed(&self) -> bool {
+        self.pong_owed.is_some()
+            || !self.closes_owed.is_empty()
+            || !self.grants_owed.is_empty()
+            || !self.opens_owed.is_empty()
+    }
+
+    fn gate_deadline(&self) -> Option<Instant> {
+        match self.config.flush {
+            FlushPolicy::Auto => None,
+            FlushPolicy::AutoLinger { max_linger } => self.data_since.map(|t| t + max_linger),
+            FlushPolicy::Manual { reply_linger } => self.control_since.map(|t| t + reply_linger),
+        }
+    }
+
+    /// Writes owed control; returns true if all of it fit.
+    fn write_control(&mut self, enc: &mut BatchEncoder<'_>) -> bool {
+        if let Some(nonce) = self.pong_owed {
+            if enc.push_pong(nonce).is_err() {
+                return false;
+            }
+            self.pong_owed = None;
+        }
+        while let Some((&index, &(slot, reason))) = self.closes_owed.first_key_value() {
+            if enc.push_close(slot, FrameSeq(0), reason).is_err() {
+                return false;
+            }
+            self.closes_owed.remove(&index);
+        }
+        while let Some((&index, &(slot, bytes))) = self.grants_owed.first_key_value() {
+            let grant = u32::try_from(bytes).unwrap_or(u32::MAX);
+            if enc.push_credit(slot, grant).is_err() {
+                return false;
+            }
+            Counters::add(&self.counters.credit_updates_sent, 1);
+            let rest = bytes - u64::from(grant);
+            if rest == 0 {
+                self.grants_owed.remove(&index);
+            } else {
+                self.grants_owed.insert(index, (slot, rest));
+            }
+        }
+        while let Some(&index) = self.opens_owed.front() {
+            if let Some(slot) = self.table[index as usize].slot.as_mut() {
+                let key = slot.inlet.key;
+                if enc
+                    .push_open(slot.id, slot.seq, key.anchor.0, key.session.0)
+                    .is_err()
+                {
+                    return false;
+                }
+                slot.open_sent = true;
+                slot.sent_since_tick = true;
+                slot.seq = slot.seq.next();
+            }
+            self.opens_owed.pop_front();
+        }
+        true
+    }
+
+    fn write_data(&mut self, enc: &mut BatchEncoder<'_>, now: Instant) {
+        let rounds = self.ready.len();
+        for _ in 0..rounds {
+            let Some(index) = self.ready.pop_front() else {
+                break;
+            };
+            match self.fill_slot(index, enc) {
+                Fill::Full => {
+                    self.ready.push_front(index);
+                    return;
+                }
+                Fill::Blocked | Fill::Idle => {
+                    if let Some(slot) = self.table[index as usize].slot.as_mut() {
+                        slot.in_ready = false;
+                    }
+                }
+                Fill::Closed => self.free_slot(index),
+            }
+        }
+        if !self.ready.is_empty() {
+            self.data_since.get_or_insert(now);
+        }
+    }
+
+    fn fill_slot(&mut self, index: u32, enc: &mut BatchEncoder<'_>) -> Fill {
+        let counters = self.counters.clone();
+        let Some(slot) = self.table[index as usize].slot.as_mut() else {
+            return Fill::Idle;
+        };
+        if !slot.open_sent {
+            return Fill::Full;
+        }
+        loop {
+            if let Some(rest) = slot.partial.take() {
+                let room = enc.body_room();
+                let too_small_to_start =
+                    !slot.partial_started && room < MIN_FRAGMENT.min(rest.len());
+                if room == 0 || too_small_to_start {
+                    slot.partial = Some(rest);
+                    return Fill::Full;
+                }
+                let n = room.min(rest.len());
+                let more = n < rest.len();
+                enc.push_data(slot.id, slot.seq, &rest[..n], more)
+                    .expect("body_room said it fits");
+                slot.seq = slot.seq.next();
+                slot.credit -= n as i64;
+                slot.sent_since_tick = true;
+                slot.heartbeat_owed = false;
+                Counters::add(&counters.data_bytes_sent, n as u64);
+                if more {
+                    slot.partial = Some(rest.slice(n..));
+                    slot.partial_started = true;
+                    return Fill::Full;
+                }
+                slot.partial_started = false;
+                continue;
+            }
+            if let Some(reason) = slot.terminal.take() {
+                if enc.push_close(slot.id, slot.seq, reason).is_err() {
+                    slot.terminal = Some(reason);
+                    return Fill::Full;
+                }
+                return Fill::Closed;
+            }
+            match slot.inlet.pop(slot.credit > 0) {
+                // Credit gates the start of a record; its fragments then flow
+                // (docs/design.md § "Credit gates the start of a record").
+                Pop::Record(data) => slot.partial = Some(data),
+                Pop::Terminal(reason) => slot.terminal = Some(reason),
+                Pop::Blocked => {
+                    Counters::add(&counters.credit_stalls, 1);
+                    return Fill::Blocked;
+                }
+                Pop::Empty => {
+                    if slot.heartbeat_owed {
+                        if let Err(EncodeError::NoRoom { .. }) =
+                            enc.push_heartbeat(slot.id, slot.seq)
+                        {
+                            return Fill::Full;
+                        }
+                        slot.seq = slot.seq.next();
+                        slot.heartbeat_owed = false;
+                    }
+                    return Fill::Idle;
+                }
+            }
+        }
+    }
+
+    // ---- ingress internals ----
+
+    fn visit_rx(&mut self, rx: &Arc<RxSlot>, now: Instant) {
+        let visit = rx.visit();
+        let Some(&index) = self.by_rx.get(&(Arc::as_ptr(rx) as usize)) else {
+            return;
+        };
+        let Some(slot) = self.ingress.get_mut(&index) else {
+            return;
+        };
+        let id = slot.id;
+        if visit.drained > 0 {
+            slot.outstanding = slot.outstanding.saturating_sub(visit.drained);
+            let owed = self.grants_owed.entry(index).or_insert((id, 0));
+            owed.1 += visit.drained;
+            self.control_since.get_or_insert(now);
+        }
+        if visit.receiver_gone {
+            self.remove_ingress(index);
+            self.grants_owed.remove(&index);
+            self.closes_owed
+                .insert(index, (id, CloseReason::ReceiverGone));
+            self.registry.remove(rx);
+            self.control_since.get_or_insert(now);
+        }
+    }
+
+    fn remove_ingress(&mut self, index: u32) -> Option<IngressSlot> {
+        let slot = self.ingress.remove(&index)?;
+        self.by_rx.remove(&(Arc::as_ptr(&slot.rx) as usize));
+        Some(slot)
+    }
+
+    fn owe_close(&mut self, slot: SlotId, reason: CloseReason, now: Instant) {
+        // Bounded by the slot limit: a peer spraying unknown slots is told
+        // about as many as could exist, the rest are only counted.
+        if self.closes_owed.len() < self.config.max_slots_per_peer as usize {
+            self.closes_owed.insert(slot.index(), (slot, reason));
+            self.control_since.get_or_insert(now);
+        }
+    }
+
+    /// The ingress slot a record names, or `None` after counting the drop.
+    fn ingress_for(&mut self, id: SlotId, now: Instant) -> Option<u32> {
+        let index = id.index();
+        match self.ingress.get(&index) {
+            Some(slot) if slot.id == id => Some(index),
+            Some(_) => {
+                Counters::add(&self.counters.stale_generation, 1);
+                self.owe_close(id, CloseReason::UnknownSlot, now);
+                None
+            }
+            None => {
+                Counters::add(&self.counters.unknown_slot, 1);
+                self.owe_close(id, CloseReason::UnknownSlot, now);
+                None
+            }
+        }
+    }
+
+    fn check_seq(slot: &mut IngressSlot, got: FrameSeq) -> Result<(), ProtocolError> {
+        if got != slot.expected {
+            return Err(ProtocolError::FrameSeqGap {
+                slot: slot.id,
+                expected: slot.expected,
+                got,
+            });
+        }
+        slot.expected = slot.expected.next();
+        Ok(())
+    }
+
+    fn handle_record(&mut self, record: Record<'_>, now: Instant) -> Result<(), ProtocolError> {
+        match record.body {
+            RecordBody::Data(body) => self.on_data(record.slot, record.seq, body, record.more, now),
+            RecordBody::Open { anchor, session } => self.on_open(
+                record.slot,
+                record.seq,
+                StreamKey::new(anchor, session),
+                now,
+            ),
+            RecordBody::Close(reason) => self.on_close(record.slot, record.seq, reason, now),
+            RecordBody::Credit(bytes) => self.on_credit(record.slot, bytes, now),
+            RecordBody::Heartbeat => {
+                let Some(index) = self.ingress_for(record.slot, now) else {
+                    return Ok(());
+                };
+                let slot = self.ingress.get_mut(&index).expect("looked up");
+                Self::check_seq(slot, record.seq)?;
+                if slot.reassembly.is_some() {
+                    return Err(ProtocolError::BrokenFragment { slot: slot.id });
+                }
+                slot.rx.push(Frame::Heartbeat, 0);
+                Ok(())
+            }
+            RecordBody::Goodbye => {
+                self.goodbye_received = true;
+                Ok(())
+            }
+            RecordBody::Message(_) => {
+                Counters::add(&self.counters.no_message_handler, 1);
+                Ok(())
+            }
+            RecordBody::Ping(nonce) => {
+                self.pong_owed = Some(nonce);
+                self.control_since.get_or_insert(now);
+                Ok(())
+            }
+            RecordBody::Pong(_) => Ok(()),
+        }
+    }
+
+    fn on_open(
+        &mut self,
+        id: SlotId,
+        seq: FrameSeq,
+        key: StreamKey,
+        now: Instant,
+    ) -> Result<(), ProtocolError> {
+        let index = id.index();
+        if self.ingress.contains_key(&index) {
+            return Err(ProtocolError::SlotInUse { slot: id });
+        }
+        if seq != FrameSeq(0) {
+            return Err(ProtocolError::FrameSeqGap {
+                slot: id,
+                expected: FrameSeq(0),
+                got: seq,
+            });
+        }
+        if self.live_slots() >= self.config.max_slots_per_peer as usize {
+            self.owe_close(id, CloseReason::Refused, now);
+            return Ok(());
+        }
+        match self.registry.open(key, &self.control) {
+            OpenOutcome::Attached(rx) => {
+                self.by_rx.insert(Arc::as_ptr(&rx) as usize, index);
+                self.ingress.insert(
+                    index,
+                    IngressSlot {
+                        id,
+                        rx,
+                        expected: seq.next(),
+                        outstanding: 0,
+                        reassembly: None,
+                    },
+                );
+                self.idle_since = now;
+            }
+            OpenOutcome::Refused => self.owe_close(id, CloseReason::Refused, now),
+        }
+        Ok(())
+    }
+
+    fn on_data(
+        &mut self,
+        id: SlotId,
+        seq: FrameSeq,
+        body: &[u8],
+        more: bool,
+        now: Instant,
+    ) -> Result<(), ProtocolError> {
+        let Some(index) = self.ingress_for(id, now) else {
+            return Ok(());
+        };
+        let window = self.config.slot_window;
+        let max = self.config.max_record;
+        let slot = self.ingress.get_mut(&index).expect("looked up");
+        Self::check_seq(slot, seq)?;
+        let record = match slot.reassembly.take() {
+            None => {
+                if slot.outstanding >= u64::from(window) {
+                    return Err(ProtocolError::CreditOverrun {
+                        slot: id,
+                        outstanding: slot.outstanding,
+                        window,
+                    });
+                }
+                slot.outstanding += body.len() as u64;
+                if more {
+                    slot.reassembly = Some(BytesMut::from(body));
+                    return Ok(());
+                }
+                Bytes::copy_from_slice(body)
+            }
+            Some(mut partial) => {
+                slot.outstanding += body.len() as u64;
+                if partial.len() + body.len() > max {
+                    return Err(ProtocolError::RecordTooLarge {
+                        slot: id,
+                        len: partial.len() + body.len(),
+                        max,
+                    });
+                }
+                partial.extend_from_slice(body);
+                if more {
+                    slot.reassembly = Some(partial);
+                    return Ok(());
+                }
+                partial.freeze()
+            }
+        };
+        let len = record.len() as u64;
+        if !slot.rx.push(Frame::Data(record), len) {
+            Counters::add(&self.counters.receiver_gone, 1);
+        }
+        Ok(())
+    }
+
+    fn on_close(
+        &mut self,
+        id: SlotId,
+        seq: FrameSeq,
+        reason: CloseReason,
+        now: Instant,
+    ) -> Result<(), ProtocolError> {
+        let frame = match reason {
+            CloseReason::Finalized => Frame::Finalized,
+            CloseReason::Detached => Frame::Detached,
+            CloseReason::SenderDropped => Frame::Dropped(DropReason::SenderDropped),
+            CloseReason::UnknownSlot | CloseReason::Refused | CloseReason::ReceiverGone => {
+                // Receiver → sender: about one of our egress slots.
+                let index = id.index();
+                if let Some(slot) = self.egress_slot(id) {
+                    slot.inlet.close(SendError::PeerClosed(reason));
+                    self.free_slot(index);
+                }
+                return Ok(());
+            }
+        };
+        let Some(index) = self.ingress_for(id, now) else {
+            return Ok(());
+        };
+        let slot = self.ingress.get_mut(&index).expect("looked up");
+        Self::check_seq(slot, seq)?;
+        if slot.reassembly.is_some() {
+            return Err(ProtocolError::BrokenFragment { slot: id });
+        }
+        let slot = self.remove_ingress(index).expect("looked up");
+        self.grants_owed.remove(&index);
+        slot.rx.end(frame);
+        if slot.rx.receiver_gone() {
+            self.registry.remove(&slot.rx);
+        }
+        if self.live_slots() == 0 {
+            self.idle_since = now;
+        }
+        Ok(())
+    }
+
+    fn on_credit(&mut self, id: SlotId, bytes: u32, now: Instant) -> Result<(), ProtocolError> {
+        let window = self.config.slot_window;
+        let index = id.index();
+        let Some(slot) = self.egress_slot(id) else {
+            // A late grant for a slot that closed: harmless.
+            return Ok(());
+        };
+        slot.credit += i64::from(bytes);
+        if slot.credit > i64::from(window) {
+            return Err(ProtocolError::CreditOverGrant {
+                slot: id,
+                credit: slot.credit,
+                window,
+            });
+        }
+        self.make_ready(index, now);
+        Ok(())
+    }
+}

@@ -1,0 +1,90 @@
+//! How a peer can break the mux protocol. Each one ends that peer's epoch.
+
+use thiserror::Error;
+
+use crate::mux::protocol::{DecodeError, Epoch, FrameSeq, SlotId};
+
+/// A protocol violation by the peer, one variant per distinct offence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+pub enum ProtocolError {
+    /// The batch did not decode.
+    #[error(transparent)]
+    Malformed(#[from] DecodeError),
+    /// A batch stamped with another epoch than the link's.
+    #[error("batch from epoch {got}, link is epoch {expected}")]
+    WrongEpoch {
+        /// The link's epoch.
+        expected: Epoch,
+        /// The batch's epoch.
+        got: Epoch,
+    },
+    /// Batches must be numbered consecutively.
+    #[error("batch sequence {got}, expected {expected}")]
+    BatchSeqGap {
+        /// The next expected batch number.
+        expected: u32,
+        /// The number received.
+        got: u32,
+    },
+    /// A slot record out of sequence.
+    #[error("{slot:?}: frame_seq {got:?}, expected {expected:?}")]
+    FrameSeqGap {
+        /// The slot.
+        slot: SlotId,
+        /// The expected sequence number.
+        expected: FrameSeq,
+        /// The received one.
+        got: FrameSeq,
+    },
+    /// A record started while the slot had no credit left.
+    #[error("{slot:?}: record started with {outstanding} bytes outstanding, window {window}")]
+    CreditOverrun {
+        /// The slot.
+        slot: SlotId,
+        /// Bytes received and not yet returned.
+        outstanding: u64,
+        /// The slot's window.
+        window: u32,
+    },
+    /// Credit returned beyond the window (we would hold more than we were given).
+    #[error("{slot:?}: credit grant raises credit to {credit}, window {window}")]
+    CreditOverGrant {
+        /// The slot.
+        slot: SlotId,
+        /// Credit after the grant.
+        credit: i64,
+        /// The slot's window.
+        window: u32,
+    },
+    /// An OpenSlot for an index that is still live.
+    #[error("{slot:?} opened while index is live")]
+    SlotInUse {
+        /// The slot.
+        slot: SlotId,
+    },
+    /// A reassembled record larger than the maximum.
+    #[error("{slot:?}: record of at least {len} bytes exceeds the {max}-byte maximum")]
+    RecordTooLarge {
+        /// The slot (zero for messages).
+        slot: SlotId,
+        /// Bytes so far.
+        len: usize,
+        /// The maximum.
+        max: usize,
+    },
+    /// A slot closed or heartbeat arrived in the middle of a fragmented record.
+    #[error("{slot:?}: fragment sequence interrupted")]
+    BrokenFragment {
+        /// The slot.
+        slot: SlotId,
+    },
+    /// Records after a Goodbye.
+    #[error("records after goodbye")]
+    AfterGoodbye,
+    /// The peer opened more slots than allowed.
+    #[error("peer exceeded {limit} slots")]
+    TooManySlots {
+        /// The limit.
+        limit: u32,
+    },
+}

@@ -1,0 +1,413 @@
+//! The mux engine: a [`Mux`] per node and one task per peer driving a
+//! [`PeerCore`](core::PeerCore) over that peer's current [`Link`].
+//!
+//! ```text
+//!  Mux::open / bind / flush ──► PeerControl (coalesced) ──wake──┐
+//!  Mux::attach(peer, link) ──► PeerEntry.incoming ──────────────┤
+//!                                                               ▼
+//!                     peer task: loop { wait for a link; run_epoch(link); fail_all }
+//!                     run_epoch:  select { recv → handle_batch | wake → handle_control
+//!                                          | reserve (if the gate says) → poll_batch → post
+//!                                          | timer → handle_timeout | newer link → Replaced }
+//! ```
+//!
+//! The link layer owns connecting: the mux asks through [`Dialer::want_link`]
+//! and is handed each new epoch's link with [`Mux::attach`].
+
+mod core;
+mod error;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::{Instant, sleep_until};
+
+use self::core::PeerCore;
+pub use self::error::ProtocolError;
+use super::config::MuxConfig;
+use super::protocol::Epoch;
+use super::slot::{Inlet, PeerControl, Registry, SlotReceiver, SlotSender};
+use super::stats::{Counters, Stats};
+use super::surface::{AsMux, DropReason, MuxError, MuxTransport, PeerId, StreamKey};
+use crate::link::{EpochEnd, Link, LinkError, LinkFault};
+
+/// How often a peer with work and no link asks its dialer again.
+const REDIAL_INTERVAL: Duration = Duration::from_secs(1);
+/// Registry entries (bound or opened streams) per node.
+const MAX_REGISTRY_ENTRIES: usize = 1 << 20;
+
+/// Brings links up on the mux's behalf.
+pub trait Dialer: Send + Sync + 'static {
+    /// The mux has work for `peer` and no link; connect and then call
+    /// [`Mux::attach`]. Called again while no link arrives; must be idempotent.
+    fn want_link(&self, peer: PeerId);
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().expect("mux engine state poisoned")
+}
+
+struct PeerEntry<L> {
+    control: Arc<PeerControl>,
+    incoming: Mutex<Option<L>>,
+    link_arrived: Notify,
+    epoch: Mutex<Option<Epoch>>,
+}
+
+struct Shared<L> {
+    config: Arc<MuxConfig>,
+    counters: Arc<Counters>,
+    registry: Arc<Registry>,
+    peers: Mutex<HashMap<PeerId, Arc<PeerEntry<L>>>>,
+    dialer: Arc<dyn Dialer>,
+    runtime: tokio::runtime::Handle,
+    shutdown: AtomicBool,
+    shutdown_notify: Notify,
+}
+
+/// A node's slot mux over links of type `L`. Cheap to clone.
+pub struct Mux<L: Link> {
+    shared: Arc<Shared<L>>,
+}
+
+impl<L: Link> Clone for Mux<L> {
+    fn clone(&self) -> Self {
+        Mux {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<L: Link> Mux<L> {
+    /// Creates a mux whose peer tasks run on the current tokio runtime.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime.
+    pub fn new(config: MuxConfig, dialer: Arc<dyn Dialer>) -> Mux<L> {
+        let registry = Registry::new(config.slot_window, MAX_REGISTRY_ENTRIES);
+        Mux {
+            shared: Arc::new(Shared {
+                config: Arc::new(config),
+                counters: Arc::new(Counters::default()),
+                registry,
+                peers: Mutex::new(HashMap::new()),
+                dialer,
+                runtime: tokio::runtime::Handle::current(),
+                shutdown: AtomicBool::new(false),
+                shutdown_notify: Notify::new(),
+            }),
+        }
+    }
+
+    /// Hands the mux the link for a new epoch with `peer`. A link already
+    /// running for that peer ends with [`EpochEnd::Replaced`].
+    pub fn attach(&self, peer: PeerId, link: L) {
+        if self.shared.shutdown.load(Ordering::Acquire) {
+            link.fail(EpochEnd::Shutdown);
+            return;
+        }
+        let entry = self.entry(peer);
+        let previous = lock(&entry.incoming).replace(link);
+        if let Some(stale) = previous {
+            stale.fail(EpochEnd::Replaced);
+        }
+        entry.link_arrived.notify_one();
+    }
+
+    /// Ends every epoch (each live slot gets `Dropped(Shutdown)`), and stops
+    /// the peer tasks. Does not wait.
+    pub fn shutdown(&self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.shutdown_notify.notify_waiters();
+        for entry in lock(&self.shared.peers).values() {
+            entry.control.wake.notify_one();
+        }
+    }
+
+    /// Number of peers with a running task.
+    pub fn peer_count(&self) -> usize {
+        lock(&self.shared.peers).len()
+    }
+
+    fn entry(&self, peer: PeerId) -> Arc<PeerEntry<L>> {
+        let mut peers = lock(&self.shared.peers);
+        if let Some(entry) = peers.get(&peer) {
+            return entry.clone();
+        }
+        let entry = Arc::new(PeerEntry {
+            control: Arc::new(PeerControl::new(
+                peer,
+                self.shared.config.peer_budget,
+                self.shared.counters.clone(),
+            )),
+            incoming: Mutex::new(None),
+            link_arrived: Notify::new(),
+            epoch: Mutex::new(None),
+        });
+        peers.insert(peer, entry.clone());
+        drop(peers);
+        let shared = self.shared.clone();
+        let task_entry = entry.clone();
+        self.shared
+            .runtime
+            .spawn(async move { run_peer(shared, task_entry).await });
+        entry
+    }
+}
+
+impl<L: Link> MuxTransport for Mux<L> {
+    fn open(&self, peer: PeerId, key: StreamKey) -> Result<SlotSender, MuxError> {
+        loop {
+            if self.shared.shutdown.load(Ordering::Acquire) {
+                return Err(MuxError::Shutdown);
+            }
+            let entry = self.entry(peer);
+            let config = &self.shared.config;
+            let inlet = Inlet::new(
+                key,
+                entry.control.clone(),
+                config.slot_budget,
+                config.max_record,
+            );
+            if inlet.announce() {
+                return Ok(SlotSender::new(inlet));
+            }
+            // The peer's task retired between lookup and announce: its entry
+            // is gone (or going); the next lookup spawns a fresh one.
+            let mut peers = lock(&self.shared.peers);
+            if peers.get(&peer).is_some_and(|e| Arc::ptr_eq(e, &entry)) {
+                peers.remove(&peer);
+            }
+        }
+    }
+
+    fn bind(&self, key: StreamKey) -> Result<SlotReceiver, MuxError> {
+        if self.shared.shutdown.load(Ordering::Acquire) {
+            return Err(MuxError::Shutdown);
+        }
+        self.shared.registry.bind(key)
+    }
+
+    fn flush(&self, peer: PeerId) -> Result<(), MuxError> {
+        let entry = lock(&self.shared.peers).get(&peer).cloned();
+        if let Some(entry) = entry {
+            entry.control.request_flush();
+        }
+        Ok(())
+    }
+
+    fn epoch(&self, peer: PeerId) -> Option<Epoch> {
+        let entry = lock(&self.shared.peers).get(&peer).cloned()?;
+        *lock(&entry.epoch)
+    }
+
+    fn stats(&self) -> Stats {
+        self.shared.counters.snapshot()
+    }
+}
+
+impl<L: Link> AsMux for Mux<L> {
+    fn as_mux(&self) -> Option<&dyn MuxTransport> {
+        Some(self)
+    }
+}
+
+async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
+    let peer = entry.control.peer;
+    loop {
+        let Some(link) = wait_for_link(&shared, &entry).await else {
+            tracing::debug!(?peer, "mux peer task retired");
+            return;
+        };
+        let epoch = link.epoch();
+        let span = tracing::debug_span!("epoch", ?peer, %epoch);
+        let _guard = span.enter();
+        let end = run_epoch(&shared, &entry, link).await;
+        tracing::debug!(?peer, %epoch, %end, "epoch ended");
+    }
+}
+
+/// Waits for the next link. Returns `None` when the task should retire.
+async fn wait_for_link<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>) -> Option<L> {
+    let peer = entry.control.peer;
+    let mut idle_since = Instant::now();
+    loop {
+        let shutdown = shared.shutdown_notify.notified();
+        tokio::pin!(shutdown);
+        shutdown.as_mut().enable();
+        if shared.shutdown.load(Ordering::Acquire) {
+            retire(shared, entry, true);
+            return None;
+        }
+        if let Some(link) = lock(&entry.incoming).take() {
+            return Some(link);
+        }
+        let wants_link = !entry.control.state().dirty_inlets.is_empty();
+        if wants_link {
+            idle_since = Instant::now();
+            shared.dialer.want_link(peer);
+        } else if Instant::now() >= idle_since + shared.config.idle_retire
+            && retire(shared, entry, false)
+        {
+            return None;
+        }
+        let next_check = if wants_link {
+            Instant::now() + REDIAL_INTERVAL
+        } else {
+            idle_since + shared.config.idle_retire
+        };
+        tokio::select! {
+            _ = entry.link_arrived.notified() => {}
+            _ = entry.control.wake.notified() => {}
+            _ = sleep_until(next_check) => {}
+            _ = shutdown => {}
+        }
+    }
+}
+
+/// Retires the peer task if nothing is pending (or unconditionally on
+/// shutdown). Producers racing an open see `retired` and re-home.
+fn retire<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, force: bool) -> bool {
+    let mut peers = lock(&shared.peers);
+    let mut control = entry.control.state();
+    if !force && (!control.dirty_inlets.is_empty() || lock(&entry.incoming).is_some()) {
+        return false;
+    }
+    control.retired = true;
+    let orphans = std::mem::take(&mut control.dirty_inlets);
+    drop(control);
+    let peer = entry.control.peer;
+    if peers
+        .get(&peer)
+        .is_some_and(|e| std::ptr::eq(Arc::as_ptr(e), entry))
+    {
+        peers.remove(&peer);
+    }
+    drop(peers);
+    for inlet in orphans {
+        inlet.close(crate::mux::SendError::Dropped(DropReason::Shutdown));
+    }
+    if let Some(link) = lock(&entry.incoming).take() {
+        link.fail(EpochEnd::Shutdown);
+    }
+    true
+}
+
+/// Posts a Goodbye if a credit is free right now; never waits for one.
+async fn try_goodbye<L: Link>(link: &L, core: &mut PeerCore) {
+    let reserved = tokio::select! {
+        biased;
+        r = link.reserve() => r.ok(),
+        _ = std::future::ready(()) => None,
+    };
+    if let Some(mut buf) = reserved {
+        let len = core.poll_goodbye(&mut buf);
+        if len > 0 {
+            link.post(buf, len).ok();
+        }
+    }
+}
+
+fn end_of(err: LinkError) -> EpochEnd {
+    match err {
+        LinkError::Ended { reason, .. } => reason,
+        LinkError::BatchTooLarge { .. } => EpochEnd::Fault(LinkFault::PostFailed),
+    }
+}
+
+async fn run_epoch<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, link: L) -> EpochEnd {
+    let config = shared.config.clone();
+    let mut core = PeerCore::new(
+        link.epoch(),
+        config.clone(),
+        entry.control.clone(),
+        shared.registry.clone(),
+        Instant::now(),
+    );
+    *lock(&entry.epoch) = Some(link.epoch());
+    core.handle_control(Instant::now());
+    let end = loop {
+        let shutdown = shared.shutdown_notify.notified();
+        tokio::pin!(shutdown);
+        shutdown.as_mut().enable();
+        if shared.shutdown.load(Ordering::Acquire) {
+            try_goodbye(&link, &mut core).await;
+            break EpochEnd::Shutdown;
+        }
+        let now = Instant::now();
+        if core.goodbye_received() {
+            break EpochEnd::PeerClosed;
+        }
+        let mut deadline = core.poll_timeout();
+        if let Some(since) = core.idle_since() {
+            let retire_at = since + config.idle_retire;
+            if now >= retire_at && entry.control.state().dirty_inlets.is_empty() {
+                try_goodbye(&link, &mut core).await;
+                break EpochEnd::Closed;
+            }
+            deadline = deadline.min(retire_at);
+        }
+        let write = core.wants_write(now);
+        tokio::select! {
+            received = link.recv() => match received {
+                Ok(batch) => {
+                    if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
+                        break EpochEnd::Violation(violation);
+                    }
+                }
+                Err(err) => break end_of(err),
+            },
+            _ = entry.control.wake.notified() => core.handle_control(Instant::now()),
+            // The permit may predate this link (stored while we were waiting).
+            _ = entry.link_arrived.notified() => if lock(&entry.incoming).is_some() {
+                break EpochEnd::Replaced;
+            },
+            reserved = link.reserve(), if write => match reserved {
+                Ok(mut buf) => {
+                    let len = core.poll_batch(&mut buf, Instant::now());
+                    if len > 0 {
+                        if let Err(err) = link.post(buf, len) {
+                            break end_of(err);
+                        }
+                    }
+                }
+                Err(err) => break end_of(err),
+            },
+            _ = sleep_until(deadline) => core.handle_timeout(Instant::now()),
+            _ = shutdown => {}
+        }
+    };
+    if let EpochEnd::Violation(violation) = end {
+        Counters::add(&shared.counters.protocol_violations, 1);
+        tracing::warn!(peer = ?entry.control.peer, epoch = %core.epoch(), %violation,
+            "peer violated the mux protocol; ending the epoch");
+    }
+    link.fail(end);
+    // Every batch the link completed is delivered before any Dropped; not
+    // after a violation, since the peer is no longer trusted.
+    if !matches!(end, EpochEnd::Violation(_)) {
+        while let Ok(batch) = link.recv().await {
+            if core.handle_batch(&batch, Instant::now()).is_err() {
+                break;
+            }
+        }
+    }
+    let reason = match end {
+        EpochEnd::Shutdown => DropReason::Shutdown,
+        EpochEnd::Closed
+        | EpochEnd::PeerClosed
+        | EpochEnd::PeerLost
+        | EpochEnd::Fault(_)
+        | EpochEnd::Violation(_)
+        | EpochEnd::Replaced => DropReason::EpochEnded {
+            epoch: core.epoch(),
+        },
+    };
+    core.fail_all(reason);
+    Counters::add(&shared.counters.epoch_deaths, 1);
+    *lock(&entry.epoch) = None;
+    end
+}

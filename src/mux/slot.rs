@@ -1,0 +1,602 @@
+//! Slot handles and the per-slot state they share with the peer task.
+//!
+//! ```text
+//!  SlotSender ─ send ─► Inlet{queue, terminal} ─ dirty ─► PeerControl ─ wake ─► peer task
+//!  SlotReceiver ◄─ recv ─ RxSlot{frames} ◄─ push ─ peer task;  drained ─ dirty ─► grants
+//! ```
+//!
+//! Owners: the producer appends to its inlet and the peer task pops from it;
+//! the peer task appends to an `RxSlot` and the consumer pops. Each slot is on
+//! its peer's dirty list at most once (its `dirty` bit), so cross-task control
+//! is bounded by the number of slots (docs/design.md § "Control is coalesced state").
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::Bytes;
+use thiserror::Error;
+use tokio::sync::Notify;
+
+use super::protocol::CloseReason;
+use super::stats::Counters;
+use super::surface::{DropReason, Frame, MuxError, PeerId, StreamKey, Terminal};
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Critical sections here never panic; a poisoned lock is a bug to surface.
+    mutex.lock().expect("mux slot state poisoned")
+}
+
+/// Why a send failed.
+#[derive(Clone, Copy, Debug, Error, PartialEq, Eq)]
+pub enum SendError {
+    /// The stream was lost (epoch death, shutdown). Earlier records: maybe delivered.
+    #[error("stream dropped: {0:?}")]
+    Dropped(DropReason),
+    /// The receiving side closed the slot (gone, refused, or unknown to it).
+    #[error("peer closed the slot: {0:?}")]
+    PeerClosed(CloseReason),
+    /// The record exceeds the mux's largest record.
+    #[error("record of {len} bytes exceeds the {max}-byte maximum")]
+    TooLarge {
+        /// The record length.
+        len: usize,
+        /// The configured maximum.
+        max: usize,
+    },
+}
+
+/// Why `try_recv` returned nothing.
+#[derive(Clone, Copy, Debug, Error, PartialEq, Eq)]
+pub enum RecvError {
+    /// No frame is buffered now.
+    #[error("no frame buffered")]
+    Empty,
+    /// The stream has ended; no frame will ever come.
+    #[error("stream ended")]
+    Ended,
+}
+
+/// Per-peer control shared by every slot to that peer and its task.
+#[derive(Debug)]
+pub(crate) struct PeerControl {
+    pub peer: PeerId,
+    state: Mutex<ControlState>,
+    /// Wakes the peer task (a stored permit: no wake is lost).
+    pub wake: Notify,
+    /// Producers waiting for the peer byte budget.
+    budget_space: Notify,
+    queued: AtomicUsize,
+    peer_budget: usize,
+    pub counters: Arc<Counters>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct ControlState {
+    pub dirty_inlets: Vec<Arc<Inlet>>,
+    pub dirty_rx: Vec<Arc<RxSlot>>,
+    pub flush_requested: bool,
+    pub retired: bool,
+}
+
+impl PeerControl {
+    pub fn new(peer: PeerId, peer_budget: usize, counters: Arc<Counters>) -> PeerControl {
+        PeerControl {
+            peer,
+            state: Mutex::new(ControlState::default()),
+            wake: Notify::new(),
+            budget_space: Notify::new(),
+            queued: AtomicUsize::new(0),
+            peer_budget,
+            counters,
+        }
+    }
+
+    pub fn state(&self) -> MutexGuard<'_, ControlState> {
+        lock(&self.state)
+    }
+
+    fn release_budget(&self, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        self.queued.fetch_sub(bytes, Ordering::AcqRel);
+        self.counters
+            .withheld_bytes
+            .fetch_sub(bytes as u64, Ordering::Relaxed);
+        self.budget_space.notify_waiters();
+    }
+
+    pub fn request_flush(&self) {
+        self.state().flush_requested = true;
+        self.wake.notify_one();
+    }
+}
+
+/// The producer side of one egress slot.
+#[derive(Debug)]
+pub(crate) struct Inlet {
+    pub key: StreamKey,
+    pub control: Arc<PeerControl>,
+    slot_budget: usize,
+    max_record: usize,
+    state: Mutex<InletState>,
+    space: Notify,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct InletState {
+    queue: VecDeque<Bytes>,
+    queued: usize,
+    terminal: Option<CloseReason>,
+    closed: Option<SendError>,
+    dirty: bool,
+    adopted: bool,
+}
+
+/// What the peer task takes from an inlet.
+#[derive(Debug)]
+pub(crate) enum Pop {
+    /// The next record.
+    Record(Bytes),
+    /// The sender's terminal; every record is already gone.
+    Terminal(CloseReason),
+    /// Records wait, but there is no credit for them.
+    Blocked,
+    /// Nothing waits.
+    Empty,
+}
+
+impl Inlet {
+    pub fn new(
+        key: StreamKey,
+        control: Arc<PeerControl>,
+        slot_budget: usize,
+        max_record: usize,
+    ) -> Arc<Inlet> {
+        Arc::new(Inlet {
+            key,
+            control,
+            slot_budget,
+            max_record,
+            state: Mutex::new(InletState::default()),
+            space: Notify::new(),
+        })
+    }
+
+    /// Puts this inlet on its peer's dirty list unless it is already there.
+    /// Returns false if the peer task has retired (the caller must re-home it).
+    fn mark_dirty(self: &Arc<Self>, state: &mut InletState) -> bool {
+        if state.dirty {
+            return true;
+        }
+        let mut control = self.control.state();
+        if control.retired {
+            return false;
+        }
+        state.dirty = true;
+        control.dirty_inlets.push(self.clone());
+        drop(control);
+        self.control.wake.notify_one();
+        true
+    }
+
+    /// Registers a fresh inlet with its peer task.
+    pub fn announce(self: &Arc<Self>) -> bool {
+        let mut state = lock(&self.state);
+        self.mark_dirty(&mut state)
+    }
+
+    async fn push(self: &Arc<Self>, data: Bytes) -> Result<(), SendError> {
+        let len = data.len();
+        if len > self.max_record {
+            return Err(SendError::TooLarge {
+                len,
+                max: self.max_record,
+            });
+        }
+        loop {
+            let slot_space = self.space.notified();
+            let peer_space = self.control.budget_space.notified();
+            tokio::pin!(slot_space, peer_space);
+            slot_space.as_mut().enable();
+            peer_space.as_mut().enable();
+            {
+                let mut state = lock(&self.state);
+                if let Some(err) = state.closed {
+                    return Err(err);
+                }
+                let slot_ok = state.queued == 0 || state.queued + len <= self.slot_budget;
+                let peer_queued = self.control.queued.load(Ordering::Acquire);
+                let peer_ok = peer_queued == 0 || peer_queued + len <= self.control.peer_budget;
+                if slot_ok && peer_ok {
+                    state.queue.push_back(data);
+                    state.queued += len;
+                    self.control.queued.fetch_add(len, Ordering::AcqRel);
+                    Counters::add(&self.control.counters.withheld_bytes, len as u64);
+                    // A retired peer cannot happen here: the slot is live in its table.
+                    self.mark_dirty(&mut state);
+                    return Ok(());
+                }
+            }
+            tokio::select! {
+                _ = slot_space => {}
+                _ = peer_space => {}
+            }
+        }
+    }
+
+    fn finish(self: &Arc<Self>, reason: CloseReason) -> Result<(), SendError> {
+        let mut state = lock(&self.state);
+        if let Some(err) = state.closed {
+            return Err(err);
+        }
+        state.terminal = Some(reason);
+        self.mark_dirty(&mut state);
+        Ok(())
+    }
+
+    // --- peer task side ---
+
+    /// Clears the dirty bit and says how the current table should treat the
+    /// inlet; a new one is marked adopted, so no later epoch adopts it again.
+    pub fn take_dirty(&self) -> InletStatus {
+        let mut state = lock(&self.state);
+        state.dirty = false;
+        if state.closed.is_some() {
+            InletStatus::Closed
+        } else if state.adopted {
+            InletStatus::Known
+        } else {
+            state.adopted = true;
+            InletStatus::New
+        }
+    }
+
+    /// Pops the next item. A record only if `credit` allows one; the terminal
+    /// only once every record before it is gone.
+    pub fn pop(&self, credit: bool) -> Pop {
+        let mut state = lock(&self.state);
+        if state.queue.is_empty() {
+            return match state.terminal.take() {
+                Some(reason) => Pop::Terminal(reason),
+                None => Pop::Empty,
+            };
+        }
+        if !credit {
+            return Pop::Blocked;
+        }
+        let data = state.queue.pop_front().expect("queue is not empty");
+        state.queued -= data.len();
+        drop(state);
+        self.control.release_budget(data.len());
+        self.space.notify_waiters();
+        Pop::Record(data)
+    }
+
+    /// Ends the slot for its producer; discards what it had queued.
+    pub fn close(&self, err: SendError) {
+        let mut state = lock(&self.state);
+        if state.closed.is_some() {
+            return;
+        }
+        state.closed = Some(err);
+        state.terminal = None;
+        let discarded = std::mem::take(&mut state.queued);
+        state.queue.clear();
+        drop(state);
+        self.control.release_budget(discarded);
+        self.space.notify_waiters();
+    }
+}
+
+/// How the peer task should treat a dirty inlet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum InletStatus {
+    /// Not yet in any slot table: adopt it.
+    New,
+    /// Already in the current table.
+    Known,
+    /// Closed; ignore.
+    Closed,
+}
+
+/// Sends records on one egress slot. Dropping it without [`SlotSender::finish`]
+/// ends the stream with `Dropped` at the receiver.
+#[derive(Debug)]
+pub struct SlotSender {
+    inlet: Arc<Inlet>,
+    finished: bool,
+}
+
+impl SlotSender {
+    pub(crate) fn new(inlet: Arc<Inlet>) -> SlotSender {
+        SlotSender {
+            inlet,
+            finished: false,
+        }
+    }
+
+    /// The stream this slot carries.
+    pub fn key(&self) -> StreamKey {
+        self.inlet.key
+    }
+
+    /// The peer this slot sends to.
+    pub fn peer(&self) -> PeerId {
+        self.inlet.control.peer
+    }
+
+    /// Queues one record; waits while the slot's or the peer's byte budget is full.
+    pub async fn send(&mut self, data: Bytes) -> Result<(), SendError> {
+        self.inlet.push(data).await
+    }
+
+    /// Ends the stream. Never waits: the terminal has reserved capacity.
+    pub fn finish(mut self, terminal: Terminal) -> Result<(), SendError> {
+        self.finished = true;
+        let reason = match terminal {
+            Terminal::Finalized => CloseReason::Finalized,
+            Terminal::Detached => CloseReason::Detached,
+        };
+        self.inlet.finish(reason)
+    }
+}
+
+impl Drop for SlotSender {
+    fn drop(&mut self) {
+        if !self.finished {
+            // Already closed (dropped by the epoch) needs no terminal.
+            self.inlet.finish(CloseReason::SenderDropped).ok();
+        }
+    }
+}
+
+/// Streams bound on this node, by key. A slot exists here from the first of
+/// `bind` or the peer's OpenSlot until its terminal is consumed.
+#[derive(Debug)]
+pub(crate) struct Registry {
+    slots: Mutex<HashMap<StreamKey, Arc<RxSlot>>>,
+    window: u32,
+    max_entries: usize,
+}
+
+/// What an OpenSlot found in the registry.
+#[derive(Debug)]
+pub(crate) enum OpenOutcome {
+    Attached(Arc<RxSlot>),
+    Refused,
+}
+
+impl Registry {
+    pub fn new(window: u32, max_entries: usize) -> Arc<Registry> {
+        Arc::new(Registry {
+            slots: Mutex::new(HashMap::new()),
+            window,
+            max_entries,
+        })
+    }
+
+    pub fn bind(self: &Arc<Self>, key: StreamKey) -> Result<SlotReceiver, MuxError> {
+        let mut slots = lock(&self.slots);
+        let rx = slots
+            .entry(key)
+            .or_insert_with(|| RxSlot::new(key, self.window))
+            .clone();
+        let mut state = lock(&rx.state);
+        if state.receiver_taken {
+            return Err(MuxError::AlreadyBound(key));
+        }
+        state.receiver_taken = true;
+        drop(state);
+        Ok(SlotReceiver {
+            rx,
+            registry: self.clone(),
+            done: false,
+        })
+    }
+
+    /// Attaches a peer's OpenSlot to the binding for `key`.
+    pub fn open(&self, key: StreamKey, feeder: &Arc<PeerControl>) -> OpenOutcome {
+        let mut slots = lock(&self.slots);
+        if !slots.contains_key(&key) && slots.len() >= self.max_entries {
+            return OpenOutcome::Refused;
+        }
+        let rx = slots
+            .entry(key)
+            .or_insert_with(|| RxSlot::new(key, self.window))
+            .clone();
+        let mut state = lock(&rx.state);
+        if state.feeder.is_some() || state.ended || state.receiver_gone {
+            return OpenOutcome::Refused;
+        }
+        state.feeder = Some(feeder.clone());
+        drop(state);
+        OpenOutcome::Attached(rx)
+    }
+
+    /// Forgets `rx` if it is still the registered slot for its key.
+    pub fn remove(&self, rx: &Arc<RxSlot>) {
+        let mut slots = lock(&self.slots);
+        if slots.get(&rx.key).is_some_and(|cur| Arc::ptr_eq(cur, rx)) {
+            slots.remove(&rx.key);
+        }
+    }
+}
+
+/// The consumer side of one ingress slot.
+#[derive(Debug)]
+pub(crate) struct RxSlot {
+    pub key: StreamKey,
+    state: Mutex<RxState>,
+    ready: Notify,
+    grant_threshold: u64,
+}
+
+#[derive(Debug, Default)]
+struct RxState {
+    frames: VecDeque<(Frame, u64)>,
+    ended: bool,
+    receiver_taken: bool,
+    receiver_gone: bool,
+    drained: u64,
+    feeder: Option<Arc<PeerControl>>,
+    dirty: bool,
+}
+
+/// What the peer task learns when it visits a dirty `RxSlot`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RxVisit {
+    pub drained: u64,
+    pub receiver_gone: bool,
+}
+
+impl RxSlot {
+    fn new(key: StreamKey, window: u32) -> Arc<RxSlot> {
+        Arc::new(RxSlot {
+            key,
+            state: Mutex::new(RxState::default()),
+            ready: Notify::new(),
+            grant_threshold: (u64::from(window) / 4).max(1),
+        })
+    }
+
+    /// Appends a frame whose consumption returns `credit` bytes. Returns false
+    /// if the consumer is gone (the frame was discarded).
+    pub fn push(&self, frame: Frame, credit: u64) -> bool {
+        let mut state = lock(&self.state);
+        if state.receiver_gone {
+            return false;
+        }
+        if frame == Frame::Heartbeat
+            && state
+                .frames
+                .back()
+                .is_some_and(|(f, _)| *f == Frame::Heartbeat)
+        {
+            return true;
+        }
+        state.frames.push_back((frame, credit));
+        drop(state);
+        self.ready.notify_waiters();
+        true
+    }
+
+    /// Appends the terminal and detaches the feeder. Returns false if a
+    /// terminal was already there (exactly one per slot).
+    pub fn end(&self, frame: Frame) -> bool {
+        let mut state = lock(&self.state);
+        if state.ended {
+            return false;
+        }
+        state.ended = true;
+        state.feeder = None;
+        if !state.receiver_gone {
+            state.frames.push_back((frame, 0));
+        }
+        drop(state);
+        self.ready.notify_waiters();
+        true
+    }
+
+    /// True if no receiver will ever read this slot again.
+    pub fn receiver_gone(&self) -> bool {
+        lock(&self.state).receiver_gone
+    }
+
+    /// Clears the dirty bit and takes the drained-but-ungranted bytes.
+    pub fn visit(&self) -> RxVisit {
+        let mut state = lock(&self.state);
+        state.dirty = false;
+        RxVisit {
+            drained: std::mem::take(&mut state.drained),
+            receiver_gone: state.receiver_gone,
+        }
+    }
+
+    fn mark_dirty(self: &Arc<Self>, state: &mut RxState) {
+        if state.dirty {
+            return;
+        }
+        if let Some(feeder) = state.feeder.clone() {
+            state.dirty = true;
+            feeder.state().dirty_rx.push(self.clone());
+            feeder.wake.notify_one();
+        }
+    }
+}
+
+/// Receives one stream's frames, in send order, exactly once. After a
+/// terminal frame, `recv` returns `None`.
+#[derive(Debug)]
+pub struct SlotReceiver {
+    rx: Arc<RxSlot>,
+    registry: Arc<Registry>,
+    done: bool,
+}
+
+impl SlotReceiver {
+    /// The stream this receiver is bound to.
+    pub fn key(&self) -> StreamKey {
+        self.rx.key
+    }
+
+    /// The next frame, or `None` once the terminal has been returned.
+    pub async fn recv(&mut self) -> Option<Frame> {
+        let rx = self.rx.clone();
+        loop {
+            let ready = rx.ready.notified();
+            tokio::pin!(ready);
+            ready.as_mut().enable();
+            match self.try_recv() {
+                Ok(frame) => return Some(frame),
+                Err(RecvError::Ended) => return None,
+                Err(RecvError::Empty) => {}
+            }
+            ready.await;
+        }
+    }
+
+    /// The next frame if one is buffered.
+    pub fn try_recv(&mut self) -> Result<Frame, RecvError> {
+        if self.done {
+            return Err(RecvError::Ended);
+        }
+        let mut state = lock(&self.rx.state);
+        let Some((frame, credit)) = state.frames.pop_front() else {
+            return Err(if state.ended {
+                RecvError::Ended
+            } else {
+                RecvError::Empty
+            });
+        };
+        if credit > 0 {
+            state.drained += credit;
+            if state.drained >= self.rx.grant_threshold || state.frames.is_empty() {
+                self.rx.mark_dirty(&mut state);
+            }
+        }
+        if frame.is_terminal() {
+            self.done = true;
+            drop(state);
+            self.registry.remove(&self.rx);
+        }
+        Ok(frame)
+    }
+}
+
+impl Drop for SlotReceiver {
+    fn drop(&mut self) {
+        let mut state = lock(&self.rx.state);
+        state.receiver_gone = true;
+        state.frames.clear();
+        let feeding = state.feeder.is_some() && !state.ended;
+        if feeding {
+            self.rx.mark_dirty(&mut state);
+        }
+        drop(state);
+        if !feeding {
+            self.registry.remove(&self.rx);
+        }
+    }
+}

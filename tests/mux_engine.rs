@@ -1,0 +1,575 @@
+//! The mux engine end to end over the in-process mem link.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use qpmux::link::mem::{MemConfig, MemFabric, MemLink, pair};
+use qpmux::link::{EpochEnd, Link, LinkFault};
+use qpmux::mux::protocol::{BatchEncoder, BatchView, FrameSeq, Lane, RecordBody, SlotId};
+use qpmux::mux::{
+    DropReason, Epoch, FlushPolicy, Frame, Mux, MuxConfig, MuxTransport, PeerId, SendError,
+    StreamKey, Terminal,
+};
+use rand::{Rng, SeedableRng};
+
+const A: PeerId = PeerId(1);
+const B: PeerId = PeerId(2);
+const C: PeerId = PeerId(3);
+
+fn fabric(
+    nodes: &[PeerId],
+    config: MuxConfig,
+    link: MemConfig,
+) -> (Arc<MemFabric>, Vec<Mux<MemLink>>) {
+    let fabric = MemFabric::new(link);
+    let muxes = nodes
+        .iter()
+        .map(|&id| {
+            let mux = Mux::new(config.clone(), fabric.dialer(id));
+            fabric.add(id, mux.clone());
+            mux
+        })
+        .collect();
+    (fabric, muxes)
+}
+
+/// Waits (on state, polling) until `cond` holds.
+async fn until(mut cond: impl FnMut() -> bool) {
+    while !cond() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn record(slot: u64, n: u32, len: usize) -> Bytes {
+    let mut v = vec![(n % 251) as u8; len.max(12)];
+    v[..8].copy_from_slice(&slot.to_be_bytes());
+    v[8..12].copy_from_slice(&n.to_be_bytes());
+    Bytes::from(v)
+}
+
+fn seq_of(b: &Bytes) -> u32 {
+    u32::from_be_bytes(b[8..12].try_into().expect("4 bytes"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousand_slots_to_several_peers_arrive_in_order_exactly_once() {
+    let (_fabric, muxes) = fabric(&[A, B, C], MuxConfig::default(), MemConfig::default());
+    let (a, b, c) = (&muxes[0], &muxes[1], &muxes[2]);
+    let per_peer = 600u64;
+    let records = 12u32;
+    let mut consumers = Vec::new();
+    let mut producers = Vec::new();
+    for (peer, mux) in [(B, b), (C, c)] {
+        for s in 0..per_peer {
+            let key = StreamKey::new(peer.0, s);
+            let mut rx = mux.bind(key).expect("bind");
+            consumers.push(tokio::spawn(async move {
+                let mut next = 0u32;
+                while let Some(frame) = rx.recv().await {
+                    match frame {
+                        Frame::Data(d) => {
+                            assert_eq!(seq_of(&d), next, "in order, exactly once");
+                            next += 1;
+                        }
+                        Frame::Finalized => break,
+                        other => panic!("unexpected {other:?}"),
+                    }
+                }
+                next
+            }));
+            let mut tx = a.open(peer, key).expect("open");
+            producers.push(tokio::spawn(async move {
+                let mut rng = rand::rngs::SmallRng::seed_from_u64(s);
+                for n in 0..records {
+                    tx.send(record(s, n, rng.random_range(12..2000)))
+                        .await
+                        .expect("send");
+                    if rng.random_bool(0.3) {
+                        tokio::task::yield_now().await;
+                    }
+                }
+                tx.finish(Terminal::Finalized).expect("finish");
+            }));
+        }
+    }
+    for p in producers {
+        p.await.expect("producer");
+    }
+    for c in consumers {
+        assert_eq!(c.await.expect("consumer"), records);
+    }
+    let stats = a.stats();
+    assert_eq!(stats.slots_dropped, 0);
+    assert!(
+        stats.records_per_batch() > 1.0,
+        "records were batched: {stats:?}"
+    );
+}
+
+fn terminals_on_full_inlets(rt: tokio::runtime::Runtime) {
+    rt.block_on(async {
+        let config = MuxConfig {
+            slot_window: 1,
+            slot_budget: 64,
+            ..MuxConfig::default()
+        };
+        let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+        let mut receivers = Vec::new();
+        for s in 0..8 {
+            let key = StreamKey::new(7, s);
+            receivers.push(muxes[1].bind(key).expect("bind"));
+            let mut tx = muxes[0].open(B, key).expect("open");
+            // Fill the inlet until send would wait.
+            let mut sent = 0u32;
+            loop {
+                let send = tx.send(record(s, sent, 32));
+                tokio::pin!(send);
+                let done = tokio::select! {
+                    biased;
+                    r = &mut send => { r.expect("send"); true }
+                    _ = std::future::ready(()) => false,
+                };
+                if !done {
+                    break;
+                }
+                sent += 1;
+            }
+            assert!(sent >= 1);
+            // The terminal never waits, whatever the inlet holds.
+            tx.finish(Terminal::Finalized)
+                .expect("terminal is accepted at once");
+        }
+        for mut rx in receivers {
+            let mut last = None;
+            while let Some(frame) = rx.recv().await {
+                last = Some(frame);
+            }
+            assert_eq!(last, Some(Frame::Finalized));
+        }
+    });
+}
+
+#[test]
+fn terminal_sends_never_block_on_a_current_thread_runtime() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("rt");
+    terminals_on_full_inlets(rt);
+}
+
+#[test]
+fn terminal_sends_never_block_on_a_one_worker_runtime() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("rt");
+    terminals_on_full_inlets(rt);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_larger_than_the_slot_budget_waits_and_is_never_killed() {
+    let config = MuxConfig {
+        slot_budget: 16 * 1024,
+        slot_window: 32 * 1024,
+        ..MuxConfig::default()
+    };
+    let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+    let key = StreamKey::new(1, 1);
+    let mut rx = muxes[1].bind(key).expect("bind");
+    let mut tx = muxes[0].open(B, key).expect("open");
+    let producer = tokio::spawn(async move {
+        for n in 0..10_000u32 {
+            tx.send(record(1, n, 1024)).await.expect("never killed");
+        }
+        tx.finish(Terminal::Finalized).expect("finish");
+    });
+    let mut next = 0;
+    while let Some(frame) = rx.recv().await {
+        match frame {
+            Frame::Data(d) => {
+                assert_eq!(seq_of(&d), next);
+                next += 1;
+                if next % 1000 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            Frame::Finalized => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    producer.await.expect("producer");
+    assert_eq!(next, 10_000);
+    let stats = muxes[0].stats();
+    assert!(
+        stats.credit_stalls > 0,
+        "the window was the limit: {stats:?}"
+    );
+    assert_eq!(stats.slots_dropped, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_consumer_does_not_stall_a_fast_one_on_the_same_peer() {
+    let config = MuxConfig {
+        slot_window: 16 * 1024,
+        slot_budget: 16 * 1024,
+        ..MuxConfig::default()
+    };
+    let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+    let slow_key = StreamKey::new(1, 1);
+    let fast_key = StreamKey::new(1, 2);
+    let _slow_rx = muxes[1].bind(slow_key).expect("bind"); // never read
+    let mut fast_rx = muxes[1].bind(fast_key).expect("bind");
+    let mut slow_tx = muxes[0].open(B, slow_key).expect("open");
+    let mut fast_tx = muxes[0].open(B, fast_key).expect("open");
+    let slow = tokio::spawn(async move {
+        let mut n = 0;
+        loop {
+            slow_tx.send(record(1, n, 1024)).await.expect("slow send");
+            n += 1;
+        }
+    });
+    let fast = tokio::spawn(async move {
+        for n in 0..5_000u32 {
+            fast_tx.send(record(2, n, 1024)).await.expect("fast send");
+        }
+        fast_tx.finish(Terminal::Finalized).expect("finish");
+    });
+    let mut got = 0;
+    while let Some(frame) = fast_rx.recv().await {
+        match frame {
+            Frame::Data(_) => got += 1,
+            Frame::Finalized => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(got, 5_000);
+    fast.await.expect("fast producer");
+    assert!(!slow.is_finished(), "the slow stream is parked, not dead");
+    slow.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn link_failure_delivers_then_drops_every_live_slot_exactly_once() {
+    let (fabric, muxes) = fabric(&[A, B], MuxConfig::default(), MemConfig::default());
+    let n_slots = 32u64;
+    let mut receivers = Vec::new();
+    let mut senders = Vec::new();
+    for s in 0..n_slots {
+        let key = StreamKey::new(9, s);
+        receivers.push(muxes[1].bind(key).expect("bind"));
+        senders.push(muxes[0].open(B, key).expect("open"));
+    }
+    for (s, tx) in senders.iter_mut().enumerate() {
+        for n in 0..10 {
+            tx.send(record(s as u64, n, 100)).await.expect("send");
+        }
+    }
+    // Wait until every slot's first records have been delivered.
+    for rx in &mut receivers {
+        match rx.recv().await {
+            Some(Frame::Data(d)) => assert_eq!(seq_of(&d), 0),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let epoch = muxes[0].epoch(B).expect("link is up");
+    assert!(fabric.kill(A, B, EpochEnd::Fault(LinkFault::Injected)));
+
+    for rx in &mut receivers {
+        let mut next = 1;
+        let mut terminals = 0;
+        while let Some(frame) = rx.recv().await {
+            match frame {
+                Frame::Data(d) => {
+                    assert_eq!(seq_of(&d), next, "delivered prefix stays in order");
+                    next += 1;
+                }
+                Frame::Dropped(DropReason::EpochEnded { epoch: e }) => {
+                    assert_eq!(e, epoch);
+                    terminals += 1;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(terminals, 1, "exactly one Dropped");
+    }
+    for tx in &mut senders {
+        assert_eq!(
+            tx.send(Bytes::from_static(b"late")).await,
+            Err(SendError::Dropped(DropReason::EpochEnded { epoch }))
+        );
+    }
+    until(|| {
+        muxes[0].stats().slots_dropped == n_slots && muxes[1].stats().slots_dropped == n_slots
+    })
+    .await;
+    assert_eq!(muxes[0].stats().epoch_deaths, 1);
+
+    // The next epoch opens new slots normally.
+    drop(senders);
+    let key = StreamKey::new(10, 0);
+    let mut rx = muxes[1].bind(key).expect("bind");
+    let mut tx = muxes[0].open(B, key).expect("open");
+    tx.send(Bytes::from_static(b"again")).await.expect("send");
+    tx.finish(Terminal::Finalized).expect("finish");
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Data(Bytes::from_static(b"again")))
+    );
+    assert_eq!(rx.recv().await, Some(Frame::Finalized));
+    assert_eq!(muxes[0].epoch(B), Some(epoch.next()));
+    assert_eq!(
+        muxes[0].stats().slots_dropped,
+        n_slots,
+        "nothing dropped twice"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_4_mib_record_crosses_64_kib_batches_intact() {
+    let link = MemConfig {
+        credits: 8,
+        max_batch: 64 * 1024,
+        send_buffers: 8,
+    };
+    let (_fabric, muxes) = fabric(&[A, B], MuxConfig::default(), link);
+    let key = StreamKey::new(4, 4);
+    let mut rx = muxes[1].bind(key).expect("bind");
+    let mut tx = muxes[0].open(B, key).expect("open");
+    let big: Vec<u8> = (0..4 * 1024 * 1024u32)
+        .map(|i| (i * 7 % 256) as u8)
+        .collect();
+    let big = Bytes::from(big);
+    let sent = big.clone();
+    // The producer waits for credit while the consumer has not drained.
+    tokio::spawn(async move {
+        for _ in 0..3 {
+            tx.send(sent.clone()).await.expect("send");
+        }
+        tx.send(Bytes::from_static(b"small")).await.expect("send");
+        tx.finish(Terminal::Finalized).expect("finish");
+    });
+    for _ in 0..3 {
+        assert_eq!(rx.recv().await, Some(Frame::Data(big.clone())));
+    }
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Data(Bytes::from_static(b"small")))
+    );
+    assert_eq!(rx.recv().await, Some(Frame::Finalized));
+    assert!(muxes[0].stats().batches_sent >= 3 * 64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fragment_sequence_cut_by_epoch_death_yields_dropped_never_a_partial_record() {
+    for round in 0..4u64 {
+        let link = MemConfig {
+            credits: 2,
+            max_batch: 16 * 1024,
+            send_buffers: 2,
+        };
+        let (fabric, muxes) = fabric(&[A, B], MuxConfig::default(), link);
+        let key = StreamKey::new(5, round);
+        let mut rx = muxes[1].bind(key).expect("bind");
+        let mut tx = muxes[0].open(B, key).expect("open");
+        let big = Bytes::from(vec![0x5a; 1024 * 1024]);
+        tx.send(big.clone()).await.expect("send");
+        until(|| muxes[1].stats().batches_received > round).await;
+        fabric.kill(B, A, EpochEnd::Fault(LinkFault::Injected));
+        let mut frames = Vec::new();
+        while let Some(f) = rx.recv().await {
+            frames.push(f);
+        }
+        let last = frames.pop().expect("a terminal");
+        assert!(
+            matches!(last, Frame::Dropped(DropReason::EpochEnded { .. })),
+            "{last:?}"
+        );
+        for f in frames {
+            assert_eq!(f, Frame::Data(big.clone()), "only whole records");
+        }
+    }
+}
+
+/// A raw peer: one end of a mem pair attached to a mux, the other driven by hand.
+async fn raw_peer(config: MuxConfig) -> (Mux<MemLink>, MemLink) {
+    let fabric = MemFabric::new(MemConfig::default());
+    let mux = Mux::new(config, fabric.dialer(A));
+    let (ours, theirs) = pair(Epoch(1), MemConfig::default());
+    mux.attach(B, ours);
+    (mux, theirs)
+}
+
+async fn post_batch(link: &MemLink, seq: u32, build: impl FnOnce(&mut BatchEncoder<'_>)) {
+    let mut buf = link.reserve().await.expect("credit");
+    let mut enc = BatchEncoder::new(&mut buf, Epoch(1), seq, Lane(0)).expect("fits");
+    build(&mut enc);
+    let len = enc.finish();
+    link.post(buf, len).expect("post");
+}
+
+#[tokio::test]
+async fn unknown_slots_and_stale_generations_are_dropped_and_counted() {
+    let (mux, raw) = raw_peer(MuxConfig::default()).await;
+    let key = StreamKey::new(3, 3);
+    let mut rx = mux.bind(key).expect("bind");
+    let gen0 = SlotId::new(0, 0).expect("slot");
+    let gen1 = SlotId::new(0, 1).expect("slot");
+    let unknown = SlotId::new(77, 0).expect("slot");
+    post_batch(&raw, 0, |enc| {
+        enc.push_data(unknown, FrameSeq(0), b"nobody", false)
+            .expect("fits");
+        enc.push_open(gen0, FrameSeq(0), 3, 3).expect("fits");
+        enc.push_data(gen0, FrameSeq(1), b"one", false)
+            .expect("fits");
+        enc.push_close(gen0, FrameSeq(2), qpmux::mux::CloseReason::Detached)
+            .expect("fits");
+    })
+    .await;
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Data(Bytes::from_static(b"one")))
+    );
+    assert_eq!(rx.recv().await, Some(Frame::Detached));
+    assert_eq!(rx.recv().await, None);
+    let mut rx2 = mux.bind(key).expect("rebind after the terminal");
+    post_batch(&raw, 1, |enc| {
+        enc.push_open(gen1, FrameSeq(0), 3, 3).expect("fits");
+        enc.push_data(gen0, FrameSeq(1), b"stale", false)
+            .expect("fits");
+        enc.push_data(gen1, FrameSeq(1), b"fresh", false)
+            .expect("fits");
+    })
+    .await;
+    assert_eq!(
+        rx2.recv().await,
+        Some(Frame::Data(Bytes::from_static(b"fresh")))
+    );
+    until(|| mux.stats().drops.stale_generation == 1).await;
+    assert_eq!(mux.stats().drops.unknown_slot, 1);
+    // The owner of the unknown slot is told.
+    let mut told = Vec::new();
+    while told.len() < 2 {
+        let batch = raw.recv().await.expect("reply batch");
+        let view = BatchView::new_checked(&batch).expect("valid");
+        for r in view.records() {
+            if let RecordBody::Close(reason) = r.body {
+                told.push((r.slot, reason));
+            }
+        }
+    }
+    assert!(told.contains(&(unknown, qpmux::mux::CloseReason::UnknownSlot)));
+    assert!(told.contains(&(gen0, qpmux::mux::CloseReason::UnknownSlot)));
+    assert_eq!(mux.stats().protocol_violations, 0);
+}
+
+#[tokio::test]
+async fn a_frame_seq_jump_is_epoch_death_for_that_peer() {
+    let (mux, raw) = raw_peer(MuxConfig::default()).await;
+    let key = StreamKey::new(8, 8);
+    let mut rx = mux.bind(key).expect("bind");
+    let slot = SlotId::new(0, 0).expect("slot");
+    post_batch(&raw, 0, |enc| {
+        enc.push_open(slot, FrameSeq(0), 8, 8).expect("fits");
+        enc.push_data(slot, FrameSeq(1), b"ok", false)
+            .expect("fits");
+        enc.push_data(slot, FrameSeq(5), b"jump", false)
+            .expect("fits");
+    })
+    .await;
+    // Records before the violation were valid and are delivered; then Dropped.
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Data(Bytes::from_static(b"ok")))
+    );
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Dropped(DropReason::EpochEnded { epoch: Epoch(1) }))
+    );
+    assert_eq!(rx.recv().await, None);
+    assert_eq!(mux.stats().protocol_violations, 1);
+    until(|| raw.is_ended()).await;
+}
+
+#[tokio::test]
+async fn a_credit_overrun_is_epoch_death() {
+    let config = MuxConfig {
+        slot_window: 100,
+        ..MuxConfig::default()
+    };
+    let (mux, raw) = raw_peer(config).await;
+    let _rx = mux.bind(StreamKey::new(2, 2)).expect("bind");
+    let slot = SlotId::new(0, 0).expect("slot");
+    post_batch(&raw, 0, |enc| {
+        enc.push_open(slot, FrameSeq(0), 2, 2).expect("fits");
+        enc.push_data(slot, FrameSeq(1), &[0; 100], false)
+            .expect("fits");
+        enc.push_data(slot, FrameSeq(2), &[0; 1], false)
+            .expect("fits");
+    })
+    .await;
+    until(|| mux.stats().protocol_violations == 1).await;
+    until(|| raw.is_ended()).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn manual_flush_writes_the_records_sent_before_it() {
+    let config = MuxConfig {
+        flush: FlushPolicy::Manual {
+            reply_linger: Duration::from_secs(3600),
+        },
+        ..MuxConfig::default()
+    };
+    let (mux, raw) = raw_peer(config).await;
+    let mut tx = mux.open(B, StreamKey::new(6, 6)).expect("open");
+    for n in 0..3 {
+        tx.send(record(6, n, 20)).await.expect("send");
+    }
+    // Without a flush nothing goes out (the Open waits for the reply linger).
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    let nothing =
+        tokio::select! { biased; b = raw.recv() => Some(b), _ = std::future::ready(()) => None };
+    assert!(nothing.is_none(), "manual policy wrote before flush");
+    mux.flush(B).expect("flush");
+    let batch = raw.recv().await.expect("the flushed batch");
+    let view = BatchView::new_checked(&batch).expect("valid");
+    let data: Vec<u32> = view
+        .records()
+        .filter_map(|r| match r.body {
+            RecordBody::Data(d) => Some(u32::from_be_bytes(d[8..12].try_into().expect("4"))),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(data, [0, 1, 2]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credit_returns_on_drain_not_on_a_timer() {
+    // A sweep of an hour: any progress beyond one window proves grants are
+    // sent when the consumer drains.
+    let config = MuxConfig {
+        slot_window: 8 * 1024,
+        credit_sweep: Duration::from_secs(3600),
+        ..MuxConfig::default()
+    };
+    let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+    let key = StreamKey::new(1, 9);
+    let mut rx = muxes[1].bind(key).expect("bind");
+    let mut tx = muxes[0].open(B, key).expect("open");
+    tokio::spawn(async move {
+        for n in 0..2_000 {
+            tx.send(record(9, n, 512)).await.expect("send");
+        }
+        tx.finish(Terminal::Finalized).expect("finish");
+    });
+    let mut n = 0;
+    while let Some(Frame::Data(_)) = rx.recv().await {
+        n += 1;
+    }
+    assert_eq!(n, 2_000);
+    assert!(muxes[1].stats().credit_updates_sent > 10);
+}
