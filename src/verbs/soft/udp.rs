@@ -1,0 +1,178 @@
+//! UDP driver: one tokio task per device owns the socket and drives the core.
+//!
+//! ```text
+//!  loop (biased select):  shutdown ─► exit
+//!                         datagram ─► core.handle_datagram (drain up to a batch)
+//!                         kick (a verbs call) / timer deadline ─► fall through
+//!        then: core.handle_timeout(now); poll_transmit ─► send_to, bounded per turn
+//! ```
+//!
+//! Owner: the driver task holds only a `Weak` to the device between turns,
+//! so dropping the last handle ends it. Wall-clock time is mapped onto
+//! [`Instant`] from the moment the device opened. `IP_PMTUDISC_DO` is not
+//! set: neither std, tokio nor socket2 0.6 exposes it safely; the path MTU
+//! is configured (default 1024, which fits a 1500-byte Ethernet MTU).
+
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, Weak};
+
+use tokio::net::UdpSocket;
+
+use super::device::DeviceCore;
+use super::wire::MAX_OVERHEAD;
+use super::{DeviceShared, Instant, SoftConfig, SoftDevice};
+use crate::verbs::{Gid, VerbsError};
+
+/// Datagrams handled per turn in each direction, so neither starves the other.
+const BATCH: usize = 64;
+
+/// Configuration of a UDP-driven soft device.
+#[derive(Clone, Debug)]
+pub struct UdpConfig {
+    /// Address to bind; port 0 picks an ephemeral port (4791 would collide
+    /// with kernel rxe). Must be a concrete IP: it is the device's GID.
+    pub bind: SocketAddr,
+    /// Device settings.
+    pub soft: SoftConfig,
+}
+
+impl Default for UdpConfig {
+    fn default() -> Self {
+        UdpConfig {
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            soft: SoftConfig::default(),
+        }
+    }
+}
+
+fn gid_of(ip: IpAddr) -> Gid {
+    match ip {
+        IpAddr::V4(v4) => Gid::from_ipv4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => Gid::from_ipv4(v4),
+            None => Gid(v6.octets()),
+        },
+    }
+}
+
+fn addr_of(gid: Gid, port: u16) -> SocketAddr {
+    match gid.to_ipv4() {
+        Some(v4) => SocketAddr::from((v4, port)),
+        None => SocketAddr::from((Ipv6Addr::from(gid.0), port)),
+    }
+}
+
+fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> VerbsError {
+    move |e| VerbsError::Io { op, kind: e.kind() }
+}
+
+impl SoftDevice {
+    /// Open a soft device on a UDP socket and start its driver task.
+    /// Must be called inside a tokio runtime.
+    pub async fn open_udp(config: UdpConfig) -> Result<SoftDevice, VerbsError> {
+        if config.bind.ip().is_unspecified() {
+            return Err(VerbsError::InvalidAttr {
+                attr: "bind address must be a concrete IP (it is the GID)",
+            });
+        }
+        let socket = UdpSocket::bind(config.bind).await.map_err(io("bind"))?;
+        let local = socket.local_addr().map_err(io("local_addr"))?;
+        let seed = config.soft.seed.unwrap_or_else(rand::random);
+        let core = DeviceCore::new(
+            gid_of(local.ip()),
+            local.port(),
+            config.soft.active_mtu,
+            seed,
+        );
+        let dev = SoftDevice::from_core(core);
+        let weak = Arc::downgrade(dev.shared());
+        let kick = dev.shared().kick.clone();
+        let shutdown = dev.shared().shutdown.clone();
+        tokio::spawn(run(socket, weak, kick, shutdown));
+        Ok(dev)
+    }
+}
+
+async fn run(
+    socket: UdpSocket,
+    dev: Weak<DeviceShared>,
+    kick: Arc<tokio::sync::Notify>,
+    shutdown: Arc<tokio::sync::Notify>,
+) {
+    let start = std::time::Instant::now();
+    let now = || Instant::from_start(start.elapsed());
+    let mut rx = vec![0u8; 65_536];
+    let mut tx = vec![0u8; 4096 + MAX_OVERHEAD];
+    let mut out: Vec<(SocketAddr, Vec<u8>)> = Vec::with_capacity(BATCH);
+    loop {
+        // Handle timers and collect output under the lock; send without it.
+        let deadline = {
+            let Some(shared) = dev.upgrade() else { return };
+            let mut core = shared.core();
+            let t = now();
+            core.handle_timeout(t);
+            while out.len() < BATCH {
+                let Some(x) = core.poll_transmit(t, &mut tx) else {
+                    break;
+                };
+                out.push((addr_of(x.dst, x.dst_port), tx[..x.len].to_vec()));
+            }
+            core.poll_timeout()
+        };
+        let more = out.len() == BATCH;
+        for (addr, bytes) in out.drain(..) {
+            if let Err(e) = socket.send_to(&bytes, addr).await {
+                tracing::debug!(error = %e, %addr, "soft RoCE send failed");
+            }
+        }
+        if more {
+            // Output is pending; take what arrived meanwhile, then send again.
+            receive_ready(&socket, &dev, &mut rx, now());
+            tokio::task::yield_now().await;
+            continue;
+        }
+        let sleep = async {
+            match deadline {
+                Some(d) => {
+                    let at = start + d.since_start();
+                    tokio::time::sleep_until(at.into()).await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            _ = shutdown.notified() => {
+                if dev.strong_count() == 0 {
+                    return;
+                }
+            }
+            r = socket.recv_from(&mut rx) => match r {
+                Ok((n, from)) => {
+                    let Some(shared) = dev.upgrade() else { return };
+                    shared.core().handle_datagram(now(), gid_of(from.ip()), from.port(), &rx[..n]);
+                    drop(shared);
+                    receive_ready(&socket, &dev, &mut rx, now());
+                }
+                Err(e) => tracing::debug!(error = %e, "soft RoCE receive failed"),
+            },
+            _ = kick.notified() => {}
+            _ = sleep => {}
+        }
+    }
+}
+
+/// Handle up to a batch of datagrams that are already queued, without waiting.
+fn receive_ready(socket: &UdpSocket, dev: &Weak<DeviceShared>, rx: &mut [u8], now: Instant) {
+    let Some(shared) = dev.upgrade() else { return };
+    for _ in 0..BATCH {
+        match socket.try_recv_from(rx) {
+            Ok((n, from)) => {
+                shared
+                    .core()
+                    .handle_datagram(now, gid_of(from.ip()), from.port(), &rx[..n]);
+            }
+            Err(_) => break,
+        }
+    }
+}
