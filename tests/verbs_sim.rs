@@ -30,7 +30,9 @@ impl SimHarness {
         let mut h = SimHarness::new(seed);
         h.net.set_default_link(LinkConfig {
             delay: Duration::from_micros(20),
-            jitter: Duration::from_micros(30),
+            jitter: Duration::ZERO,
+            reorder: 0.05,
+            reorder_delay: Duration::from_micros(30),
             loss: 0.05,
             duplicate: 0.05,
             ack_delay: Duration::from_micros(50),
@@ -110,9 +112,9 @@ impl Drop for SeedGuard {
 fn fault_plan() -> BulkPlan {
     BulkPlan {
         count: 10_000,
-        max_size: 16 << 10,
+        max_size: 8 << 10,
         big_every: 500,
-        small_max: 512,
+        small_max: 256,
     }
 }
 

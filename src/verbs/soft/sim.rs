@@ -2,7 +2,8 @@
 //!
 //! ```text
 //!  step(): every core ─ handle_timeout(now), poll_transmit ─► Link faults
-//!          (loss, duplication, delay + jitter = reordering, ACK delay, partition)
+//!          (loss, duplication, delay, jitter and hold-back reordering, ACK delay,
+//!          partition)
 //!          ─► in-flight heap ordered by (arrival, sequence)
 //!          jump `now` to the next arrival or timer ─► handle_datagram / handle_timeout
 //! ```
@@ -34,6 +35,10 @@ pub struct LinkConfig {
     pub delay: Duration,
     /// Extra delay drawn uniformly in `0..=jitter`; reorders packets.
     pub jitter: Duration,
+    /// Probability a packet is held back by `reorder_delay`, so later ones overtake it.
+    pub reorder: f64,
+    /// Extra delay of a held-back packet.
+    pub reorder_delay: Duration,
     /// Probability a packet is dropped.
     pub loss: f64,
     /// Probability a packet is delivered twice.
@@ -49,6 +54,8 @@ impl Default for LinkConfig {
         LinkConfig {
             delay: Duration::from_micros(5),
             jitter: Duration::ZERO,
+            reorder: 0.0,
+            reorder_delay: Duration::ZERO,
             loss: 0.0,
             duplicate: 0.0,
             ack_delay: Duration::ZERO,
@@ -213,11 +220,14 @@ impl SimNet {
                 let nanos = u64::try_from(link.jitter.as_nanos()).unwrap_or(u64::MAX);
                 Duration::from_nanos(self.rng.random_range(0..=nanos))
             };
-            let extra = if is_ack {
+            let mut extra = if is_ack {
                 link.ack_delay
             } else {
                 Duration::ZERO
             };
+            if self.rng.random_bool(link.reorder.clamp(0.0, 1.0)) {
+                extra += link.reorder_delay;
+            }
             self.seq += 1;
             self.queue.push(Reverse(InFlight {
                 at: self.now + link.delay + jitter + extra,
