@@ -66,3 +66,183 @@ impl Harness for UdpHarness {
 }
 
 verbs_suite!(UdpHarness);
+
+/// Capture loopback traffic of two soft devices with tshark, decode it as
+/// RoCEv2 and check every packet decodes (no malformed packets, the opcodes
+/// and AETH syndromes we sent). Skips, saying why, without tshark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tshark_decodes_soft_roce() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+
+    if Command::new("tshark").arg("--version").output().is_err() {
+        eprintln!("skipping tshark_decodes_soft_roce: tshark is not installed");
+        return;
+    }
+    let mut h = UdpHarness;
+    let params = verbs_suite::Params {
+        rnr_retry: 7,
+        min_rnr_timer: 1,
+        ..verbs_suite::Params::default()
+    };
+    let (mut a, b) = verbs_suite::connect(&mut h, params).await;
+    let ports = [a.dev.udp_port(), b.dev.udp_port()];
+    let dir =
+        std::env::temp_dir().join(format!("qpmux-tshark-{}-{}", std::process::id(), ports[0]));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let pcap = dir.join("soft-roce.pcapng");
+    let filter = format!("udp port {} or udp port {}", ports[0], ports[1]);
+    let child = Command::new("tshark")
+        .args(["-i", "lo", "-f", &filter, "-w"])
+        .arg(&pcap)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("skipping tshark_decodes_soft_roce: cannot start tshark: {e}");
+            return;
+        }
+    };
+    // Wait for the capture to start (a state, not a duration).
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut started = false;
+    while let Ok(line) = rx.recv_timeout(FAILSAFE) {
+        if line.contains("Capturing on") {
+            started = true;
+            break;
+        }
+        eprintln!("tshark: {line}");
+    }
+    // The file appears once dumpcap really captures.
+    let give_up = std::time::Instant::now() + FAILSAFE;
+    while started && !pcap.exists() {
+        started = std::time::Instant::now() < give_up;
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if !started {
+        let _ = child.kill();
+        eprintln!("skipping tshark_decodes_soft_roce: tshark could not capture on lo");
+        return;
+    }
+
+    // Traffic: SEND Only, Only+Imm, First/Middle/Last+Imm, an RNR NAK, then a
+    // length error (NAK invalid request).
+    for (i, len) in [(0u64, 5usize), (1, 0), (2, 3000)].into_iter() {
+        b.post_recv(i, i as usize * 4096, 4096);
+        a.post_send(i, 0, len, (i > 0).then_some(i as u32), true)
+            .expect("send");
+    }
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 3, 0).await);
+    a.post_send(3, 0, 100, None, true).expect("send");
+    let dev = &b.dev;
+    assert!(h.wait_until(|| dev.counters().rnr_naks_sent >= 1).await);
+    b.post_recv(3, 0, 4096);
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 4, 0).await);
+    b.post_recv(4, 0, 10);
+    a.post_send(4, 0, 100, None, true).expect("send");
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 5, 0).await);
+
+    // Stop only once dumpcap has written every datagram the devices sent.
+    let sent = a.dev.stats().tx_datagrams + b.dev.stats().tx_datagrams;
+    let give_up = std::time::Instant::now() + FAILSAFE;
+    loop {
+        let out = Command::new("tshark")
+            .arg("-r")
+            .arg(&pcap)
+            .args(["-T", "fields", "-e", "frame.number"])
+            .stderr(Stdio::null())
+            .output()
+            .expect("tshark -r");
+        let seen = String::from_utf8_lossy(&out.stdout).lines().count() as u64;
+        if seen >= sent || std::time::Instant::now() > give_up {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pid = child.id().to_string();
+    let _ = Command::new("kill").args(["-INT", &pid]).status();
+    let _ = child.wait();
+
+    // Wireshark ≥ 4.2 names the RoCEv2 dissector `rroce`; 4.0 binds UDP
+    // 4791 to `infiniband` directly.
+    let decodes = Command::new("tshark")
+        .args(["-G", "decodes"])
+        .output()
+        .expect("tshark -G");
+    let dissector = if String::from_utf8_lossy(&decodes.stdout).contains("\trroce") {
+        "rroce"
+    } else {
+        "infiniband"
+    };
+    let mut decode = Command::new("tshark");
+    decode.arg("-r").arg(&pcap);
+    for p in ports {
+        decode.args(["-d", &format!("udp.port=={p},{dissector}")]);
+    }
+    decode.args([
+        "--disable-protocol",
+        "rpcordma",
+        "-T",
+        "fields",
+        "-E",
+        "separator=;",
+        "-e",
+        "infiniband.bth.opcode",
+        "-e",
+        "infiniband.bth.psn",
+        "-e",
+        "infiniband.aeth.syndrome",
+        "-e",
+        "_ws.malformed",
+        "-e",
+        "_ws.expert.severity",
+    ]);
+    let out = decode.output().expect("tshark -r");
+    assert!(
+        out.status.success(),
+        "tshark -r failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rows: Vec<Vec<&str>> = text.lines().map(|l| l.split(';').collect()).collect();
+    assert_eq!(rows.len() as u64, sent, "every datagram captured:\n{text}");
+    let mut opcodes = std::collections::BTreeSet::new();
+    let mut syndromes = std::collections::BTreeSet::new();
+    for row in &rows {
+        assert_eq!(row.len(), 5, "unexpected row {row:?}");
+        assert!(
+            !row[0].is_empty(),
+            "packet not decoded as InfiniBand: {row:?}"
+        );
+        assert!(row[3].is_empty(), "malformed packet: {row:?}");
+        opcodes.insert(row[0].to_string());
+        if !row[2].is_empty() {
+            syndromes.insert(row[2].to_string());
+        }
+    }
+    // SEND First 0, Middle 1, Last+Imm 3, Only 4, Only+Imm 5, ACK 17.
+    for op in ["0", "1", "3", "4", "5", "17"] {
+        assert!(opcodes.contains(op), "opcode {op} missing from {opcodes:?}");
+    }
+    // ACK 0x1f (31), RNR NAK with timer 1 (0x21 = 33), NAK invalid request (0x61 = 97).
+    for s in ["31", "33", "97"] {
+        assert!(
+            syndromes.contains(s),
+            "syndrome {s} missing from {syndromes:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
