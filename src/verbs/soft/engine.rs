@@ -827,3 +827,7 @@ impl QpEngine {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+mod tests;
