@@ -133,7 +133,9 @@ async fn tshark_decodes_soft_roce() {
         std::thread::sleep(Duration::from_millis(5));
     }
     if !started {
-        let _ = child.kill();
+        if let Err(e) = child.kill() {
+            eprintln!("could not stop tshark: {e}");
+        }
         eprintln!("skipping tshark_decodes_soft_roce: tshark could not capture on lo");
         return;
     }
@@ -173,8 +175,9 @@ async fn tshark_decodes_soft_roce() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let pid = child.id().to_string();
-    let _ = Command::new("kill").args(["-INT", &pid]).status();
-    let _ = child.wait();
+    let stopped = Command::new("kill").args(["-INT", &pid]).status();
+    assert!(stopped.is_ok_and(|s| s.success()), "SIGINT to tshark");
+    child.wait().expect("tshark exits");
 
     // Wireshark ≥ 4.2 names the RoCEv2 dissector `rroce`; 4.0 binds UDP
     // 4791 to `infiniband` directly.
@@ -244,5 +247,17 @@ async fn tshark_decodes_soft_roce() {
             "syndrome {s} missing from {syndromes:?}"
         );
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(e) = std::fs::remove_dir_all(&dir) {
+        eprintln!("leaving {}: {e}", dir.display());
+    }
+}
+
+#[test]
+fn soft_device_is_always_listed() {
+    let devices = qpmux::verbs::list_devices();
+    assert!(
+        devices
+            .iter()
+            .any(|d| d.provider == qpmux::verbs::ProviderKind::Soft)
+    );
 }

@@ -539,6 +539,31 @@ impl fmt::Display for QpOp {
     }
 }
 
+/// Which provider implements a listed device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProviderKind {
+    /// The userspace RoCEv2 provider ([`soft`]); always present.
+    Soft,
+}
+
+/// One entry of [`list_devices`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Device name (`ibv_get_device_name`).
+    pub name: &'static str,
+    /// Provider that opens it.
+    pub provider: ProviderKind,
+}
+
+/// Devices this build can open (`ibv_get_device_list`); the soft device is
+/// always present. Open it with [`soft::SoftDevice::open_udp`].
+pub fn list_devices() -> Vec<DeviceInfo> {
+    vec![DeviceInfo {
+        name: soft::SOFT_DEVICE_NAME,
+        provider: ProviderKind::Soft,
+    }]
+}
+
 /// An opened RDMA device and the factory of its resources.
 pub trait Device: Send + Sync + Sized {
     /// Protection domain.

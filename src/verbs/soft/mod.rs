@@ -502,17 +502,3 @@ impl QueuePair for SoftQp {
         }
     }
 }
-
-/// One entry of [`list_devices`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeviceInfo {
-    /// Device name.
-    pub name: &'static str,
-}
-
-/// Devices this build can open; the soft device is always present.
-pub fn list_devices() -> Vec<DeviceInfo> {
-    vec![DeviceInfo {
-        name: SOFT_DEVICE_NAME,
-    }]
-}
