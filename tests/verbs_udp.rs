@@ -261,3 +261,24 @@ fn soft_device_is_always_listed() {
             .any(|d| d.provider == qpmux::verbs::ProviderKind::Soft)
     );
 }
+
+/// The peer device is dropped (its socket closes): sends fail with
+/// RETRY_EXC_ERR once the retries are spent.
+#[tokio::test]
+async fn peer_device_dropped_gives_retry_exceeded() {
+    let mut h = UdpHarness;
+    let params = verbs_suite::Params {
+        retry_cnt: 2,
+        timeout: 10,
+        ..verbs_suite::Params::default()
+    };
+    let (mut a, b) = verbs_suite::connect(&mut h, params).await;
+    drop(b);
+    a.post_send(1, 0, 10, None, true).expect("send");
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
+    assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::RetryExcErr);
+    assert_eq!(
+        qpmux::verbs::QueuePair::state(&a.qp),
+        qpmux::verbs::QpState::Err
+    );
+}

@@ -691,3 +691,46 @@ pub struct PostError {
     #[source]
     pub source: VerbsError,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn psn_compares_modulo_2_pow_24() {
+        let top = Psn::new(0xff_ffff);
+        assert_eq!(top.add(1), Psn::new(0));
+        assert_eq!(Psn::new(0).sub(1), top);
+        assert_eq!(Psn::new(0).diff(top), 1);
+        assert_eq!(top.diff(Psn::new(0)), -1);
+        assert!(top.before(Psn::new(5)));
+        assert!(!Psn::new(5).before(top));
+        assert_eq!(Psn::new(0x80_0000).diff(Psn::new(0)), -(1 << 23));
+        assert_eq!(Psn::new(0x7f_ffff).diff(Psn::new(0)), (1 << 23) - 1);
+        assert_eq!(Psn::new(0x1ff_ffff), top, "only 24 bits are kept");
+    }
+
+    #[test]
+    fn mtu_for_link_mtu() {
+        assert_eq!(Mtu::for_link_mtu(1500), Some(Mtu::Mtu1024));
+        assert_eq!(Mtu::for_link_mtu(9000), Some(Mtu::Mtu4096));
+        assert_eq!(Mtu::for_link_mtu(65536), Some(Mtu::Mtu4096));
+        assert_eq!(Mtu::for_link_mtu(100), None);
+    }
+
+    #[test]
+    fn ack_timeout_is_4096ns_times_2_pow_timeout() {
+        let attr = |timeout| RtsAttr {
+            sq_psn: Psn::new(0),
+            timeout,
+            retry_cnt: 0,
+            rnr_retry: 0,
+        };
+        assert_eq!(attr(0).ack_timeout(), None);
+        assert_eq!(attr(1).ack_timeout(), Some(Duration::from_nanos(8192)));
+        assert_eq!(
+            attr(14).ack_timeout(),
+            Some(Duration::from_nanos(4096 << 14))
+        );
+    }
+}

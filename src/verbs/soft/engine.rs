@@ -247,6 +247,9 @@ pub(crate) struct QpEngine {
     retry_left: u8,
     rnr_left: u8,
     rnr_waiting: bool,
+    /// PSN of the last sequence NAK acted on; a repeat without progress is a
+    /// network duplicate (the responder NAKs once per gap).
+    seq_nak_psn: Option<Psn>,
     // Responder.
     rq: VecDeque<RecvWqe>,
     epsn: Psn,
@@ -280,6 +283,7 @@ impl QpEngine {
             retry_left: 0,
             rnr_left: 0,
             rnr_waiting: false,
+            seq_nak_psn: None,
             rq: VecDeque::new(),
             epsn: Psn::new(0),
             msn: 0,
@@ -583,7 +587,7 @@ impl QpEngine {
             AethKind::RnrNak { timer } => {
                 self.counters.rnr_naks_received += 1;
                 self.ack_through(now, psn.sub(1));
-                if self.state != QpState::Rts || self.una != psn {
+                if self.state != QpState::Rts || self.una != psn || self.rnr_waiting {
                     return;
                 }
                 if self.rnr_left == 0 {
@@ -603,9 +607,14 @@ impl QpEngine {
             }
             AethKind::Nak(NakCode::PsnSequenceError) => {
                 self.ack_through(now, psn.sub(1));
-                if self.state != QpState::Rts || self.rnr_waiting || self.una != psn {
+                if self.state != QpState::Rts
+                    || self.rnr_waiting
+                    || self.una != psn
+                    || self.seq_nak_psn == Some(psn)
+                {
                     return;
                 }
+                self.seq_nak_psn = Some(psn);
                 if self.retry_left == 0 {
                     self.enter_error(Some(WcStatus::RetryExcErr));
                     return;
@@ -661,6 +670,7 @@ impl QpEngine {
             self.send_idx = 0;
         }
         if progressed {
+            self.seq_nak_psn = None;
             if let Some(r) = self.rts {
                 self.retry_left = r.retry_cnt;
                 self.rnr_left = r.rnr_retry;

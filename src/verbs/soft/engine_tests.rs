@@ -235,6 +235,11 @@ fn one_nak_per_sequence_error_and_duplicates_are_reacked_not_redelivered() {
     p.deliver_a(&naks);
     let resent = p.transmit_a();
     assert_eq!(resent, pkts, "go-back-N resends the same packets");
+    p.deliver_a(&naks);
+    assert!(
+        p.transmit_a().is_empty(),
+        "a duplicated NAK does not rewind again"
+    );
     p.deliver_b(&resent);
     assert_eq!(Pair::completions(&mut p.b.qp).len(), 3);
     let acks = p.transmit_b();
