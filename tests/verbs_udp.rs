@@ -282,3 +282,90 @@ async fn peer_device_dropped_gives_retry_exceeded() {
         qpmux::verbs::QpState::Err
     );
 }
+
+/// Over IPv6 loopback the GID is the IPv6 address and the ICRC covers the
+/// IPv6 pseudo-header. Skips when `::1` cannot be bound.
+#[tokio::test]
+async fn ping_over_ipv6_loopback() {
+    use qpmux::verbs::{
+        AccessFlags, CompletionQueue, Device, InitAttr, MemoryRegion, Mtu, QpCaps, QueuePair,
+        RecvWr, RtrAttr, RtsAttr, SendOpcode, SendWr, Sge,
+    };
+    let config = UdpConfig {
+        bind: "[::1]:0".parse().expect("addr"),
+        ..UdpConfig::default()
+    };
+    let (Ok(a), Ok(b)) = (
+        SoftDevice::open_udp(config.clone()).await,
+        SoftDevice::open_udp(config).await,
+    ) else {
+        eprintln!("skipping ping_over_ipv6_loopback: cannot bind [::1]");
+        return;
+    };
+    assert_eq!(a.gid().to_ipv4(), None);
+    let mut ends = Vec::new();
+    for dev in [&a, &b] {
+        let pd = dev.alloc_pd().expect("pd");
+        let cq = dev.create_cq(16).expect("cq");
+        let qp = dev.create_qp(&pd, &cq, &cq, QpCaps::default()).expect("qp");
+        let mr = dev.reg_mr(&pd, 4096, AccessFlags::LOCAL_WRITE).expect("mr");
+        qp.modify_to_init(InitAttr {
+            access: AccessFlags::LOCAL_WRITE,
+        })
+        .expect("init");
+        ends.push((cq, qp, mr));
+    }
+    for (me, peer, dev) in [(0, 1, &b), (1, 0, &a)] {
+        let port = dev.query_port();
+        let qp = &ends[me].1;
+        qp.modify_to_rtr(RtrAttr {
+            path_mtu: Mtu::Mtu1024,
+            dest_qpn: ends[peer].1.qp_num(),
+            rq_psn: ends[peer].1.initial_psn(),
+            remote_gid: port.gid_table[0],
+            remote_udp_port: port.udp_port,
+            min_rnr_timer: 1,
+        })
+        .expect("rtr");
+        qp.modify_to_rts(RtsAttr {
+            sq_psn: qp.initial_psn(),
+            timeout: 12,
+            retry_cnt: 3,
+            rnr_retry: 3,
+        })
+        .expect("rts");
+    }
+    let (cq_b, qp_b, mr_b) = &ends[1];
+    qp_b.post_recv(&[RecvWr {
+        wr_id: 1,
+        sg_list: &[Sge {
+            mr: mr_b,
+            offset: 0,
+            len: 4096,
+        }],
+    }])
+    .expect("recv");
+    let (_, qp_a, mr_a) = &ends[0];
+    mr_a.write(0, b"over ipv6").expect("write");
+    qp_a.post_send(&[SendWr {
+        wr_id: 1,
+        opcode: SendOpcode::Send,
+        sg_list: &[Sge {
+            mr: mr_a,
+            offset: 0,
+            len: 9,
+        }],
+        signaled: true,
+        inline: false,
+    }])
+    .expect("send");
+    let mut wc = [verbs_suite::blank_wc()];
+    let mut h = UdpHarness;
+    assert!(
+        h.wait_until(|| cq_b.poll(&mut wc).expect("poll") == 1)
+            .await
+    );
+    assert_eq!(wc[0].status, qpmux::verbs::WcStatus::Success);
+    assert_eq!(mr_b.read(0, 9).expect("read"), b"over ipv6");
+    assert_eq!(b.stats().rx_malformed, 0);
+}

@@ -595,6 +595,16 @@ pub async fn state_machine_misuse<H: Harness>(h: &mut H) {
     assert!(a.qp.modify_to_rts(rts).is_err(), "INIT -> RTS");
     assert!(a.post_send(1, 0, 1, None, true).is_err(), "send in INIT");
     a.post_recv(1, 0, 16);
+    let too_big = RtrAttr {
+        path_mtu: Mtu::Mtu4096,
+        ..rtr
+    };
+    if a.dev.query_port().active_mtu < Mtu::Mtu4096 {
+        assert!(
+            a.qp.modify_to_rtr(too_big).is_err(),
+            "path MTU above the active MTU"
+        );
+    }
     let bad_rtr = RtrAttr {
         min_rnr_timer: 32,
         ..rtr
@@ -649,6 +659,25 @@ pub async fn state_machine_misuse<H: Harness>(h: &mut H) {
         }])
         .is_err(),
         "a receive into a local-read-only region"
+    );
+    // A region of another protection domain.
+    let other_pd = a.dev.alloc_pd().expect("pd");
+    let foreign = a
+        .dev
+        .reg_mr(&other_pd, 64, AccessFlags::LOCAL_WRITE)
+        .expect("reg_mr");
+    let sge = [Sge {
+        mr: &foreign,
+        offset: 0,
+        len: 8,
+    }];
+    assert!(
+        a.qp.post_recv(&[RecvWr {
+            wr_id: 3,
+            sg_list: &sge
+        }])
+        .is_err(),
+        "a region of another PD"
     );
     // The send queue fills: nothing acknowledges (the peer is still in RESET).
     let mut full = None;
