@@ -34,6 +34,11 @@ pub struct UdpConfig {
     pub bind: SocketAddr,
     /// Device settings.
     pub soft: SoftConfig,
+    /// `SO_RCVBUF` and `SO_SNDBUF` to ask for (the kernel caps them at
+    /// `net.core.rmem_max`/`wmem_max`). A window of 128 packets must fit, or
+    /// the receiving socket drops the tail of a burst and recovery waits
+    /// for the local ACK timeout.
+    pub socket_buffer: usize,
 }
 
 impl Default for UdpConfig {
@@ -41,6 +46,7 @@ impl Default for UdpConfig {
         UdpConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             soft: SoftConfig::default(),
+            socket_buffer: 4 << 20,
         }
     }
 }
@@ -66,6 +72,25 @@ fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> VerbsError {
     move |e| VerbsError::Io { op, kind: e.kind() }
 }
 
+fn bind(config: &UdpConfig) -> std::io::Result<UdpSocket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(
+        Domain::for_address(config.bind),
+        Type::DGRAM,
+        Some(Protocol::UDP),
+    )?;
+    // Best effort: a smaller buffer only costs throughput.
+    if let Err(e) = socket.set_recv_buffer_size(config.socket_buffer) {
+        tracing::debug!(error = %e, "SO_RCVBUF not set");
+    }
+    if let Err(e) = socket.set_send_buffer_size(config.socket_buffer) {
+        tracing::debug!(error = %e, "SO_SNDBUF not set");
+    }
+    socket.set_nonblocking(true)?;
+    socket.bind(&config.bind.into())?;
+    UdpSocket::from_std(socket.into())
+}
+
 impl SoftDevice {
     /// Open a soft device on a UDP socket and start its driver task.
     /// Must be called inside a tokio runtime.
@@ -75,7 +100,7 @@ impl SoftDevice {
                 attr: "bind address must be a concrete IP (it is the GID)",
             });
         }
-        let socket = UdpSocket::bind(config.bind).await.map_err(io("bind"))?;
+        let socket = bind(&config).map_err(io("bind"))?;
         let local = socket.local_addr().map_err(io("local_addr"))?;
         let seed = config.soft.seed.unwrap_or_else(rand::random);
         let core = DeviceCore::new(
