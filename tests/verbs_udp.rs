@@ -369,3 +369,47 @@ async fn ping_over_ipv6_loopback() {
     assert_eq!(mr_b.read(0, 9).expect("read"), b"over ipv6");
     assert_eq!(b.stats().rx_malformed, 0);
 }
+
+/// The partition fault hook: while the peer device is cut off the sender's
+/// local ACK timeouts fire; after healing the send completes.
+#[tokio::test]
+async fn partition_hook_then_heal_delivers() {
+    let mut h = UdpHarness;
+    let params = verbs_suite::Params {
+        retry_cnt: 7,
+        timeout: 12,
+        ..verbs_suite::Params::default()
+    };
+    let (mut a, mut b) = verbs_suite::connect(&mut h, params).await;
+    b.post_recv(1, 0, 64);
+    b.dev.set_partitioned(true);
+    a.post_send(1, 0, 8, None, true).expect("send");
+    let dev = &a.dev;
+    assert!(h.wait_until(|| dev.counters().ack_timeouts >= 1).await);
+    b.dev.set_partitioned(false);
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
+    assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::Success);
+    assert!(verbs_suite::wait_wcs(&mut h, &mut b, 0, 1).await);
+    assert!(b.dev.stats().fault_dropped >= 1);
+}
+
+/// The active MTU follows the link MTU it is given (1500 → 1024).
+#[tokio::test]
+async fn active_mtu_follows_link_mtu() {
+    use qpmux::verbs::soft::{SoftConfig, udp::interface_mtu};
+    use qpmux::verbs::{Device, Mtu};
+    let config = UdpConfig {
+        soft: SoftConfig {
+            active_mtu: Mtu::Mtu4096,
+            ..SoftConfig::default()
+        },
+        link_mtu: Some(1500),
+        ..UdpConfig::default()
+    };
+    let dev = SoftDevice::open_udp(config).await.expect("open");
+    assert_eq!(dev.query_port().active_mtu, Mtu::Mtu1024);
+    if let Ok(lo) = interface_mtu("lo") {
+        assert!(lo >= 1500, "loopback MTU {lo}");
+        assert!(Mtu::for_link_mtu(lo).is_some());
+    }
+}

@@ -36,6 +36,8 @@ pub struct DeviceStats {
     pub rx_unknown_qp: u64,
     /// Datagrams emitted.
     pub tx_datagrams: u64,
+    /// Datagrams dropped (either way) by the partition fault hook.
+    pub fault_dropped: u64,
 }
 
 pub(crate) struct QpEntry {
@@ -61,6 +63,8 @@ pub(crate) struct DeviceCore {
     qps: BTreeMap<Qpn, QpEntry>,
     rr_next: Qpn,
     pub stats: DeviceStats,
+    /// Fault hook: drop every datagram in and out, as a cut cable would.
+    pub partitioned: bool,
 }
 
 impl DeviceCore {
@@ -76,6 +80,7 @@ impl DeviceCore {
             qps: BTreeMap::new(),
             rr_next: Qpn::new(0),
             stats: DeviceStats::default(),
+            partitioned: false,
         }
     }
 
@@ -142,6 +147,10 @@ impl DeviceCore {
     /// An untrusted datagram from `src`:`src_port`.
     pub fn handle_datagram(&mut self, now: Instant, src: Gid, src_port: u16, bytes: &[u8]) {
         self.stats.rx_datagrams += 1;
+        if self.partitioned {
+            self.stats.fault_dropped += 1;
+            return;
+        }
         let Ok(bth) = Bth::new_checked(bytes) else {
             self.stats.rx_malformed += 1;
             return;
@@ -186,6 +195,16 @@ impl DeviceCore {
 
     /// Next datagram of any QP, round robin from the QP after the last sender.
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        loop {
+            let t = self.poll_transmit_any(now, buf)?;
+            if !self.partitioned {
+                return Some(t);
+            }
+            self.stats.fault_dropped += 1;
+        }
+    }
+
+    fn poll_transmit_any(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
         let first = |qps: &BTreeMap<Qpn, QpEntry>, from: Bound<Qpn>| {
             qps.range((from, Bound::Unbounded))
                 .next()

@@ -213,6 +213,14 @@ impl SoftDevice {
         self.shared.core().stats
     }
 
+    /// Fault hook: while partitioned the device drops every datagram it would
+    /// send or receive (QPs stay up; their peers see silence and retry).
+    /// Killing one QP instead is `QueuePair::modify_to_error`.
+    pub fn set_partitioned(&self, partitioned: bool) {
+        self.shared.core().partitioned = partitioned;
+        self.shared.kick.notify_one();
+    }
+
     /// Counters summed over every live QP (RNR NAKs, rewinds, ...).
     pub fn counters(&self) -> QpCounters {
         self.shared.core().total_counters()

@@ -21,7 +21,7 @@ use tokio::net::UdpSocket;
 use super::device::DeviceCore;
 use super::wire::MAX_OVERHEAD;
 use super::{DeviceShared, Instant, SoftConfig, SoftDevice};
-use crate::verbs::{Gid, VerbsError};
+use crate::verbs::{Gid, Mtu, VerbsError};
 
 /// Datagrams handled per turn in each direction, so neither starves the other.
 const BATCH: usize = 64;
@@ -39,6 +39,18 @@ pub struct UdpConfig {
     /// the receiving socket drops the tail of a burst and recovery waits
     /// for the local ACK timeout.
     pub socket_buffer: usize,
+    /// MTU of the link under the bind address (e.g. from
+    /// [`interface_mtu`]); caps the active MTU to what fits
+    /// (1500 → 1024). `None` keeps `soft.active_mtu`.
+    pub link_mtu: Option<usize>,
+}
+
+/// The MTU of network interface `name`, from `/sys/class/net/<name>/mtu`.
+pub fn interface_mtu(name: &str) -> std::io::Result<usize> {
+    let text = std::fs::read_to_string(format!("/sys/class/net/{name}/mtu"))?;
+    text.trim()
+        .parse()
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "MTU is not a number"))
 }
 
 impl Default for UdpConfig {
@@ -47,6 +59,7 @@ impl Default for UdpConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             soft: SoftConfig::default(),
             socket_buffer: 4 << 20,
+            link_mtu: None,
         }
     }
 }
@@ -103,12 +116,16 @@ impl SoftDevice {
         let socket = bind(&config).map_err(io("bind"))?;
         let local = socket.local_addr().map_err(io("local_addr"))?;
         let seed = config.soft.seed.unwrap_or_else(rand::random);
-        let core = DeviceCore::new(
-            gid_of(local.ip()),
-            local.port(),
-            config.soft.active_mtu,
-            seed,
-        );
+        let active_mtu = match config.link_mtu {
+            Some(link) => {
+                let fits = Mtu::for_link_mtu(link).ok_or(VerbsError::InvalidAttr {
+                    attr: "link_mtu below the smallest RoCE MTU",
+                })?;
+                fits.min(config.soft.active_mtu)
+            }
+            None => config.soft.active_mtu,
+        };
+        let core = DeviceCore::new(gid_of(local.ip()), local.port(), active_mtu, seed);
         let dev = SoftDevice::from_core(core);
         let weak = Arc::downgrade(dev.shared());
         let kick = dev.shared().kick.clone();
