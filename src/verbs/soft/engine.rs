@@ -33,6 +33,8 @@ use crate::verbs::{
 
 /// Most PSNs the requester keeps unacknowledged.
 pub(crate) const MAX_UNACKED: u32 = 128;
+/// PSNs the send queue may hold allocated (under half the 24-bit space).
+pub(crate) const MAX_OUTSTANDING_PSNS: u32 = (1 << 23) - 1;
 /// The requester asks for an ACK at least this often.
 pub(crate) const ACK_REQ_EVERY: u32 = 64;
 /// Responses (ACK/NAK) the responder queues; older ACKs are superseded.
@@ -395,6 +397,16 @@ impl QpEngine {
         }
         let mtu = self.path.map_or(1024, |p| p.mtu.bytes());
         wqe.npkts = wqe.len.div_ceil(mtu).max(1) as u32;
+        // Every allocated PSN must stay inside the ±2^23 comparison window.
+        let allocated = self.alloc_psn.diff(self.una) as usize;
+        let max = MAX_OUTSTANDING_PSNS as usize;
+        if allocated + wqe.npkts as usize > max {
+            return Err(VerbsError::TooLarge {
+                cap: "outstanding packets",
+                got: allocated + wqe.npkts as usize,
+                max,
+            });
+        }
         wqe.first_psn = self.alloc_psn;
         self.alloc_psn = self.alloc_psn.add(wqe.npkts);
         self.sq.push_back(wqe);
