@@ -8,9 +8,10 @@
 //!          jump `now` to the next arrival or timer ─► handle_datagram / handle_timeout
 //! ```
 //!
-//! Owner: the test that holds the `SimNet`. One seeded RNG draws every fault
-//! and every device seed, and devices are visited in creation order, so a
-//! seed replays the same run exactly. Nothing reads the wall clock.
+//! Owner: the test that holds the `SimNet`. Device seeds come from the
+//! network seed, each direction of each link has its own RNG derived from
+//! it, and devices are visited in creation order, so a seed replays the same
+//! run exactly. Nothing reads the wall clock.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -100,7 +101,11 @@ pub enum DriveOutcome {
 /// A simulated network of soft devices.
 pub struct SimNet {
     now: Instant,
+    seed: u64,
     rng: SmallRng,
+    /// One RNG per direction, so faults on one link do not depend on
+    /// traffic on another.
+    link_rngs: BTreeMap<(usize, usize), SmallRng>,
     devices: Vec<SoftDevice>,
     by_addr: BTreeMap<Gid, usize>,
     links: BTreeMap<(usize, usize), LinkConfig>,
@@ -116,7 +121,9 @@ impl SimNet {
     pub fn new(seed: u64) -> SimNet {
         SimNet {
             now: Instant::ZERO,
+            seed,
             rng: SmallRng::seed_from_u64(seed),
+            link_rngs: BTreeMap::new(),
             devices: Vec::new(),
             by_addr: BTreeMap::new(),
             links: BTreeMap::new(),
@@ -202,11 +209,16 @@ impl SimNet {
     fn send(&mut self, src: usize, dst: usize, bytes: Vec<u8>) {
         self.stats.sent += 1;
         let link = self.link(src, dst);
-        if link.partitioned || self.rng.random_bool(link.loss.clamp(0.0, 1.0)) {
+        let seed = self.seed;
+        let rng = self.link_rngs.entry((src, dst)).or_insert_with(|| {
+            let direction = ((src as u64) << 32) | dst as u64;
+            SmallRng::seed_from_u64(seed ^ direction.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        });
+        if link.partitioned || rng.random_bool(link.loss.clamp(0.0, 1.0)) {
             self.stats.dropped += 1;
             return;
         }
-        let copies = if self.rng.random_bool(link.duplicate.clamp(0.0, 1.0)) {
+        let copies = if rng.random_bool(link.duplicate.clamp(0.0, 1.0)) {
             self.stats.duplicated += 1;
             2
         } else {
@@ -218,14 +230,14 @@ impl SimNet {
                 Duration::ZERO
             } else {
                 let nanos = u64::try_from(link.jitter.as_nanos()).unwrap_or(u64::MAX);
-                Duration::from_nanos(self.rng.random_range(0..=nanos))
+                Duration::from_nanos(rng.random_range(0..=nanos))
             };
             let mut extra = if is_ack {
                 link.ack_delay
             } else {
                 Duration::ZERO
             };
-            if self.rng.random_bool(link.reorder.clamp(0.0, 1.0)) {
+            if rng.random_bool(link.reorder.clamp(0.0, 1.0)) {
                 extra += link.reorder_delay;
             }
             self.seq += 1;
