@@ -206,7 +206,7 @@ impl std::ops::BitOr for AccessFlags {
 pub struct PortAttr {
     /// Active MTU of the port.
     pub active_mtu: Mtu,
-    /// GID table; index 0 is the RoCEv2 GID a link should use.
+    /// GID table, never empty; index 0 is the RoCEv2 GID a link should use.
     pub gid_table: Vec<Gid>,
     /// UDP port the device receives RoCEv2 on (4791 on hardware).
     pub udp_port: u16,
@@ -281,6 +281,54 @@ pub struct RtrAttr {
     pub remote_udp_port: u16,
     /// RNR NAK timer code (0..=31) this responder asks senders to wait.
     pub min_rnr_timer: u8,
+}
+
+/// What one side publishes so the other can connect to its QP (the QP part
+/// of a bootstrap hello).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpAddress {
+    /// The QP's number.
+    pub qpn: Qpn,
+    /// The first PSN it will send (its `sq_psn`).
+    pub psn: Psn,
+    /// The device's GID.
+    pub gid: Gid,
+    /// The device's RoCEv2 UDP port.
+    pub udp_port: u16,
+    /// The device's active MTU.
+    pub mtu: Mtu,
+}
+
+impl QpAddress {
+    /// The address of `qp` on `dev` (GID index 0).
+    pub fn of<D: Device>(dev: &D, qp: &D::Qp) -> QpAddress {
+        let port = dev.query_port();
+        QpAddress {
+            qpn: qp.qp_num(),
+            psn: qp.initial_psn(),
+            gid: *port
+                .gid_table
+                .first()
+                .expect("a port lists at least its RoCEv2 GID"),
+            udp_port: port.udp_port,
+            mtu: port.active_mtu,
+        }
+    }
+}
+
+impl RtrAttr {
+    /// RTR attributes to reach `peer`: path MTU is the smaller of both
+    /// sides' MTUs.
+    pub fn for_peer(peer: &QpAddress, local_mtu: Mtu, min_rnr_timer: u8) -> RtrAttr {
+        RtrAttr {
+            path_mtu: peer.mtu.min(local_mtu),
+            dest_qpn: peer.qpn,
+            rq_psn: peer.psn,
+            remote_gid: peer.gid,
+            remote_udp_port: peer.udp_port,
+            min_rnr_timer,
+        }
+    }
 }
 
 /// Attributes of the RTR → RTS transition: how this requester retries.

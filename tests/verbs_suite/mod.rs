@@ -13,8 +13,8 @@ use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
 use qpmux::verbs::{
-    AccessFlags, CompletionQueue, Device, InitAttr, MemoryRegion, Mtu, QpCaps, QpState, QueuePair,
-    RecvWr, RtrAttr, RtsAttr, SendOpcode, SendWr, Sge, VerbsError, WcOpcode, WcStatus,
+    AccessFlags, CompletionQueue, Device, InitAttr, MemoryRegion, Mtu, QpAddress, QpCaps, QpState,
+    QueuePair, RecvWr, RtrAttr, RtsAttr, SendOpcode, SendWr, Sge, VerbsError, WcOpcode, WcStatus,
     WorkCompletion,
 };
 
@@ -197,16 +197,9 @@ pub async fn connect<H: Harness>(h: &mut H, p: Params) -> (Endpoint<H::Dev>, End
         .expect("to INIT");
     }
     let link = |me: &Endpoint<H::Dev>, peer: &Endpoint<H::Dev>| {
-        let port = peer.dev.query_port();
+        let addr = QpAddress::of(&peer.dev, &peer.qp);
         me.qp
-            .modify_to_rtr(RtrAttr {
-                path_mtu: p.mtu,
-                dest_qpn: peer.qp.qp_num(),
-                rq_psn: peer.qp.initial_psn(),
-                remote_gid: port.gid_table[0],
-                remote_udp_port: port.udp_port,
-                min_rnr_timer: p.min_rnr_timer,
-            })
+            .modify_to_rtr(RtrAttr::for_peer(&addr, p.mtu, p.min_rnr_timer))
             .expect("to RTR");
         me.qp
             .modify_to_rts(RtsAttr {
