@@ -76,7 +76,7 @@ impl Harness for SimHarness {
                 count: 10_000,
                 max_size: 1 << 20,
                 big_every: 250,
-                small_max: 8192,
+                small_max: 4096,
             }
         }
     }

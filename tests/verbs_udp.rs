@@ -59,7 +59,7 @@ impl Harness for UdpHarness {
                 count: 10_000,
                 max_size: 1 << 20,
                 big_every: 250,
-                small_max: 8192,
+                small_max: 4096,
             }
         }
     }

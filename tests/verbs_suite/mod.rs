@@ -396,6 +396,10 @@ pub async fn many_messages<H: Harness>(h: &mut H, plan: BulkPlan, p: Params) -> 
         }
     }
     assert!(wait_wcs(h, &mut a, 0, 0).await);
+    assert!(
+        bytes <= 64 << 20,
+        "the plan stays within 64 MiB ({bytes} bytes)"
+    );
     assert_eq!(a.qp.state(), QpState::Rts);
     assert_eq!(b.qp.state(), QpState::Rts);
     bytes
