@@ -13,6 +13,54 @@
 //! link layer is generic over `D: Device` (docs/soft-provider.md, Rulings).
 //! Providers: [`soft`] (userspace RoCEv2 RC over UDP, or over a simulated
 //! network) is always present.
+//!
+//! One SEND_WITH_IMM between two QPs, over the simulated network (with
+//! `SoftDevice::open_udp` instead, the driver task replaces `net.drive`):
+//!
+//! ```
+//! use qpmux::verbs::soft::{sim::SimNet, SoftConfig};
+//! use qpmux::verbs::*;
+//!
+//! let mut net = SimNet::new(7);
+//! let devs = [net.add_device(SoftConfig::default()), net.add_device(SoftConfig::default())];
+//! let mut ends = Vec::new();
+//! for dev in &devs {
+//!     let pd = dev.alloc_pd()?;
+//!     let cq = dev.create_cq(64)?;
+//!     let qp = dev.create_qp(&pd, &cq, &cq, QpCaps::default())?;
+//!     let mr = dev.reg_mr(&pd, 4096, AccessFlags::LOCAL_WRITE)?;
+//!     qp.modify_to_init(InitAttr { access: AccessFlags::LOCAL_WRITE })?;
+//!     ends.push((cq, qp, mr));
+//! }
+//! // Exchange addresses (a bootstrap connection does this), then RTR and RTS.
+//! let addrs = [QpAddress::of(&devs[0], &ends[0].1), QpAddress::of(&devs[1], &ends[1].1)];
+//! for (i, (_, qp, _)) in ends.iter().enumerate() {
+//!     qp.modify_to_rtr(RtrAttr::for_peer(&addrs[1 - i], Mtu::Mtu1024, 12))?;
+//!     qp.modify_to_rts(RtsAttr { sq_psn: addrs[i].psn, timeout: 14, retry_cnt: 7, rnr_retry: 7 })?;
+//! }
+//! let (cq_b, qp_b, mr_b) = &ends[1];
+//! qp_b.post_recv(&[RecvWr { wr_id: 1, sg_list: &[Sge { mr: mr_b, offset: 0, len: 4096 }] }])
+//!     .map_err(|e| e.source)?;
+//! let (_, qp_a, mr_a) = &ends[0];
+//! mr_a.with_mut(0, 5, |buf| buf.copy_from_slice(b"hello"))?; // encode in place
+//! qp_a.post_send(&[SendWr {
+//!     wr_id: 9,
+//!     opcode: SendOpcode::SendWithImm(42),
+//!     sg_list: &[Sge { mr: mr_a, offset: 0, len: 5 }],
+//!     signaled: true,
+//!     inline: false,
+//! }])
+//! .map_err(|e| e.source)?;
+//! net.drive(10_000);
+//! let mut wcs = [WorkCompletion {
+//!     wr_id: 0, status: WcStatus::Success, opcode: WcOpcode::Send,
+//!     byte_len: 0, imm: None, qp_num: Qpn::new(0),
+//! }; 4];
+//! assert_eq!(cq_b.poll(&mut wcs)?, 1);
+//! assert_eq!((wcs[0].status, wcs[0].imm, wcs[0].byte_len), (WcStatus::Success, Some(42), 5));
+//! assert_eq!(mr_b.with(0, 5, |buf| buf == b"hello")?, true);
+//! # Ok::<(), VerbsError>(())
+//! ```
 
 use std::fmt;
 use std::future::Future;
