@@ -144,8 +144,10 @@ async fn run(
     let start = std::time::Instant::now();
     let now = || Instant::from_start(start.elapsed());
     let mut rx = vec![0u8; 65_536];
-    let mut tx = vec![0u8; 4096 + MAX_OVERHEAD];
-    let mut out: Vec<(SocketAddr, Vec<u8>)> = Vec::with_capacity(BATCH);
+    const MAX_PACKET: usize = 4096 + MAX_OVERHEAD;
+    // Packets of one turn are emitted straight into one arena.
+    let mut arena: Vec<u8> = Vec::with_capacity(BATCH * MAX_PACKET);
+    let mut out: Vec<(SocketAddr, std::ops::Range<usize>)> = Vec::with_capacity(BATCH);
     loop {
         // Handle timers and collect output under the lock; send without it.
         let deadline = {
@@ -153,17 +155,22 @@ async fn run(
             let mut core = shared.core();
             let t = now();
             core.handle_timeout(t);
+            arena.clear();
             while out.len() < BATCH {
-                let Some(x) = core.poll_transmit(t, &mut tx) else {
+                let start = arena.len();
+                arena.resize(start + MAX_PACKET, 0);
+                let Some(x) = core.poll_transmit(t, &mut arena[start..]) else {
+                    arena.truncate(start);
                     break;
                 };
-                out.push((addr_of(x.dst, x.dst_port), tx[..x.len].to_vec()));
+                arena.truncate(start + x.len);
+                out.push((addr_of(x.dst, x.dst_port), start..start + x.len));
             }
             core.poll_timeout()
         };
         let more = out.len() == BATCH;
-        for (addr, bytes) in out.drain(..) {
-            if let Err(e) = socket.send_to(&bytes, addr).await {
+        for (addr, range) in out.drain(..) {
+            if let Err(e) = socket.send_to(&arena[range], addr).await {
                 tracing::debug!(error = %e, %addr, "soft RoCE send failed");
             }
         }
