@@ -129,7 +129,8 @@ async fn tshark_decodes_soft_roce() {
     // The file appears once dumpcap really captures.
     let give_up = std::time::Instant::now() + FAILSAFE;
     while started && !pcap.exists() {
-        started = std::time::Instant::now() < give_up;
+        let exited = matches!(child.try_wait(), Ok(Some(_)));
+        started = !exited && std::time::Instant::now() < give_up;
         std::thread::sleep(Duration::from_millis(5));
     }
     if !started {
