@@ -1,0 +1,241 @@
+//! The device core: routes datagrams to QP engines by destination QPN, owns
+//! the QPN table, and moves engine completions onto CQs.
+//!
+//! ```text
+//!  driver ─ handle_datagram(now, src, bytes) ─► parse (ICRC) ─► QpEngine::handle_packet
+//!  driver ─ handle_timeout(now) ─────────────► every engine
+//!  driver ◄ poll_transmit(now, buf) ◄──────── engines, round robin
+//!  engines ─ poll_completion ─► CqShared::push (send or recv CQ of that QP)
+//! ```
+//!
+//! Owner: `DeviceShared::core` (one mutex). The UDP driver task or the
+//! simulator drives it; verbs calls lock it briefly to post or modify.
+//! Iteration is over a `BTreeMap`, so the order is deterministic.
+
+use std::collections::BTreeMap;
+use std::ops::Bound;
+use std::sync::Arc;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::Instant;
+use super::cq::CqShared;
+use super::engine::{CqSide, QpCounters, QpEngine};
+use super::wire::{Bth, IcrcContext, Packet};
+use crate::verbs::{Gid, Mtu, QpCaps, Qpn};
+
+/// Datagram counters of one device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// Datagrams received.
+    pub rx_datagrams: u64,
+    /// Datagrams dropped as malformed (bad length, opcode, pad, ICRC ...).
+    pub rx_malformed: u64,
+    /// Datagrams for a QPN this device does not have.
+    pub rx_unknown_qp: u64,
+    /// Datagrams emitted.
+    pub tx_datagrams: u64,
+    /// Datagrams dropped (either way) by the partition fault hook.
+    pub fault_dropped: u64,
+}
+
+pub(crate) struct QpEntry {
+    pub engine: QpEngine,
+    send_cq: Arc<CqShared>,
+    recv_cq: Arc<CqShared>,
+}
+
+/// One datagram `poll_transmit` produced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Transmit {
+    pub dst: Gid,
+    pub dst_port: u16,
+    pub len: usize,
+}
+
+pub(crate) struct DeviceCore {
+    pub gid: Gid,
+    pub udp_port: u16,
+    pub active_mtu: Mtu,
+    rng: SmallRng,
+    next_qpn: u32,
+    qps: BTreeMap<Qpn, QpEntry>,
+    rr_next: Qpn,
+    pub stats: DeviceStats,
+    /// Fault hook: drop every datagram in and out, as a cut cable would.
+    pub partitioned: bool,
+}
+
+impl DeviceCore {
+    pub fn new(gid: Gid, udp_port: u16, active_mtu: Mtu, seed: u64) -> DeviceCore {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let next_qpn = rng.random_range(0x10..0x00ff_0000);
+        DeviceCore {
+            gid,
+            udp_port,
+            active_mtu,
+            rng,
+            next_qpn,
+            qps: BTreeMap::new(),
+            rr_next: Qpn::new(0),
+            stats: DeviceStats::default(),
+            partitioned: false,
+        }
+    }
+
+    pub fn random_u64(&mut self) -> u64 {
+        self.rng.random()
+    }
+
+    pub fn create_qp(
+        &mut self,
+        caps: QpCaps,
+        send_cq: Arc<CqShared>,
+        recv_cq: Arc<CqShared>,
+    ) -> Qpn {
+        let qpn = loop {
+            let q = Qpn::new(self.next_qpn);
+            self.next_qpn = (self.next_qpn + 1) & 0x00ff_ffff;
+            if q.value() > 1 && !self.qps.contains_key(&q) {
+                break q;
+            }
+        };
+        let engine = QpEngine::new(qpn, caps, self.rng.random());
+        self.qps.insert(
+            qpn,
+            QpEntry {
+                engine,
+                send_cq,
+                recv_cq,
+            },
+        );
+        qpn
+    }
+
+    pub fn destroy_qp(&mut self, qpn: Qpn) {
+        self.qps.remove(&qpn);
+    }
+
+    /// Run a command on one engine, then move its completions to the CQs.
+    pub fn with_qp<R>(&mut self, qpn: Qpn, f: impl FnOnce(&mut QpEngine) -> R) -> Option<R> {
+        let entry = self.qps.get_mut(&qpn)?;
+        let r = f(&mut entry.engine);
+        drain(entry);
+        Some(r)
+    }
+
+    pub fn qp_counters(&self, qpn: Qpn) -> Option<QpCounters> {
+        self.qps.get(&qpn).map(|e| e.engine.counters)
+    }
+
+    /// Sum of every QP's counters.
+    pub fn total_counters(&self) -> QpCounters {
+        let mut t = QpCounters::default();
+        for e in self.qps.values() {
+            let c = e.engine.counters;
+            t.rnr_naks_sent += c.rnr_naks_sent;
+            t.rnr_naks_received += c.rnr_naks_received;
+            t.seq_naks_sent += c.seq_naks_sent;
+            t.retransmit_rewinds += c.retransmit_rewinds;
+            t.ack_timeouts += c.ack_timeouts;
+            t.duplicates_received += c.duplicates_received;
+        }
+        t
+    }
+
+    /// An untrusted datagram from `src`:`src_port`.
+    pub fn handle_datagram(&mut self, now: Instant, src: Gid, src_port: u16, bytes: &[u8]) {
+        self.stats.rx_datagrams += 1;
+        if self.partitioned {
+            self.stats.fault_dropped += 1;
+            return;
+        }
+        let Ok(bth) = Bth::new_checked(bytes) else {
+            self.stats.rx_malformed += 1;
+            return;
+        };
+        let Some(entry) = self.qps.get_mut(&bth.dest_qp()) else {
+            self.stats.rx_unknown_qp += 1;
+            return;
+        };
+        let ctx = IcrcContext {
+            src,
+            dst: self.gid,
+            src_port,
+            dst_port: self.udp_port,
+        };
+        match Packet::parse(&ctx, bytes) {
+            Ok(pkt) => {
+                entry.engine.handle_packet(now, &pkt);
+                drain(entry);
+            }
+            Err(e) => {
+                tracing::trace!(error = %e, "dropping malformed RoCE datagram");
+                self.stats.rx_malformed += 1;
+            }
+        }
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        for entry in self.qps.values_mut() {
+            if entry.engine.poll_timeout().is_some_and(|t| t <= now) {
+                entry.engine.handle_timeout(now);
+                drain(entry);
+            }
+        }
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.qps
+            .values()
+            .filter_map(|e| e.engine.poll_timeout())
+            .min()
+    }
+
+    /// Next datagram of any QP, round robin from the QP after the last sender.
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        loop {
+            let t = self.poll_transmit_any(now, buf)?;
+            if !self.partitioned {
+                return Some(t);
+            }
+            self.stats.fault_dropped += 1;
+        }
+    }
+
+    fn poll_transmit_any(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        let first = |qps: &BTreeMap<Qpn, QpEntry>, from: Bound<Qpn>| {
+            qps.range((from, Bound::Unbounded))
+                .next()
+                .or_else(|| qps.iter().next())
+                .map(|(q, _)| *q)
+        };
+        let mut qpn = first(&self.qps, Bound::Included(self.rr_next))?;
+        for _ in 0..self.qps.len() {
+            let entry = self.qps.get_mut(&qpn).expect("key taken from the map");
+            if let Some(len) = entry.engine.poll_transmit(now, buf) {
+                drain(entry);
+                let path = entry.engine.path().expect("a QP that transmits has a path");
+                self.rr_next = Qpn::new(qpn.value() + 1);
+                self.stats.tx_datagrams += 1;
+                return Some(Transmit {
+                    dst: path.tx_ctx.dst,
+                    dst_port: path.tx_ctx.dst_port,
+                    len,
+                });
+            }
+            qpn = first(&self.qps, Bound::Excluded(qpn))?;
+        }
+        None
+    }
+}
+
+fn drain(entry: &mut QpEntry) {
+    while let Some((side, wc)) = entry.engine.poll_completion() {
+        match side {
+            CqSide::Send => entry.send_cq.push(wc),
+            CqSide::Recv => entry.recv_cq.push(wc),
+        }
+    }
+}

@@ -1,0 +1,855 @@
+//! Sans-IO RC queue pair: requester, responder and completer of one QP.
+//!
+//! ```text
+//!  post_send/post_recv ─► SQ/RQ ─► poll_transmit(now) ─► packets (SEND*, then ACK/NAK)
+//!  handle_packet(now, pkt): SEND* ─► responder (in order, dup re-ACK, one NAK, RNR, LEN)
+//!                           ACK/NAK ─► requester/completer (go-back-N, retry, RNR wait)
+//!  handle_timeout(now) ─► Timer::{AckTimeout, RnrRetry};  poll_timeout() = next deadline
+//!  poll_completion() ─► (CqSide, WorkCompletion), FIFO per queue
+//! ```
+//!
+//! Owner: the device core (behind its lock); nothing here reads a clock,
+//! opens a socket or spawns. Each `handle_*` and `poll_*` does bounded work.
+//! Error model (roce-wire.md): the first error moves the QP to ERR, the failing
+//! WR completes with its status, every other WR (signaled or not) with
+//! `WrFlushErr`, in posting order.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::Instant;
+use super::mr::MrMem;
+use super::wire::{
+    AethKind, AethRepr, BthRepr, DEFAULT_PKEY, IcrcContext, NakCode, Opcode, Packet, PacketRepr,
+};
+use crate::verbs::{
+    Mtu, Psn, QpCaps, QpOp, QpState, Qpn, RtrAttr, RtsAttr, VerbsError, WcOpcode, WcStatus,
+    WorkCompletion,
+};
+
+/// Most PSNs the requester keeps unacknowledged.
+pub(crate) const MAX_UNACKED: u32 = 128;
+/// PSNs the send queue may hold allocated (under half the 24-bit space).
+pub(crate) const MAX_OUTSTANDING_PSNS: u32 = (1 << 23) - 1;
+/// The requester asks for an ACK at least this often.
+pub(crate) const ACK_REQ_EVERY: u32 = 64;
+/// Responses (ACK/NAK) the responder queues; older ACKs are superseded.
+const MAX_PENDING_RESPONSES: usize = 16;
+
+/// Which CQ a completion goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CqSide {
+    Send,
+    Recv,
+}
+
+/// Timers of one QP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Timer {
+    /// Local ACK timeout: no progress on outstanding PSNs.
+    AckTimeout = 0,
+    /// End of an RNR wait: resend from the NAKed PSN.
+    RnrRetry = 1,
+}
+
+const TIMERS: [Timer; 2] = [Timer::AckTimeout, Timer::RnrRetry];
+
+#[derive(Debug, Default)]
+struct TimerTable([Option<Instant>; 2]);
+
+impl TimerTable {
+    fn set(&mut self, t: Timer, at: Instant) {
+        self.0[t as usize] = Some(at);
+    }
+    fn stop(&mut self, t: Timer) {
+        self.0[t as usize] = None;
+    }
+    fn get(&self, t: Timer) -> Option<Instant> {
+        self.0[t as usize]
+    }
+    fn next(&self) -> Option<Instant> {
+        self.0.iter().flatten().min().copied()
+    }
+}
+
+/// Bytes of a WR: a slice of a registered region, or a copy made at post time.
+#[derive(Debug)]
+pub(crate) enum Segment {
+    Mr {
+        mem: Arc<MrMem>,
+        offset: usize,
+        len: usize,
+    },
+    Inline(Box<[u8]>),
+}
+
+impl Segment {
+    fn len(&self) -> usize {
+        match self {
+            Segment::Mr { len, .. } => *len,
+            Segment::Inline(b) => b.len(),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct SendWqe {
+    pub wr_id: u64,
+    pub imm: Option<u32>,
+    pub segs: Vec<Segment>,
+    pub signaled: bool,
+    len: usize,
+    first_psn: Psn,
+    npkts: u32,
+}
+
+impl SendWqe {
+    pub fn new(wr_id: u64, imm: Option<u32>, segs: Vec<Segment>, signaled: bool) -> SendWqe {
+        let len = segs.iter().map(Segment::len).sum();
+        SendWqe {
+            wr_id,
+            imm,
+            segs,
+            signaled,
+            len,
+            first_psn: Psn::new(0),
+            npkts: 0,
+        }
+    }
+    fn last_psn(&self) -> Psn {
+        self.first_psn.add(self.npkts - 1)
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct RecvWqe {
+    pub wr_id: u64,
+    pub segs: Vec<Segment>,
+    len: usize,
+}
+
+impl RecvWqe {
+    pub fn new(wr_id: u64, segs: Vec<Segment>) -> RecvWqe {
+        let len = segs.iter().map(Segment::len).sum();
+        RecvWqe { wr_id, segs, len }
+    }
+}
+
+/// Copy `out.len()` bytes starting at message offset `off` out of `segs`.
+fn gather(segs: &[Segment], mut off: usize, out: &mut [u8]) {
+    let mut done = 0;
+    for seg in segs {
+        let len = seg.len();
+        if off >= len {
+            off -= len;
+            continue;
+        }
+        let n = (len - off).min(out.len() - done);
+        match seg {
+            Segment::Mr { mem, offset, .. } => {
+                mem.read_into(offset + off, &mut out[done..done + n])
+            }
+            Segment::Inline(b) => out[done..done + n].copy_from_slice(&b[off..off + n]),
+        }
+        done += n;
+        off = 0;
+        if done == out.len() {
+            break;
+        }
+    }
+}
+
+/// Copy `data` into `segs` at message offset `off` (the caller checked the length).
+fn scatter(segs: &[Segment], mut off: usize, data: &[u8]) {
+    let mut done = 0;
+    for seg in segs {
+        let len = seg.len();
+        if off >= len {
+            off -= len;
+            continue;
+        }
+        let n = (len - off).min(data.len() - done);
+        if let Segment::Mr { mem, offset, .. } = seg {
+            mem.write_from(offset + off, &data[done..done + n]);
+        }
+        done += n;
+        off = 0;
+        if done == data.len() {
+            break;
+        }
+    }
+}
+
+/// RNR NAK timer code → wait (roce-wire.md table).
+pub(crate) fn rnr_timer_duration(code: u8) -> Duration {
+    const MICROS: [u64; 32] = [
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560, 3840,
+        5120, 7680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840,
+        245_760, 327_680, 491_520,
+    ];
+    Duration::from_micros(MICROS[usize::from(code & 0x1f)])
+}
+
+/// A response the responder owes the requester.
+#[derive(Clone, Copy, Debug)]
+struct Response {
+    psn: Psn,
+    aeth: AethRepr,
+}
+
+/// Counters a test or operator may read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QpCounters {
+    /// RNR NAKs this QP's responder sent.
+    pub rnr_naks_sent: u64,
+    /// RNR NAKs this QP's requester received.
+    pub rnr_naks_received: u64,
+    /// Sequence-error NAKs sent.
+    pub seq_naks_sent: u64,
+    /// Go-back-N rewinds (timeouts and sequence NAKs).
+    pub retransmit_rewinds: u64,
+    /// Local ACK timeouts.
+    pub ack_timeouts: u64,
+    /// Duplicate request packets received (re-ACKed, not re-delivered).
+    pub duplicates_received: u64,
+}
+
+/// Where packets go once the QP is connected.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Path {
+    pub dest_qpn: Qpn,
+    pub mtu: Mtu,
+    /// ICRC context for packets we send.
+    pub tx_ctx: IcrcContext,
+}
+
+pub(crate) struct QpEngine {
+    qpn: Qpn,
+    state: QpState,
+    caps: QpCaps,
+    rng: SmallRng,
+    path: Option<Path>,
+    rts: Option<RtsAttr>,
+    min_rnr_timer: u8,
+    timers: TimerTable,
+    completions: VecDeque<(CqSide, WorkCompletion)>,
+    pub counters: QpCounters,
+    // Requester.
+    sq: VecDeque<SendWqe>,
+    una: Psn,
+    next_psn: Psn,
+    alloc_psn: Psn,
+    sent_high: Psn,
+    send_idx: usize,
+    since_ack_req: u32,
+    retry_left: u8,
+    rnr_left: u8,
+    rnr_waiting: bool,
+    /// PSN of the last sequence NAK acted on; a repeat without progress is a
+    /// network duplicate (the responder NAKs once per gap).
+    seq_nak_psn: Option<Psn>,
+    // Responder.
+    rq: VecDeque<RecvWqe>,
+    epsn: Psn,
+    msn: u32,
+    nak_outstanding: bool,
+    in_message: bool,
+    msg_offset: usize,
+    responses: VecDeque<Response>,
+}
+
+impl QpEngine {
+    pub fn new(qpn: Qpn, caps: QpCaps, seed: u64) -> QpEngine {
+        QpEngine {
+            qpn,
+            state: QpState::Reset,
+            caps,
+            rng: SmallRng::seed_from_u64(seed),
+            path: None,
+            rts: None,
+            min_rnr_timer: 0,
+            timers: TimerTable::default(),
+            completions: VecDeque::new(),
+            counters: QpCounters::default(),
+            sq: VecDeque::new(),
+            una: Psn::new(0),
+            next_psn: Psn::new(0),
+            alloc_psn: Psn::new(0),
+            sent_high: Psn::new(0),
+            send_idx: 0,
+            since_ack_req: 0,
+            retry_left: 0,
+            rnr_left: 0,
+            rnr_waiting: false,
+            seq_nak_psn: None,
+            rq: VecDeque::new(),
+            epsn: Psn::new(0),
+            msn: 0,
+            nak_outstanding: false,
+            in_message: false,
+            msg_offset: 0,
+            responses: VecDeque::new(),
+        }
+    }
+
+    pub fn state(&self) -> QpState {
+        self.state
+    }
+
+    fn invalid(&self, op: QpOp) -> VerbsError {
+        VerbsError::InvalidState {
+            qpn: self.qpn,
+            state: self.state,
+            op,
+        }
+    }
+
+    // ---- commands -------------------------------------------------------
+
+    pub fn modify_to_init(&mut self) -> Result<(), VerbsError> {
+        if self.state != QpState::Reset {
+            return Err(self.invalid(QpOp::ToInit));
+        }
+        self.state = QpState::Init;
+        Ok(())
+    }
+
+    pub fn modify_to_rtr(&mut self, attr: &RtrAttr, tx_ctx: IcrcContext) -> Result<(), VerbsError> {
+        if self.state != QpState::Init {
+            return Err(self.invalid(QpOp::ToRtr));
+        }
+        if attr.min_rnr_timer > 31 {
+            return Err(VerbsError::InvalidAttr {
+                attr: "min_rnr_timer",
+            });
+        }
+        self.path = Some(Path {
+            dest_qpn: attr.dest_qpn,
+            mtu: attr.path_mtu,
+            tx_ctx,
+        });
+        self.min_rnr_timer = attr.min_rnr_timer;
+        self.epsn = attr.rq_psn;
+        self.msn = 0;
+        self.state = QpState::Rtr;
+        Ok(())
+    }
+
+    pub fn modify_to_rts(&mut self, attr: &RtsAttr) -> Result<(), VerbsError> {
+        if self.state != QpState::Rtr {
+            return Err(self.invalid(QpOp::ToRts));
+        }
+        if attr.timeout > 31 {
+            return Err(VerbsError::InvalidAttr { attr: "timeout" });
+        }
+        if attr.retry_cnt > 7 {
+            return Err(VerbsError::InvalidAttr { attr: "retry_cnt" });
+        }
+        if attr.rnr_retry > 7 {
+            return Err(VerbsError::InvalidAttr { attr: "rnr_retry" });
+        }
+        self.rts = Some(*attr);
+        self.una = attr.sq_psn;
+        self.next_psn = attr.sq_psn;
+        self.alloc_psn = attr.sq_psn;
+        self.sent_high = attr.sq_psn;
+        self.retry_left = attr.retry_cnt;
+        self.rnr_left = attr.rnr_retry;
+        self.state = QpState::Rts;
+        Ok(())
+    }
+
+    /// Move to ERR (fault hook and `ibv_modify_qp(ERR)`): flush everything.
+    pub fn modify_to_error(&mut self) {
+        self.enter_error(None);
+    }
+
+    /// Move to RESET: discard WRs without completions.
+    pub fn modify_to_reset(&mut self) {
+        let fresh = QpEngine::new(self.qpn, self.caps, self.rng.random());
+        let counters = self.counters;
+        let completions = std::mem::take(&mut self.completions);
+        *self = fresh;
+        self.counters = counters;
+        self.completions = completions;
+    }
+
+    pub fn post_send(&mut self, mut wqe: SendWqe) -> Result<(), VerbsError> {
+        match self.state {
+            QpState::Rts => {}
+            QpState::Err => {
+                self.push_flush(CqSide::Send, wqe.wr_id);
+                return Ok(());
+            }
+            QpState::Reset | QpState::Init | QpState::Rtr => {
+                return Err(self.invalid(QpOp::PostSend));
+            }
+        }
+        if self.sq.len() >= self.caps.max_send_wr {
+            return Err(VerbsError::SendQueueFull {
+                qpn: self.qpn,
+                depth: self.caps.max_send_wr,
+            });
+        }
+        let mtu = self.path.map_or(1024, |p| p.mtu.bytes());
+        wqe.npkts = wqe.len.div_ceil(mtu).max(1) as u32;
+        // Every allocated PSN must stay inside the ±2^23 comparison window.
+        let allocated = self.alloc_psn.diff(self.una) as usize;
+        let max = MAX_OUTSTANDING_PSNS as usize;
+        if allocated + wqe.npkts as usize > max {
+            return Err(VerbsError::TooLarge {
+                cap: "outstanding packets",
+                got: allocated + wqe.npkts as usize,
+                max,
+            });
+        }
+        wqe.first_psn = self.alloc_psn;
+        self.alloc_psn = self.alloc_psn.add(wqe.npkts);
+        self.sq.push_back(wqe);
+        Ok(())
+    }
+
+    pub fn post_recv(&mut self, wqe: RecvWqe) -> Result<(), VerbsError> {
+        match self.state {
+            QpState::Init | QpState::Rtr | QpState::Rts => {}
+            QpState::Err => {
+                self.push_flush(CqSide::Recv, wqe.wr_id);
+                return Ok(());
+            }
+            QpState::Reset => return Err(self.invalid(QpOp::PostRecv)),
+        }
+        if self.rq.len() >= self.caps.max_recv_wr {
+            return Err(VerbsError::RecvQueueFull {
+                qpn: self.qpn,
+                depth: self.caps.max_recv_wr,
+            });
+        }
+        self.rq.push_back(wqe);
+        Ok(())
+    }
+
+    // ---- outputs --------------------------------------------------------
+
+    pub fn poll_completion(&mut self) -> Option<(CqSide, WorkCompletion)> {
+        self.completions.pop_front()
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.timers.next()
+    }
+
+    /// Where `poll_transmit` output goes.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_ref()
+    }
+
+    /// Emit the next packet into `buf` (which holds at least MTU + overhead
+    /// bytes); returns its length. Responses go before new requests.
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize> {
+        let path = self.path?;
+        // In ERR only the NAK that caused it is left to send.
+        if let Some(r) = self.responses.pop_front() {
+            let repr = PacketRepr {
+                bth: BthRepr {
+                    opcode: Opcode::Ack,
+                    solicited: false,
+                    mig_req: true,
+                    pad_count: 0,
+                    pkey: DEFAULT_PKEY,
+                    dest_qp: path.dest_qpn,
+                    ack_req: false,
+                    psn: r.psn,
+                },
+                aeth: Some(r.aeth),
+                imm: None,
+            };
+            return Some(repr.emit(&path.tx_ctx, &[], buf));
+        }
+        if self.state != QpState::Rts
+            || self.rnr_waiting
+            || self.next_psn == self.alloc_psn
+            || self.next_psn.diff(self.una) >= MAX_UNACKED as i32
+        {
+            return None;
+        }
+        let wqe = self.sq.get(self.send_idx)?;
+        let mtu = path.mtu.bytes();
+        let pkt_index = self.next_psn.diff(wqe.first_psn) as u32;
+        let offset = pkt_index as usize * mtu;
+        let len = (wqe.len - offset).min(mtu);
+        let first = pkt_index == 0;
+        let last = pkt_index + 1 == wqe.npkts;
+        let opcode = match (first, last, wqe.imm.is_some()) {
+            (true, true, false) => Opcode::SendOnly,
+            (true, true, true) => Opcode::SendOnlyImm,
+            (true, false, _) => Opcode::SendFirst,
+            (false, false, _) => Opcode::SendMiddle,
+            (false, true, false) => Opcode::SendLast,
+            (false, true, true) => Opcode::SendLastImm,
+        };
+        self.since_ack_req += 1;
+        let ack_req = last || self.since_ack_req >= ACK_REQ_EVERY;
+        if ack_req {
+            self.since_ack_req = 0;
+        }
+        let repr = PacketRepr {
+            bth: BthRepr {
+                opcode,
+                solicited: false,
+                mig_req: true,
+                pad_count: 0,
+                pkey: DEFAULT_PKEY,
+                dest_qp: path.dest_qpn,
+                ack_req,
+                psn: self.next_psn,
+            },
+            aeth: None,
+            imm: if last { wqe.imm } else { None },
+        };
+        // Gather straight into the packet buffer, after the headers.
+        let header = repr.header_len();
+        gather(&wqe.segs, offset, &mut buf[header..header + len]);
+        let n = repr.emit_around(&path.tx_ctx, len, buf);
+        self.next_psn = self.next_psn.add(1);
+        if self.sent_high.before(self.next_psn) {
+            self.sent_high = self.next_psn;
+        }
+        if last {
+            self.send_idx += 1;
+        }
+        if self.timers.get(Timer::AckTimeout).is_none()
+            && let Some(t) = self.rts.and_then(|r| r.ack_timeout())
+        {
+            self.timers.set(Timer::AckTimeout, now + t);
+        }
+        Some(n)
+    }
+
+    // ---- inputs ---------------------------------------------------------
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        for timer in TIMERS {
+            match self.timers.get(timer) {
+                Some(at) if at <= now => {}
+                Some(_) | None => continue,
+            }
+            self.timers.stop(timer);
+            match timer {
+                Timer::AckTimeout => self.on_ack_timeout(now),
+                Timer::RnrRetry => {
+                    self.rnr_waiting = false;
+                    self.rewind();
+                }
+            }
+        }
+    }
+
+    fn on_ack_timeout(&mut self, now: Instant) {
+        if self.state != QpState::Rts || self.una == self.next_psn {
+            return;
+        }
+        self.counters.ack_timeouts += 1;
+        if self.retry_left == 0 {
+            self.enter_error(Some(WcStatus::RetryExcErr));
+            return;
+        }
+        self.retry_left -= 1;
+        self.rewind();
+        if let Some(t) = self.rts.and_then(|r| r.ack_timeout()) {
+            self.timers.set(Timer::AckTimeout, now + t);
+        }
+    }
+
+    /// Go-back-N: resend from the oldest unacknowledged PSN.
+    fn rewind(&mut self) {
+        self.counters.retransmit_rewinds += 1;
+        self.next_psn = self.una;
+        self.send_idx = 0;
+        self.since_ack_req = 0;
+    }
+
+    pub fn handle_packet(&mut self, now: Instant, pkt: &Packet<'_>) {
+        match self.state {
+            QpState::Rtr | QpState::Rts => {}
+            QpState::Reset | QpState::Init | QpState::Err => return,
+        }
+        match pkt.repr.aeth {
+            Some(aeth) => self.on_response(now, pkt.repr.bth.psn, aeth),
+            None => self.on_request(pkt),
+        }
+    }
+
+    // ---- requester / completer -------------------------------------------
+
+    fn on_response(&mut self, now: Instant, psn: Psn, aeth: AethRepr) {
+        if self.state != QpState::Rts {
+            return;
+        }
+        // Valid responses name a PSN in [una - 1, sent_high - 1].
+        let lo = self.una.sub(1);
+        if psn.before(lo) || !psn.before(self.sent_high) {
+            return;
+        }
+        match aeth.kind {
+            AethKind::Ack { .. } => self.ack_through(now, psn),
+            AethKind::RnrNak { timer } => {
+                self.counters.rnr_naks_received += 1;
+                self.ack_through(now, psn.sub(1));
+                if self.state != QpState::Rts || self.una != psn || self.rnr_waiting {
+                    return;
+                }
+                if self.rnr_left == 0 {
+                    self.enter_error(Some(WcStatus::RnrRetryExcErr));
+                    return;
+                }
+                if self.rts.is_some_and(|r| r.rnr_retry != 7) {
+                    self.rnr_left -= 1;
+                }
+                self.rnr_waiting = true;
+                self.timers.stop(Timer::AckTimeout);
+                self.timers
+                    .set(Timer::RnrRetry, now + rnr_timer_duration(timer));
+                self.next_psn = self.una;
+                self.send_idx = 0;
+                self.since_ack_req = 0;
+            }
+            AethKind::Nak(NakCode::PsnSequenceError) => {
+                self.ack_through(now, psn.sub(1));
+                if self.state != QpState::Rts
+                    || self.rnr_waiting
+                    || self.una != psn
+                    || self.seq_nak_psn == Some(psn)
+                {
+                    return;
+                }
+                self.seq_nak_psn = Some(psn);
+                if self.retry_left == 0 {
+                    self.enter_error(Some(WcStatus::RetryExcErr));
+                    return;
+                }
+                self.retry_left -= 1;
+                self.rewind();
+            }
+            AethKind::Nak(code) => {
+                self.ack_through(now, psn.sub(1));
+                if self.state != QpState::Rts {
+                    return;
+                }
+                let status = match code {
+                    NakCode::InvalidRequest => WcStatus::RemInvReqErr,
+                    NakCode::RemoteAccessError => WcStatus::RemAccessErr,
+                    NakCode::RemoteOperationalError | NakCode::PsnSequenceError => {
+                        WcStatus::RemOpErr
+                    }
+                };
+                self.enter_error(Some(status));
+            }
+        }
+    }
+
+    /// Every PSN up to and including `psn` is acknowledged.
+    fn ack_through(&mut self, now: Instant, psn: Psn) {
+        if psn.before(self.una) {
+            return;
+        }
+        let progressed = psn.diff(self.una) >= 0;
+        self.una = psn.add(1);
+        while let Some(front) = self.sq.front() {
+            if front.last_psn().before(self.una) {
+                let wqe = self.sq.pop_front().expect("front exists");
+                self.send_idx = self.send_idx.saturating_sub(1);
+                if wqe.signaled {
+                    let wc = WorkCompletion {
+                        wr_id: wqe.wr_id,
+                        status: WcStatus::Success,
+                        opcode: WcOpcode::Send,
+                        byte_len: wqe.len as u32,
+                        imm: None,
+                        qp_num: self.qpn,
+                    };
+                    self.completions.push_back((CqSide::Send, wc));
+                }
+            } else {
+                break;
+            }
+        }
+        if self.next_psn.before(self.una) {
+            self.next_psn = self.una;
+            self.send_idx = 0;
+        }
+        if progressed {
+            self.seq_nak_psn = None;
+            if let Some(r) = self.rts {
+                self.retry_left = r.retry_cnt;
+                self.rnr_left = r.rnr_retry;
+            }
+            if self.una == self.next_psn {
+                self.timers.stop(Timer::AckTimeout);
+            } else if let Some(t) = self.rts.and_then(|r| r.ack_timeout()) {
+                self.timers.set(Timer::AckTimeout, now + t);
+            }
+        }
+    }
+
+    // ---- responder --------------------------------------------------------
+
+    fn respond(&mut self, psn: Psn, kind: AethKind) {
+        if self.responses.len() >= MAX_PENDING_RESPONSES {
+            // A newer ACK covers an older one; drop the oldest plain ACK.
+            if let Some(i) = self
+                .responses
+                .iter()
+                .position(|r| matches!(r.aeth.kind, AethKind::Ack { .. }))
+            {
+                self.responses.remove(i);
+            } else {
+                self.responses.pop_front();
+            }
+        }
+        self.responses.push_back(Response {
+            psn,
+            aeth: AethRepr {
+                kind,
+                msn: self.msn & Psn::MASK,
+            },
+        });
+    }
+
+    fn on_request(&mut self, pkt: &Packet<'_>) {
+        let bth = pkt.repr.bth;
+        let d = bth.psn.diff(self.epsn);
+        if d < 0 {
+            self.counters.duplicates_received += 1;
+            if bth.ack_req {
+                self.respond(self.epsn.sub(1), AethKind::Ack { credit: 0x1f });
+            }
+            return;
+        }
+        if d > 0 {
+            if !self.nak_outstanding {
+                self.nak_outstanding = true;
+                self.counters.seq_naks_sent += 1;
+                self.respond(self.epsn, AethKind::Nak(NakCode::PsnSequenceError));
+            }
+            return;
+        }
+        let mtu = self.path.map_or(1024, |p| p.mtu.bytes());
+        let op = bth.opcode;
+        let len = pkt.payload.len();
+        let sequence_ok = self.in_message != op.starts_message();
+        let length_ok = match op {
+            Opcode::SendFirst | Opcode::SendMiddle => len == mtu,
+            Opcode::SendLast | Opcode::SendLastImm => (1..=mtu).contains(&len),
+            Opcode::SendOnly | Opcode::SendOnlyImm => len <= mtu,
+            Opcode::Ack => false,
+        };
+        if !sequence_ok || !length_ok {
+            self.enter_error(None);
+            self.respond(bth.psn, AethKind::Nak(NakCode::InvalidRequest));
+            return;
+        }
+        if op.starts_message() {
+            if self.rq.is_empty() {
+                // Later packets of this burst are dropped silently (no sequence
+                // NAK) so the requester's RNR wait is not cut short.
+                self.nak_outstanding = true;
+                self.counters.rnr_naks_sent += 1;
+                self.respond(
+                    bth.psn,
+                    AethKind::RnrNak {
+                        timer: self.min_rnr_timer,
+                    },
+                );
+                return;
+            }
+            self.msg_offset = 0;
+        }
+        self.nak_outstanding = false;
+        let recv = self
+            .rq
+            .front()
+            .expect("a receive is posted for this message");
+        if self.msg_offset + len > recv.len {
+            let wr_id = recv.wr_id;
+            self.rq.pop_front();
+            self.push_error(CqSide::Recv, wr_id, WcStatus::LocLenErr);
+            self.enter_error(None);
+            self.respond(bth.psn, AethKind::Nak(NakCode::InvalidRequest));
+            return;
+        }
+        scatter(&recv.segs, self.msg_offset, pkt.payload);
+        self.msg_offset += len;
+        self.epsn = self.epsn.add(1);
+        self.in_message = !op.ends_message();
+        if op.ends_message() {
+            self.msn = self.msn.wrapping_add(1);
+            let recv = self.rq.pop_front().expect("front exists");
+            let wc = WorkCompletion {
+                wr_id: recv.wr_id,
+                status: WcStatus::Success,
+                opcode: WcOpcode::Recv,
+                byte_len: self.msg_offset as u32,
+                imm: pkt.repr.imm,
+                qp_num: self.qpn,
+            };
+            self.completions.push_back((CqSide::Recv, wc));
+        }
+        if bth.ack_req {
+            self.respond(bth.psn, AethKind::Ack { credit: 0x1f });
+        }
+    }
+
+    // ---- errors -----------------------------------------------------------
+
+    /// An error completion: only wr_id, status and qp_num are meaningful, so
+    /// the rest is scrambled to catch callers that read it.
+    fn push_error(&mut self, side: CqSide, wr_id: u64, status: WcStatus) {
+        let opcode = if self.rng.random() {
+            WcOpcode::Send
+        } else {
+            WcOpcode::Recv
+        };
+        let wc = WorkCompletion {
+            wr_id,
+            status,
+            opcode,
+            byte_len: self.rng.random(),
+            imm: self.rng.random::<bool>().then(|| self.rng.random()),
+            qp_num: self.qpn,
+        };
+        self.completions.push_back((side, wc));
+    }
+
+    fn push_flush(&mut self, side: CqSide, wr_id: u64) {
+        self.push_error(side, wr_id, WcStatus::WrFlushErr);
+    }
+
+    /// First error: the front send WR gets `status` (when given), everything
+    /// else flushes, in order. Later posts flush at once.
+    fn enter_error(&mut self, status: Option<WcStatus>) {
+        if self.state == QpState::Err {
+            return;
+        }
+        self.state = QpState::Err;
+        self.timers = TimerTable::default();
+        self.responses.clear();
+        let mut first = status;
+        while let Some(wqe) = self.sq.pop_front() {
+            match first.take() {
+                Some(s) => self.push_error(CqSide::Send, wqe.wr_id, s),
+                None => self.push_flush(CqSide::Send, wqe.wr_id),
+            }
+        }
+        while let Some(wqe) = self.rq.pop_front() {
+            self.push_flush(CqSide::Recv, wqe.wr_id);
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+mod tests;

@@ -1,0 +1,416 @@
+//! The provider-generic verbs suite over the soft provider's UDP driver on
+//! loopback (127.0.0.1, ephemeral ports), plus a tshark decode check.
+
+#[macro_use]
+mod verbs_suite;
+
+use std::time::Duration;
+
+use qpmux::verbs::soft::SoftDevice;
+use qpmux::verbs::soft::udp::UdpConfig;
+use verbs_suite::{BulkPlan, Harness};
+
+/// Failsafe for one wait: far above any expected time, only there so a
+/// broken build fails instead of hanging CI.
+const FAILSAFE: Duration = Duration::from_secs(60);
+
+struct UdpHarness;
+
+impl Harness for UdpHarness {
+    type Dev = SoftDevice;
+
+    async fn devices(&mut self) -> (SoftDevice, SoftDevice) {
+        let a = SoftDevice::open_udp(UdpConfig::default())
+            .await
+            .expect("open a");
+        let b = SoftDevice::open_udp(UdpConfig::default())
+            .await
+            .expect("open b");
+        (a, b)
+    }
+
+    async fn wait_until(&mut self, mut done: impl FnMut() -> bool) -> bool {
+        let give_up = tokio::time::Instant::now() + FAILSAFE;
+        loop {
+            if done() {
+                return true;
+            }
+            if tokio::time::Instant::now() > give_up {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+    }
+
+    fn rnr_naks_sent(dev: &SoftDevice) -> Option<u64> {
+        Some(dev.counters().rnr_naks_sent)
+    }
+
+    fn bulk_plan(&self) -> BulkPlan {
+        if cfg!(debug_assertions) {
+            BulkPlan {
+                count: 10_000,
+                max_size: 256 << 10,
+                big_every: 1000,
+                small_max: 2048,
+            }
+        } else {
+            BulkPlan {
+                count: 10_000,
+                max_size: 1 << 20,
+                big_every: 250,
+                small_max: 4096,
+            }
+        }
+    }
+}
+
+verbs_suite!(UdpHarness);
+
+/// Capture loopback traffic of two soft devices with tshark, decode it as
+/// RoCEv2 and check every packet decodes (no malformed packets, the opcodes
+/// and AETH syndromes we sent). Skips, saying why, without tshark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tshark_decodes_soft_roce() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+
+    if Command::new("tshark").arg("--version").output().is_err() {
+        eprintln!("skipping tshark_decodes_soft_roce: tshark is not installed");
+        return;
+    }
+    let mut h = UdpHarness;
+    let params = verbs_suite::Params {
+        rnr_retry: 7,
+        min_rnr_timer: 1,
+        ..verbs_suite::Params::default()
+    };
+    let (mut a, b) = verbs_suite::connect(&mut h, params).await;
+    let ports = [a.dev.udp_port(), b.dev.udp_port()];
+    let dir =
+        std::env::temp_dir().join(format!("qpmux-tshark-{}-{}", std::process::id(), ports[0]));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let pcap = dir.join("soft-roce.pcapng");
+    let filter = format!("udp port {} or udp port {}", ports[0], ports[1]);
+    let child = Command::new("tshark")
+        .args(["-i", "lo", "-f", &filter, "-w"])
+        .arg(&pcap)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("skipping tshark_decodes_soft_roce: cannot start tshark: {e}");
+            return;
+        }
+    };
+    // Wait for the capture to start (a state, not a duration).
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut started = false;
+    while let Ok(line) = rx.recv_timeout(FAILSAFE) {
+        if line.contains("Capturing on") {
+            started = true;
+            break;
+        }
+        eprintln!("tshark: {line}");
+    }
+    // The file appears once dumpcap really captures.
+    let give_up = std::time::Instant::now() + FAILSAFE;
+    while started && !pcap.exists() {
+        let exited = matches!(child.try_wait(), Ok(Some(_)));
+        started = !exited && std::time::Instant::now() < give_up;
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if !started {
+        if let Err(e) = child.kill() {
+            eprintln!("could not stop tshark: {e}");
+        }
+        eprintln!("skipping tshark_decodes_soft_roce: tshark could not capture on lo");
+        return;
+    }
+
+    // Traffic: SEND Only, Only+Imm, First/Middle/Last+Imm, an RNR NAK, then a
+    // length error (NAK invalid request).
+    for (i, len) in [(0u64, 5usize), (1, 0), (2, 3000)].into_iter() {
+        b.post_recv(i, i as usize * 4096, 4096);
+        a.post_send(i, 0, len, (i > 0).then_some(i as u32), true)
+            .expect("send");
+    }
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 3, 0).await);
+    a.post_send(3, 0, 100, None, true).expect("send");
+    let dev = &b.dev;
+    assert!(h.wait_until(|| dev.counters().rnr_naks_sent >= 1).await);
+    b.post_recv(3, 0, 4096);
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 4, 0).await);
+    b.post_recv(4, 0, 10);
+    a.post_send(4, 0, 100, None, true).expect("send");
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 5, 0).await);
+
+    // Stop only once dumpcap has written every datagram the devices sent.
+    let sent = a.dev.stats().tx_datagrams + b.dev.stats().tx_datagrams;
+    let give_up = std::time::Instant::now() + FAILSAFE;
+    loop {
+        let out = Command::new("tshark")
+            .arg("-r")
+            .arg(&pcap)
+            .args(["-T", "fields", "-e", "frame.number"])
+            .stderr(Stdio::null())
+            .output()
+            .expect("tshark -r");
+        let seen = String::from_utf8_lossy(&out.stdout).lines().count() as u64;
+        if seen >= sent || std::time::Instant::now() > give_up {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pid = child.id().to_string();
+    let stopped = Command::new("kill").args(["-INT", &pid]).status();
+    assert!(stopped.is_ok_and(|s| s.success()), "SIGINT to tshark");
+    child.wait().expect("tshark exits");
+
+    // Wireshark ≥ 4.2 names the RoCEv2 dissector `rroce`; 4.0 binds UDP
+    // 4791 to `infiniband` directly.
+    let decodes = Command::new("tshark")
+        .args(["-G", "decodes"])
+        .output()
+        .expect("tshark -G");
+    let dissector = if String::from_utf8_lossy(&decodes.stdout).contains("\trroce") {
+        "rroce"
+    } else {
+        "infiniband"
+    };
+    let mut decode = Command::new("tshark");
+    decode.arg("-r").arg(&pcap);
+    for p in ports {
+        decode.args(["-d", &format!("udp.port=={p},{dissector}")]);
+    }
+    decode.args([
+        "--disable-protocol",
+        "rpcordma",
+        "-T",
+        "fields",
+        "-E",
+        "separator=;",
+        "-e",
+        "infiniband.bth.opcode",
+        "-e",
+        "infiniband.bth.psn",
+        "-e",
+        "infiniband.aeth.syndrome",
+        "-e",
+        "_ws.malformed",
+        "-e",
+        "_ws.expert.severity",
+    ]);
+    let out = decode.output().expect("tshark -r");
+    assert!(
+        out.status.success(),
+        "tshark -r failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rows: Vec<Vec<&str>> = text.lines().map(|l| l.split(';').collect()).collect();
+    assert_eq!(rows.len() as u64, sent, "every datagram captured:\n{text}");
+    let mut opcodes = std::collections::BTreeSet::new();
+    let mut syndromes = std::collections::BTreeSet::new();
+    for row in &rows {
+        assert_eq!(row.len(), 5, "unexpected row {row:?}");
+        assert!(
+            !row[0].is_empty(),
+            "packet not decoded as InfiniBand: {row:?}"
+        );
+        assert!(row[3].is_empty(), "malformed packet: {row:?}");
+        opcodes.insert(row[0].to_string());
+        if !row[2].is_empty() {
+            syndromes.insert(row[2].to_string());
+        }
+    }
+    // SEND First 0, Middle 1, Last+Imm 3, Only 4, Only+Imm 5, ACK 17.
+    for op in ["0", "1", "3", "4", "5", "17"] {
+        assert!(opcodes.contains(op), "opcode {op} missing from {opcodes:?}");
+    }
+    // ACK 0x1f (31), RNR NAK with timer 1 (0x21 = 33), NAK invalid request (0x61 = 97).
+    for s in ["31", "33", "97"] {
+        assert!(
+            syndromes.contains(s),
+            "syndrome {s} missing from {syndromes:?}"
+        );
+    }
+    if let Err(e) = std::fs::remove_dir_all(&dir) {
+        eprintln!("leaving {}: {e}", dir.display());
+    }
+}
+
+#[test]
+fn soft_device_is_always_listed() {
+    let devices = qpmux::verbs::list_devices();
+    assert!(
+        devices
+            .iter()
+            .any(|d| d.provider == qpmux::verbs::ProviderKind::Soft)
+    );
+}
+
+/// The peer device is dropped (its socket closes): sends fail with
+/// RETRY_EXC_ERR once the retries are spent.
+#[tokio::test]
+async fn peer_device_dropped_gives_retry_exceeded() {
+    let mut h = UdpHarness;
+    let params = verbs_suite::Params {
+        retry_cnt: 2,
+        timeout: 10,
+        ..verbs_suite::Params::default()
+    };
+    let (mut a, b) = verbs_suite::connect(&mut h, params).await;
+    drop(b);
+    a.post_send(1, 0, 10, None, true).expect("send");
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
+    assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::RetryExcErr);
+    assert_eq!(
+        qpmux::verbs::QueuePair::state(&a.qp),
+        qpmux::verbs::QpState::Err
+    );
+}
+
+/// Over IPv6 loopback the GID is the IPv6 address and the ICRC covers the
+/// IPv6 pseudo-header. Skips when `::1` cannot be bound.
+#[tokio::test]
+async fn ping_over_ipv6_loopback() {
+    use qpmux::verbs::{
+        AccessFlags, CompletionQueue, Device, InitAttr, MemoryRegion, Mtu, QpCaps, QueuePair,
+        RecvWr, RtrAttr, RtsAttr, SendOpcode, SendWr, Sge,
+    };
+    let config = UdpConfig {
+        bind: "[::1]:0".parse().expect("addr"),
+        ..UdpConfig::default()
+    };
+    let (Ok(a), Ok(b)) = (
+        SoftDevice::open_udp(config.clone()).await,
+        SoftDevice::open_udp(config).await,
+    ) else {
+        eprintln!("skipping ping_over_ipv6_loopback: cannot bind [::1]");
+        return;
+    };
+    assert_eq!(a.gid().to_ipv4(), None);
+    let mut ends = Vec::new();
+    for dev in [&a, &b] {
+        let pd = dev.alloc_pd().expect("pd");
+        let cq = dev.create_cq(16).expect("cq");
+        let qp = dev.create_qp(&pd, &cq, &cq, QpCaps::default()).expect("qp");
+        let mr = dev.reg_mr(&pd, 4096, AccessFlags::LOCAL_WRITE).expect("mr");
+        qp.modify_to_init(InitAttr {
+            access: AccessFlags::LOCAL_WRITE,
+        })
+        .expect("init");
+        ends.push((cq, qp, mr));
+    }
+    for (me, peer, dev) in [(0, 1, &b), (1, 0, &a)] {
+        let port = dev.query_port();
+        let qp = &ends[me].1;
+        qp.modify_to_rtr(RtrAttr {
+            path_mtu: Mtu::Mtu1024,
+            dest_qpn: ends[peer].1.qp_num(),
+            rq_psn: ends[peer].1.initial_psn(),
+            remote_gid: port.gid_table[0],
+            remote_udp_port: port.udp_port,
+            min_rnr_timer: 1,
+        })
+        .expect("rtr");
+        qp.modify_to_rts(RtsAttr {
+            sq_psn: qp.initial_psn(),
+            timeout: 12,
+            retry_cnt: 3,
+            rnr_retry: 3,
+        })
+        .expect("rts");
+    }
+    let (cq_b, qp_b, mr_b) = &ends[1];
+    qp_b.post_recv(&[RecvWr {
+        wr_id: 1,
+        sg_list: &[Sge {
+            mr: mr_b,
+            offset: 0,
+            len: 4096,
+        }],
+    }])
+    .expect("recv");
+    let (_, qp_a, mr_a) = &ends[0];
+    mr_a.write(0, b"over ipv6").expect("write");
+    qp_a.post_send(&[SendWr {
+        wr_id: 1,
+        opcode: SendOpcode::Send,
+        sg_list: &[Sge {
+            mr: mr_a,
+            offset: 0,
+            len: 9,
+        }],
+        signaled: true,
+        inline: false,
+    }])
+    .expect("send");
+    let mut wc = [verbs_suite::blank_wc()];
+    let mut h = UdpHarness;
+    assert!(
+        h.wait_until(|| cq_b.poll(&mut wc).expect("poll") == 1)
+            .await
+    );
+    assert_eq!(wc[0].status, qpmux::verbs::WcStatus::Success);
+    assert_eq!(mr_b.read(0, 9).expect("read"), b"over ipv6");
+    assert_eq!(b.stats().rx_malformed, 0);
+}
+
+/// The partition fault hook: while the peer device is cut off the sender's
+/// local ACK timeouts fire; after healing the send completes.
+#[tokio::test]
+async fn partition_hook_then_heal_delivers() {
+    let mut h = UdpHarness;
+    let params = verbs_suite::Params {
+        retry_cnt: 7,
+        timeout: 12,
+        ..verbs_suite::Params::default()
+    };
+    let (mut a, mut b) = verbs_suite::connect(&mut h, params).await;
+    b.post_recv(1, 0, 64);
+    b.dev.set_partitioned(true);
+    a.post_send(1, 0, 8, None, true).expect("send");
+    let dev = &a.dev;
+    assert!(h.wait_until(|| dev.counters().ack_timeouts >= 1).await);
+    b.dev.set_partitioned(false);
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
+    assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::Success);
+    assert!(verbs_suite::wait_wcs(&mut h, &mut b, 0, 1).await);
+    assert!(b.dev.stats().fault_dropped >= 1);
+}
+
+/// The active MTU follows the link MTU it is given (1500 → 1024).
+#[tokio::test]
+async fn active_mtu_follows_link_mtu() {
+    use qpmux::verbs::soft::{SoftConfig, udp::interface_mtu};
+    use qpmux::verbs::{Device, Mtu};
+    let config = UdpConfig {
+        soft: SoftConfig {
+            active_mtu: Mtu::Mtu4096,
+            ..SoftConfig::default()
+        },
+        link_mtu: Some(1500),
+        ..UdpConfig::default()
+    };
+    let dev = SoftDevice::open_udp(config).await.expect("open");
+    assert_eq!(dev.query_port().active_mtu, Mtu::Mtu1024);
+    if let Ok(lo) = interface_mtu("lo") {
+        assert!(lo >= 1500, "loopback MTU {lo}");
+        assert!(Mtu::for_link_mtu(lo).is_some());
+    }
+}
