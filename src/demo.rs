@@ -1,0 +1,165 @@
+//! A streaming workload any link can run, and the table the demo prints.
+//!
+//! ```text
+//!  producer task ─ per pass: every stream sends one record (timestamped) ─► Mux<L> ─► link
+//!  consumer per stream ◄─ Mux<L> ◄─ link;  latency = receive time − stamp
+//! ```
+//!
+//! The same workload runs over every link kind, so the report's rows are
+//! comparable when measured in one process, one after the other.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::{Mutex, Notify};
+
+use crate::link::Link;
+use crate::mux::{Frame, Mux, MuxTransport, PeerId, StreamKey, Terminal};
+
+/// Shape of one workload run.
+#[derive(Clone, Copy, Debug)]
+pub struct Workload {
+    /// Streams (slots) to the peer.
+    pub streams: u64,
+    /// Passes; each sends one record on every stream.
+    pub passes: u64,
+    /// Bytes per record (at least 16: the stamp).
+    pub record_size: usize,
+    /// Pause between passes (`None`: back to back).
+    pub pace: Option<Duration>,
+}
+
+/// What one run measured.
+#[derive(Clone, Copy, Debug)]
+pub struct Report {
+    /// Records delivered.
+    pub records: u64,
+    /// Wall time from first send to last delivery.
+    pub elapsed: Duration,
+    /// Process CPU time (user + system) spent meanwhile.
+    pub cpu: Duration,
+    /// Records per batch on the sending mux.
+    pub records_per_batch: f64,
+    /// Median one-way record latency.
+    pub p50: Duration,
+    /// 99th percentile one-way record latency.
+    pub p99: Duration,
+}
+
+impl Report {
+    /// Records per second.
+    pub fn rate(&self) -> f64 {
+        self.records as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// CPU microseconds per record.
+    pub fn cpu_per_record_us(&self) -> f64 {
+        self.cpu.as_secs_f64() * 1e6 / self.records.max(1) as f64
+    }
+}
+
+/// Process CPU time so far (user + system), from `/proc/self/stat`.
+pub fn process_cpu() -> Duration {
+    let ticks = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|stat| {
+            // Fields after the command name, which may contain spaces.
+            let rest = stat.rsplit_once(')')?.1;
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            let utime: u64 = fields.get(11)?.parse().ok()?;
+            let stime: u64 = fields.get(12)?.parse().ok()?;
+            Some(utime + stime)
+        })
+        .unwrap_or(0);
+    // USER_HZ is 100 on every Linux this runs on.
+    Duration::from_millis(ticks * 10)
+}
+
+/// Runs `workload` from `sender` to `receiver` (which knows the sender as
+/// any peer; the sender reaches the receiver as `peer`).
+pub async fn run<L: Link>(
+    sender: &Mux<L>,
+    receiver: &Mux<L>,
+    peer: PeerId,
+    anchor: u64,
+    workload: Workload,
+) -> Report {
+    let origin = Instant::now();
+    let received = Arc::new(AtomicU64::new(0));
+    let progress = Arc::new(Notify::new());
+    let latencies = Arc::new(Mutex::new(Vec::with_capacity(
+        (workload.streams * workload.passes) as usize,
+    )));
+    let mut consumers = Vec::new();
+    let mut senders = Vec::new();
+    for s in 0..workload.streams {
+        let key = StreamKey::new(anchor, s);
+        let mut rx = receiver.bind(key).expect("fresh anchor ids are unbound");
+        let (received, progress, latencies) =
+            (received.clone(), progress.clone(), latencies.clone());
+        consumers.push(tokio::spawn(async move {
+            let mut local = Vec::new();
+            while let Some(frame) = rx.recv().await {
+                let Frame::Data(record) = frame else { break };
+                let stamp = u64::from_be_bytes(record[..8].try_into().expect("stamped"));
+                let now = origin.elapsed().as_nanos() as u64;
+                local.push(now.saturating_sub(stamp));
+                received.fetch_add(1, Ordering::Relaxed);
+                progress.notify_one();
+            }
+            latencies.lock().await.extend(local);
+        }));
+        senders.push(sender.open(peer, key).expect("open"));
+    }
+    let before = sender.stats();
+    let cpu_before = process_cpu();
+    let start = Instant::now();
+    let mut record = vec![0u8; workload.record_size.max(16)];
+    for _ in 0..workload.passes {
+        for tx in &mut senders {
+            let stamp = origin.elapsed().as_nanos() as u64;
+            record[..8].copy_from_slice(&stamp.to_be_bytes());
+            tx.send(Bytes::copy_from_slice(&record))
+                .await
+                .expect("send");
+        }
+        if let Some(pace) = workload.pace {
+            tokio::time::sleep(pace).await;
+        }
+    }
+    let target = workload.streams * workload.passes;
+    while received.load(Ordering::Relaxed) < target {
+        progress.notified().await;
+    }
+    let elapsed = start.elapsed();
+    let cpu = process_cpu().saturating_sub(cpu_before);
+    let after = sender.stats();
+    for tx in senders {
+        tx.finish(Terminal::Finalized).expect("finish");
+    }
+    for c in consumers {
+        c.await.expect("consumer");
+    }
+    let mut lat = std::mem::take(&mut *latencies.lock().await);
+    lat.sort_unstable();
+    let pick = |q: f64| {
+        lat.get(((lat.len() as f64 - 1.0) * q) as usize)
+            .map_or(Duration::ZERO, |&n| Duration::from_nanos(n))
+    };
+    let batches = after.batches_sent - before.batches_sent;
+    let records = after.records_sent - before.records_sent;
+    Report {
+        records: target,
+        elapsed,
+        cpu,
+        records_per_batch: if batches == 0 {
+            0.0
+        } else {
+            records as f64 / batches as f64
+        },
+        p50: pick(0.50),
+        p99: pick(0.99),
+    }
+}
