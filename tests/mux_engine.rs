@@ -573,3 +573,32 @@ async fn credit_returns_on_drain_not_on_a_timer() {
     assert_eq!(n, 2_000);
     assert!(muxes[1].stats().credit_updates_sent > 10);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_peer_retires_and_a_later_open_is_not_lost() {
+    let config = MuxConfig {
+        idle_retire: Duration::from_millis(20),
+        ..MuxConfig::default()
+    };
+    let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+    for round in 0..3u64 {
+        let key = StreamKey::new(11, round);
+        let mut rx = muxes[1].bind(key).expect("bind");
+        let mut tx = muxes[0].open(B, key).expect("open");
+        tx.send(Bytes::from_static(b"hi")).await.expect("send");
+        tx.finish(Terminal::Finalized).expect("finish");
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(Bytes::from_static(b"hi")))
+        );
+        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        // Both ends go idle, close the link gracefully and retire their tasks.
+        until(|| muxes[0].peer_count() == 0 && muxes[1].peer_count() == 0).await;
+    }
+    let stats = muxes[0].stats();
+    assert_eq!(
+        stats.slots_dropped, 0,
+        "graceful retirement drops nothing: {stats:?}"
+    );
+    assert!(stats.epoch_deaths >= 3);
+}
