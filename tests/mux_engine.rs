@@ -56,12 +56,12 @@ fn seq_of(b: &Bytes) -> u32 {
 async fn thousand_slots_to_several_peers_arrive_in_order_exactly_once() {
     let (_fabric, muxes) = fabric(&[A, B, C], MuxConfig::default(), MemConfig::default());
     let (a, b, c) = (&muxes[0], &muxes[1], &muxes[2]);
-    let per_peer = 600u64;
     let records = 12u32;
     let mut consumers = Vec::new();
     let mut producers = Vec::new();
-    for (peer, mux) in [(B, b), (C, c)] {
-        for s in 0..per_peer {
+    // 1,000 slots to B and 300 to C, all from A.
+    for (peer, mux, slots) in [(B, b, 1_000u64), (C, c, 300)] {
+        for s in 0..slots {
             let key = StreamKey::new(peer.0, s);
             let mut rx = mux.bind(key).expect("bind");
             consumers.push(tokio::spawn(async move {
