@@ -602,3 +602,27 @@ async fn an_idle_peer_retires_and_a_later_open_is_not_lost() {
     );
     assert!(stats.epoch_deaths >= 3);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ping_is_answered_ahead_of_a_congested_slot() {
+    let config = MuxConfig {
+        slot_window: 1024,
+        ..MuxConfig::default()
+    };
+    let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+    let key = StreamKey::new(12, 0);
+    let _stalled_rx = muxes[1].bind(key).expect("bind"); // never drained
+    let mut tx = muxes[0].open(B, key).expect("open");
+    tokio::spawn(async move {
+        loop {
+            if tx.send(Bytes::from(vec![0u8; 512])).await.is_err() {
+                break;
+            }
+        }
+    });
+    until(|| muxes[0].stats().credit_stalls > 0).await;
+    for _ in 0..3 {
+        muxes[0].ping(B).await.expect("pong");
+    }
+    muxes[1].ping(A).await.expect("pong the other way");
+}

@@ -11,7 +11,7 @@
 //! is bounded by the number of slots (docs/design.md § "Control is coalesced state").
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
@@ -69,6 +69,9 @@ pub(crate) struct PeerControl {
     queued: AtomicUsize,
     peer_budget: usize,
     pub counters: Arc<Counters>,
+    next_ping: AtomicU64,
+    /// The highest Ping nonce the peer has answered.
+    pub pong_seen: tokio::sync::watch::Sender<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -76,6 +79,8 @@ pub(crate) struct ControlState {
     pub dirty_inlets: Vec<Arc<Inlet>>,
     pub dirty_rx: Vec<Arc<RxSlot>>,
     pub flush_requested: bool,
+    /// The newest Ping nonce callers wait on (coalesced: one Ping answers all).
+    pub ping_wanted: Option<u64>,
     pub retired: bool,
 }
 
@@ -89,7 +94,23 @@ impl PeerControl {
             queued: AtomicUsize::new(0),
             peer_budget,
             counters,
+            next_ping: AtomicU64::new(1),
+            pong_seen: tokio::sync::watch::Sender::new(0),
         }
+    }
+
+    /// Asks the peer task to send a Ping; resolves when a Pong for it (or a
+    /// later one) arrives. Callers bound the wait themselves.
+    pub async fn ping(&self) {
+        let nonce = self.next_ping.fetch_add(1, Ordering::Relaxed);
+        let mut seen = self.pong_seen.subscribe();
+        {
+            let mut state = self.state();
+            state.ping_wanted = Some(state.ping_wanted.map_or(nonce, |n| n.max(nonce)));
+        }
+        self.wake.notify_one();
+        // The sender lives as long as `self`, so the wait cannot fail.
+        seen.wait_for(|&answered| answered >= nonce).await.ok();
     }
 
     pub fn state(&self) -> MutexGuard<'_, ControlState> {

@@ -98,6 +98,7 @@ pub(crate) struct PeerCore {
     grants_owed: BTreeMap<u32, (SlotId, u64)>,
     closes_owed: BTreeMap<u32, (SlotId, CloseReason)>,
     pong_owed: Option<u64>,
+    ping_owed: Option<u64>,
 
     batch_seq_out: u32,
     batch_seq_in: u32,
@@ -138,6 +139,7 @@ impl PeerCore {
             grants_owed: BTreeMap::new(),
             closes_owed: BTreeMap::new(),
             pong_owed: None,
+            ping_owed: None,
             batch_seq_out: 0,
             batch_seq_in: 0,
             goodbye_received: false,
@@ -165,15 +167,20 @@ impl PeerCore {
 
     /// Takes the coalesced control that producers, consumers and `flush` left.
     pub fn handle_control(&mut self, now: Instant) {
-        let (inlets, rxs, flush) = {
+        let (inlets, rxs, flush, ping) = {
             let mut state = self.control.state();
             (
                 std::mem::take(&mut state.dirty_inlets),
                 std::mem::take(&mut state.dirty_rx),
                 std::mem::take(&mut state.flush_requested),
+                state.ping_wanted.take(),
             )
         };
         self.flush_requested |= flush;
+        if let Some(nonce) = ping {
+            self.ping_owed = Some(nonce);
+            self.control_since.get_or_insert(now);
+        }
         for inlet in inlets {
             match inlet.take_dirty() {
                 InletStatus::New => self.adopt(inlet, now),
@@ -435,6 +442,7 @@ impl PeerCore {
 
     fn has_control_owed(&self) -> bool {
         self.pong_owed.is_some()
+            || self.ping_owed.is_some()
             || !self.closes_owed.is_empty()
             || !self.grants_owed.is_empty()
             || !self.opens_owed.is_empty()
@@ -455,6 +463,12 @@ impl PeerCore {
                 return false;
             }
             self.pong_owed = None;
+        }
+        if let Some(nonce) = self.ping_owed {
+            if enc.push_ping(nonce).is_err() {
+                return false;
+            }
+            self.ping_owed = None;
         }
         while let Some((&index, &(slot, reason))) = self.closes_owed.first_key_value() {
             if enc.push_close(slot, FrameSeq(0), reason).is_err() {
@@ -691,7 +705,12 @@ impl PeerCore {
                 self.control_since.get_or_insert(now);
                 Ok(())
             }
-            RecordBody::Pong(_) => Ok(()),
+            RecordBody::Pong(nonce) => {
+                self.control
+                    .pong_seen
+                    .send_if_modified(|seen| std::mem::replace(seen, (*seen).max(nonce)) < nonce);
+                Ok(())
+            }
         }
     }
 

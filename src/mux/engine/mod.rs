@@ -127,6 +127,22 @@ impl<L: Link> Mux<L> {
         }
     }
 
+    /// Round trip of a Ping control record to `peer` (connecting if needed).
+    /// Pings ride ahead of data in the next batch, so a congested slot does
+    /// not delay them; the caller bounds the wait (e.g. `tokio::time::timeout`).
+    pub async fn ping(&self, peer: PeerId) -> Result<Duration, MuxError> {
+        if self.shared.shutdown.load(Ordering::Acquire) {
+            return Err(MuxError::Shutdown);
+        }
+        let entry = self.entry(peer);
+        let start = Instant::now();
+        if lock(&entry.epoch).is_none() {
+            self.shared.dialer.want_link(peer);
+        }
+        entry.control.ping().await;
+        Ok(start.elapsed())
+    }
+
     /// Number of peers with a running task.
     pub fn peer_count(&self) -> usize {
         lock(&self.shared.peers).len()
