@@ -295,16 +295,17 @@ async fn link_failure_delivers_then_drops_every_live_slot_exactly_once() {
         }
         assert_eq!(terminals, 1, "exactly one Dropped");
     }
+    // Each end learns of the death on its own task; wait for both.
+    until(|| {
+        muxes[0].stats().slots_dropped == n_slots && muxes[1].stats().slots_dropped == n_slots
+    })
+    .await;
     for tx in &mut senders {
         assert_eq!(
             tx.send(Bytes::from_static(b"late")).await,
             Err(SendError::Dropped(DropReason::EpochEnded { epoch }))
         );
     }
-    until(|| {
-        muxes[0].stats().slots_dropped == n_slots && muxes[1].stats().slots_dropped == n_slots
-    })
-    .await;
     assert_eq!(muxes[0].stats().epoch_deaths, 1);
 
     // The next epoch opens new slots normally.

@@ -16,6 +16,7 @@
 
 mod config;
 pub(crate) mod engine;
+mod message;
 pub mod protocol;
 mod slot;
 mod stats;
@@ -23,6 +24,7 @@ pub mod surface;
 
 pub use config::{FlushPolicy, MuxConfig};
 pub use engine::{Dialer, Mux};
+pub use message::{MessageSink, OnFail, OutboundMessage};
 pub use protocol::{CloseReason, Epoch};
 pub use slot::{RecvError, SendError, SlotReceiver, SlotSender};
 pub use stats::{DropCounts, Stats};

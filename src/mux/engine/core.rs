@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use super::ProtocolError;
 use crate::mux::config::{FlushPolicy, MuxConfig};
+use crate::mux::message::{MessageSink, OutboundMessage};
 use crate::mux::protocol::{
     BatchEncoder, BatchView, CloseReason, EncodeError, Epoch, FrameSeq, Lane, Record, RecordBody,
     SlotId,
@@ -31,6 +32,8 @@ use crate::mux::surface::{DropReason, Frame, StreamKey};
 
 /// Smallest first fragment worth starting at the end of a batch.
 const MIN_FRAGMENT: usize = 256;
+/// Outbound messages the core pulls ahead of writing them.
+const MESSAGES_HELD: usize = 64;
 
 #[derive(Debug)]
 struct EgressSlot {
@@ -100,6 +103,14 @@ pub(crate) struct PeerCore {
     pong_owed: Option<u64>,
     ping_owed: Option<u64>,
 
+    messages_out: VecDeque<OutboundMessage>,
+    /// The unsent rest of the message being written, and its sender's hook.
+    message_partial: Option<(Bytes, OutboundMessage)>,
+    message_seq_out: FrameSeq,
+    message_seq_in: FrameSeq,
+    message_reassembly: Option<BytesMut>,
+    sink: Option<Arc<dyn MessageSink>>,
+
     batch_seq_out: u32,
     batch_seq_in: u32,
     goodbye_received: bool,
@@ -140,6 +151,12 @@ impl PeerCore {
             closes_owed: BTreeMap::new(),
             pong_owed: None,
             ping_owed: None,
+            messages_out: VecDeque::new(),
+            message_partial: None,
+            message_seq_out: FrameSeq(0),
+            message_seq_in: FrameSeq(0),
+            message_reassembly: None,
+            sink: None,
             batch_seq_out: 0,
             batch_seq_in: 0,
             goodbye_received: false,
@@ -152,6 +169,22 @@ impl PeerCore {
 
     pub fn epoch(&self) -> Epoch {
         self.epoch
+    }
+
+    /// Installs where inbound messages go.
+    pub fn set_sink(&mut self, sink: Option<Arc<dyn MessageSink>>) {
+        self.sink = sink;
+    }
+
+    /// True while the core would take another outbound message.
+    pub fn wants_messages(&self) -> bool {
+        self.messages_out.len() < MESSAGES_HELD
+    }
+
+    /// Queues an outbound message (the driver pulls from the epoch's channel).
+    pub fn handle_message(&mut self, message: OutboundMessage, now: Instant) {
+        self.messages_out.push_back(message);
+        self.data_since.get_or_insert(now);
     }
 
     /// Live slots in both directions.
@@ -275,7 +308,7 @@ impl PeerCore {
     /// The flush gate: should a batch be written now?
     pub fn wants_write(&self, now: Instant) -> bool {
         let control = self.has_control_owed();
-        let data = !self.ready.is_empty();
+        let data = !self.ready.is_empty() || self.has_messages();
         match self.config.flush {
             FlushPolicy::Auto => control || data,
             FlushPolicy::AutoLinger { max_linger } => {
@@ -290,7 +323,11 @@ impl PeerCore {
 
     /// True when the peer is owed nothing and no slot has data ready.
     pub fn is_quiet(&self) -> bool {
-        !self.has_control_owed() && self.ready.is_empty()
+        !self.has_control_owed() && self.ready.is_empty() && !self.has_messages()
+    }
+
+    fn has_messages(&self) -> bool {
+        !self.messages_out.is_empty() || self.message_partial.is_some()
     }
 
     /// When this peer has had no live slot since, for idle retirement.
@@ -318,9 +355,9 @@ impl PeerCore {
         if control_done {
             self.control_since = None;
         }
-        if include_data && control_done {
+        if include_data && control_done && self.write_messages(&mut enc) {
             self.write_data(&mut enc, now);
-            if self.ready.is_empty() {
+            if self.ready.is_empty() && !self.has_messages() {
                 self.data_since = None;
                 self.flush_requested = false;
             }
@@ -369,6 +406,39 @@ impl PeerCore {
         self.ready.clear();
         self.opens_owed.clear();
         Counters::add(&self.counters.slots_dropped, dropped);
+        // Dropping unwritten messages reports them to their senders; a
+        // partly written one is reported too.
+        self.message_partial = None;
+        self.messages_out.clear();
+    }
+
+    /// Writes queued messages; returns true if all of them fit.
+    fn write_messages(&mut self, enc: &mut BatchEncoder<'_>) -> bool {
+        loop {
+            let (rest, message) = match self.message_partial.take() {
+                Some(partial) => partial,
+                None => match self.messages_out.pop_front() {
+                    Some(message) => (message.body.clone(), message),
+                    None => return true,
+                },
+            };
+            let room = enc.body_room();
+            let started = rest.len() != message.body.len();
+            if room == 0 || (!started && room < MIN_FRAGMENT.min(rest.len())) {
+                self.message_partial = Some((rest, message));
+                return false;
+            }
+            let n = room.min(rest.len());
+            let more = n < rest.len();
+            enc.push_message(self.message_seq_out, &rest[..n], more)
+                .expect("body_room said it fits");
+            self.message_seq_out = self.message_seq_out.next();
+            if more {
+                self.message_partial = Some((rest.slice(n..), message));
+                return false;
+            }
+            message.written();
+        }
     }
 
     // ---- egress internals ----
@@ -696,10 +766,7 @@ impl PeerCore {
                 self.goodbye_received = true;
                 Ok(())
             }
-            RecordBody::Message(_) => {
-                Counters::add(&self.counters.no_message_handler, 1);
-                Ok(())
-            }
+            RecordBody::Message(body) => self.on_message(record.seq, body, record.more),
             RecordBody::Ping(nonce) => {
                 self.pong_owed = Some(nonce);
                 self.control_since.get_or_insert(now);
@@ -712,6 +779,46 @@ impl PeerCore {
                 Ok(())
             }
         }
+    }
+
+    fn on_message(&mut self, seq: FrameSeq, body: &[u8], more: bool) -> Result<(), ProtocolError> {
+        let zero = SlotId::from_wire(0);
+        if seq != self.message_seq_in {
+            return Err(ProtocolError::FrameSeqGap {
+                slot: zero,
+                expected: self.message_seq_in,
+                got: seq,
+            });
+        }
+        self.message_seq_in = seq.next();
+        let max = self.config.max_record;
+        let message = match self.message_reassembly.take() {
+            None if more => {
+                self.message_reassembly = Some(BytesMut::from(body));
+                return Ok(());
+            }
+            None => Bytes::copy_from_slice(body),
+            Some(mut partial) => {
+                if partial.len() + body.len() > max {
+                    return Err(ProtocolError::RecordTooLarge {
+                        slot: zero,
+                        len: partial.len() + body.len(),
+                        max,
+                    });
+                }
+                partial.extend_from_slice(body);
+                if more {
+                    self.message_reassembly = Some(partial);
+                    return Ok(());
+                }
+                partial.freeze()
+            }
+        };
+        match &self.sink {
+            Some(sink) => sink.deliver(self.control.peer, message),
+            None => Counters::add(&self.counters.no_message_handler, 1),
+        }
+        Ok(())
     }
 
     fn on_open(

@@ -19,7 +19,7 @@ mod error;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -28,6 +28,7 @@ use tokio::time::{Instant, sleep_until};
 use self::core::PeerCore;
 pub use self::error::ProtocolError;
 use super::config::MuxConfig;
+use super::message::{MessageSink, OutboundMessage};
 use super::protocol::Epoch;
 use super::slot::{Inlet, PeerControl, Registry, SlotReceiver, SlotSender};
 use super::stats::{Counters, Stats};
@@ -52,6 +53,8 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 struct PeerEntry<L> {
     control: Arc<PeerControl>,
+    /// The outbound message channel for the current (or next) epoch.
+    messages: Mutex<Option<flume::Receiver<OutboundMessage>>>,
     incoming: Mutex<Option<L>>,
     link_arrived: Notify,
     epoch: Mutex<Option<Epoch>>,
@@ -66,6 +69,7 @@ struct Shared<L> {
     runtime: tokio::runtime::Handle,
     shutdown: AtomicBool,
     shutdown_notify: Notify,
+    sink: OnceLock<Arc<dyn MessageSink>>,
 }
 
 /// A node's slot mux over links of type `L`. Cheap to clone.
@@ -98,6 +102,7 @@ impl<L: Link> Mux<L> {
                 runtime: tokio::runtime::Handle::current(),
                 shutdown: AtomicBool::new(false),
                 shutdown_notify: Notify::new(),
+                sink: OnceLock::new(),
             }),
         }
     }
@@ -125,6 +130,27 @@ impl<L: Link> Mux<L> {
         for entry in lock(&self.shared.peers).values() {
             entry.control.wake.notify_one();
         }
+    }
+
+    /// Sets where inbound messages go (once; later calls are ignored and
+    /// return false). Until then they are counted as `no_message_handler`.
+    pub fn set_message_sink(&self, sink: Arc<dyn MessageSink>) -> bool {
+        self.shared.sink.set(sink).is_ok()
+    }
+
+    /// Hands the peer task the channel its outbound messages come from. The
+    /// channel lives for one epoch: when the epoch ends, what is left in it is
+    /// dropped (reporting each message) and the receiver closes, so the
+    /// sender knows to install a fresh one. A channel installed while no
+    /// epoch runs serves the next one.
+    pub fn install_messages(&self, peer: PeerId, rx: flume::Receiver<OutboundMessage>) {
+        let entry = self.entry(peer);
+        let stale = lock(&entry.messages).replace(rx);
+        drop(stale);
+        if lock(&entry.epoch).is_none() {
+            self.shared.dialer.want_link(peer);
+        }
+        entry.control.wake.notify_one();
     }
 
     /// Round trip of a Ping control record to `peer` (connecting if needed).
@@ -159,6 +185,7 @@ impl<L: Link> Mux<L> {
                 self.shared.config.peer_budget,
                 self.shared.counters.clone(),
             )),
+            messages: Mutex::new(None),
             incoming: Mutex::new(None),
             link_arrived: Notify::new(),
             epoch: Mutex::new(None),
@@ -261,7 +288,10 @@ async fn wait_for_link<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>) -> Opt
         if let Some(link) = lock(&entry.incoming).take() {
             return Some(link);
         }
-        let wants_link = !entry.control.state().dirty_inlets.is_empty();
+        let wants_link = !entry.control.state().dirty_inlets.is_empty()
+            || lock(&entry.messages)
+                .as_ref()
+                .is_some_and(|rx| !rx.is_empty());
         if wants_link {
             idle_since = Instant::now();
             shared.dialer.want_link(peer);
@@ -344,8 +374,13 @@ async fn run_epoch<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, link: L) -
         Instant::now(),
     );
     *lock(&entry.epoch) = Some(link.epoch());
+    core.set_sink(shared.sink.get().cloned());
     core.handle_control(Instant::now());
+    let mut messages: Option<flume::Receiver<OutboundMessage>> = lock(&entry.messages).take();
     let end = loop {
+        if let Some(fresh) = lock(&entry.messages).take() {
+            messages = Some(fresh);
+        }
         let shutdown = shared.shutdown_notify.notified();
         tokio::pin!(shutdown);
         shutdown.as_mut().enable();
@@ -367,7 +402,18 @@ async fn run_epoch<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, link: L) -
             deadline = deadline.min(retire_at);
         }
         let write = core.wants_write(now);
+        let take_message = messages.is_some() && core.wants_messages();
+        let next_message = async {
+            match &messages {
+                Some(rx) => rx.recv_async().await.ok(),
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
+            message = next_message, if take_message => match message {
+                Some(message) => core.handle_message(message, Instant::now()),
+                None => messages = None,
+            },
             received = link.recv() => match received {
                 Ok(batch) => {
                     if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
@@ -423,6 +469,10 @@ async fn run_epoch<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, link: L) -
         },
     };
     core.fail_all(reason);
+    if let Some(rx) = messages {
+        // Each dropped message reports itself to its sender.
+        rx.drain().for_each(drop);
+    }
     Counters::add(&shared.counters.epoch_deaths, 1);
     *lock(&entry.epoch) = None;
     end
