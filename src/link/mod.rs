@@ -22,6 +22,7 @@ use thiserror::Error;
 
 use crate::mux::engine::ProtocolError;
 use crate::mux::protocol::Epoch;
+use crate::mux::{Mux, PeerId};
 
 /// Why an epoch ended. Decided once, in one place, per epoch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
@@ -129,4 +130,45 @@ pub trait Link: Send + Sync + 'static {
 
     /// Resolves once the epoch has ended, with the reason.
     fn ended(&self) -> impl Future<Output = EpochEnd> + Send;
+}
+
+/// Why a peer's address could not be registered.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum RegisterError {
+    /// The address bytes do not parse for this kind of node.
+    #[error("malformed peer address ({len} bytes)")]
+    Malformed {
+        /// Length of the address given.
+        len: usize,
+    },
+    /// The address is this node's own.
+    #[error("address is this node's own")]
+    Own,
+    /// The node has shut down.
+    #[error("node is shut down")]
+    Shutdown,
+}
+
+/// A transport endpoint: a mux plus whatever brings its links up (listener,
+/// dialer, bootstrap). What the velo adapters and the CLI are written against.
+pub trait Node: Send + Sync + 'static {
+    /// The link type this node's epochs run on.
+    type Link: Link;
+
+    /// The mux carrying every slot and message of this node.
+    fn mux(&self) -> &Mux<Self::Link>;
+
+    /// The bytes a peer needs to reach this node (published by velo in its
+    /// `WorkerAddress` under the transport's key).
+    fn address(&self) -> Vec<u8>;
+
+    /// Learns how to reach the node whose [`Node::address`] is `address`;
+    /// returns the id the mux knows it by. Idempotent.
+    fn register(&self, address: &[u8]) -> Result<PeerId, RegisterError>;
+
+    /// Forgets `peer`: its link is torn down and nothing of it is kept.
+    fn unregister(&self, peer: PeerId);
+
+    /// Stops accepting, ends every epoch, and stops the mux. Does not wait.
+    fn shutdown(&self);
 }

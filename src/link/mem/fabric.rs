@@ -7,9 +7,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use super::{MemConfig, MemLink, pair};
-use crate::link::{EpochEnd, Link};
+use crate::link::{EpochEnd, Link, Node, RegisterError};
 use crate::mux::protocol::Epoch;
-use crate::mux::{Dialer, Mux, PeerId};
+use crate::mux::{Dialer, Mux, MuxConfig, PeerId};
 
 #[derive(Default)]
 struct Nodes {
@@ -86,6 +86,17 @@ impl MemFabric {
         }
     }
 
+    /// Creates node `me` with its own mux, joined to this fabric.
+    pub fn node(self: &Arc<Self>, me: PeerId, config: MuxConfig) -> MemNode {
+        let mux = Mux::new(config, self.dialer(me));
+        self.add(me, mux.clone());
+        MemNode {
+            fabric: self.clone(),
+            me,
+            mux,
+        }
+    }
+
     /// The current link between `a` and `b`, if any (for credit checks).
     pub fn link(&self, a: PeerId, b: PeerId) -> Option<MemLink> {
         let pair_key = if a < b { (a, b) } else { (b, a) };
@@ -103,5 +114,50 @@ impl Dialer for FabricDialer {
         if let Some(fabric) = self.fabric.upgrade() {
             fabric.connect(self.me, peer);
         }
+    }
+}
+
+/// A node on a [`MemFabric`]; its address is its id.
+pub struct MemNode {
+    fabric: Arc<MemFabric>,
+    me: PeerId,
+    mux: Mux<MemLink>,
+}
+
+impl MemNode {
+    /// This node's id.
+    pub fn id(&self) -> PeerId {
+        self.me
+    }
+}
+
+impl Node for MemNode {
+    type Link = MemLink;
+
+    fn mux(&self) -> &Mux<MemLink> {
+        &self.mux
+    }
+
+    fn address(&self) -> Vec<u8> {
+        self.me.0.to_be_bytes().to_vec()
+    }
+
+    fn register(&self, address: &[u8]) -> Result<PeerId, RegisterError> {
+        let raw: [u8; 8] = address
+            .try_into()
+            .map_err(|_| RegisterError::Malformed { len: address.len() })?;
+        let peer = PeerId(u64::from_be_bytes(raw));
+        if peer == self.me {
+            return Err(RegisterError::Own);
+        }
+        Ok(peer)
+    }
+
+    fn unregister(&self, peer: PeerId) {
+        self.fabric.kill(self.me, peer, EpochEnd::Closed);
+    }
+
+    fn shutdown(&self) {
+        self.mux.shutdown();
     }
 }

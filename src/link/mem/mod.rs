@@ -325,7 +325,7 @@ impl Link for MemLink {
 
 mod fabric;
 
-pub use fabric::MemFabric;
+pub use fabric::{MemFabric, MemNode};
 
 #[cfg(test)]
 mod tests;
