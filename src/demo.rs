@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::sync::{Mutex, Notify};
 
-use crate::link::Link;
+use crate::link::{Link, Node};
 use crate::mux::{Frame, Mux, MuxTransport, PeerId, StreamKey, Terminal};
 
 /// Shape of one workload run.
@@ -75,6 +75,14 @@ pub fn process_cpu() -> Duration {
         .unwrap_or(0);
     // USER_HZ is 100 on every Linux this runs on.
     Duration::from_millis(ticks * 10)
+}
+
+/// Runs `workload` from node `a` to node `b` (registering `b` with `a`).
+pub async fn run_nodes<N: Node>(a: &N, b: &N, anchor: u64, workload: Workload) -> Report {
+    let peer = a
+        .register(&b.address())
+        .expect("a node's own address parses");
+    run(a.mux(), b.mux(), peer, anchor, workload).await
 }
 
 /// Runs `workload` from `sender` to `receiver` (which knows the sender as

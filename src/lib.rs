@@ -17,6 +17,7 @@
 #![deny(missing_docs)]
 #![deny(unsafe_code)]
 
+pub mod cli;
 pub mod demo;
 pub mod link;
 pub mod mux;

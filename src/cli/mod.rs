@@ -1,0 +1,50 @@
+//! The `qpmux` command: argument parsing and the subcommands' logic.
+//!
+//! ```text
+//!  bin/qpmux.rs ─► cli::main ─► demo     (default; streams over each node kind, one table)
+//!                            └► devices  (providers, devices, ports, GIDs)
+//! ```
+//!
+//! Every subcommand prints a human table, or JSON with `--json`.
+
+mod demo;
+mod devices;
+
+use clap::{Parser, Subcommand};
+
+/// qpmux: many streams per peer over one RC queue pair.
+#[derive(Debug, Parser)]
+#[command(name = "qpmux", version, about)]
+pub struct Args {
+    /// What to run (default: the demo).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Stream through the mux over every available node kind and compare.
+    Demo(demo::DemoArgs),
+    /// List providers, devices and ports.
+    Devices,
+}
+
+/// Parses the command line and runs it.
+pub fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        match args.command {
+            None => demo::run(demo::DemoArgs::default(), args.json).await,
+            Some(Command::Demo(demo_args)) => demo::run(demo_args, args.json).await,
+            Some(Command::Devices) => devices::run(args.json).await,
+        }
+    })
+}
