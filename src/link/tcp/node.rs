@@ -306,9 +306,24 @@ impl TcpNode {
             .expect("tcp node state poisoned")
     }
 
-    /// Dials `peer` now (ignoring backoff) and installs the link.
+    /// Dials `peer` now (ignoring backoff) and installs the link. While it
+    /// runs, the peer's crossing dials are settled as for mux-driven dials.
     pub async fn connect(&self, peer: PeerId) -> Result<Epoch, ConnectError> {
-        dial_once(&self.inner, peer).await
+        let owned = {
+            let mut peers = self.inner.peers();
+            let state = peers.entry(peer).or_default();
+            !std::mem::replace(&mut state.dialing, true)
+        };
+        let result = dial_once(&self.inner, peer).await;
+        if owned {
+            if let Some(state) = self.inner.peers().get_mut(&peer) {
+                state.dialing = false;
+            }
+        }
+        if let Err(ConnectError::DeclinedByPeer(_)) = result {
+            bump(&self.inner.counters.declined);
+        }
+        result
     }
 
     /// Stops the listener and ends every link with [`EpochEnd::Shutdown`].
@@ -373,7 +388,12 @@ async fn dial_task(inner: Arc<NodeInner>, peer: PeerId) {
     state.dialing = false;
     match result {
         Ok(epoch) => tracing::debug!(?peer, %epoch, "dialed"),
-        Err(err) if err.is_benign() => tracing::debug!(?peer, %err, "dial settled elsewhere"),
+        Err(err) if err.is_benign() => {
+            if let ConnectError::DeclinedByPeer(_) = err {
+                bump(&inner.counters.declined);
+            }
+            tracing::debug!(?peer, %err, "dial settled elsewhere");
+        }
         Err(err) => {
             bump(&inner.counters.dial_failures);
             let config = &inner.config;
