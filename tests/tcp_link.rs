@@ -303,3 +303,177 @@ async fn a_restarted_peer_on_the_same_address_gets_a_new_epoch() {
     })
     .await;
 }
+
+// ---- The link alone, over a loopback connection (no handshake). ----
+
+async fn link_pair(config: &TcpLinkConfig) -> (TcpLink, TcpLink) {
+    let listener = tokio::net::TcpListener::bind(any_port())
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (dialed, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+    let a = TcpLink::new(
+        dialed.expect("connect"),
+        Vec::new(),
+        Epoch(1),
+        config,
+        config.max_batch,
+    )
+    .expect("link");
+    let b = TcpLink::new(
+        accepted.expect("accept").0,
+        Vec::new(),
+        Epoch(1),
+        config,
+        config.max_batch,
+    )
+    .expect("link");
+    (a, b)
+}
+
+async fn post(link: &TcpLink, payload: &[u8]) {
+    let mut buf = link.reserve().await.expect("reserve");
+    buf[..payload.len()].copy_from_slice(payload);
+    link.post(buf, payload.len()).expect("post");
+}
+
+/// True if `f` is ready on its first poll.
+async fn ready_now<T>(f: impl Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        biased;
+        v = f => Some(v),
+        () = std::future::ready(()) => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_sent_before_a_close_arrive_first_then_the_end() {
+    bounded(async {
+        let (a, b) = link_pair(&TcpLinkConfig::default()).await;
+        for i in 0..3u8 {
+            post(&a, &[i; 100]).await;
+        }
+        a.fail(EpochEnd::Closed);
+        for i in 0..3u8 {
+            let batch = b.recv().await.expect("delivered before the end");
+            assert_eq!(&batch[..], &[i; 100][..]);
+        }
+        let end = b.recv().await.map(|_| ()).expect_err("then the end");
+        assert_eq!(
+            end,
+            qpmux::link::LinkError::Ended {
+                epoch: Epoch(1),
+                reason: EpochEnd::PeerClosed
+            }
+        );
+        assert_eq!(b.ended().await, EpochEnd::PeerClosed);
+        assert_eq!(a.ended().await, EpochEnd::Closed);
+        assert!(a.reserve().await.is_err());
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_link_ends_both_ends_with_their_reasons() {
+    bounded(async {
+        let (a, b) = link_pair(&TcpLinkConfig::default()).await;
+        post(&a, b"hello").await;
+        assert_eq!(&b.recv().await.expect("batch")[..], b"hello");
+        a.fail(EpochEnd::Fault(LinkFault::Injected));
+        assert_eq!(b.ended().await, EpochEnd::PeerClosed);
+        assert_eq!(a.ended().await, EpochEnd::Fault(LinkFault::Injected));
+        assert!(b.recv().await.is_err());
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserve_waits_for_a_free_send_buffer_and_posts_are_bounded() {
+    bounded(async {
+        let config = TcpLinkConfig {
+            send_buffers: 2,
+            max_batch: 1024,
+            ..TcpLinkConfig::default()
+        };
+        let (a, _b) = link_pair(&config).await;
+        let first = a.reserve().await.expect("reserve");
+        let second = a.reserve().await.expect("reserve");
+        assert!(ready_now(a.reserve()).await.is_none(), "all buffers out");
+        drop(first);
+        let third = a.reserve().await.expect("a dropped buffer is free again");
+        assert_eq!(third.len(), 1024);
+        assert_eq!(
+            a.post(second, 1025),
+            Err(qpmux::link::LinkError::BatchTooLarge {
+                len: 1025,
+                max: 1024
+            })
+        );
+        drop(third);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reader_stops_while_the_consumer_holds_its_quota() {
+    bounded(async {
+        let config = TcpLinkConfig {
+            recv_batches: 2,
+            ..TcpLinkConfig::default()
+        };
+        let (a, b) = link_pair(&config).await;
+        for i in 0..10u8 {
+            post(&a, &[i; 64]).await;
+        }
+        until(|| a.stats().batches_sent == 10).await;
+        let held = [
+            b.recv().await.expect("batch 0"),
+            b.recv().await.expect("batch 1"),
+        ];
+        // Everything is in b's socket buffer, yet the reader holds at the quota.
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+            assert_eq!(b.stats().batches_received, 2, "quota of 2 respected");
+        }
+        drop(held);
+        for i in 2..10u8 {
+            assert_eq!(&b.recv().await.expect("batch")[..], &[i; 64][..]);
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_frame_from_the_peer_ends_the_epoch() {
+    bounded(async {
+        let listener = tokio::net::TcpListener::bind(any_port())
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (dialed, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let config = TcpLinkConfig::default();
+        let link = TcpLink::new(
+            dialed.expect("connect"),
+            Vec::new(),
+            Epoch(3),
+            &config,
+            config.max_batch,
+        )
+        .expect("link");
+        let mut raw = accepted.expect("accept").0;
+        let mut frames = Vec::new();
+        frames.extend_from_slice(&5u32.to_be_bytes());
+        frames.extend_from_slice(b"fine!");
+        frames.extend_from_slice(&u32::MAX.to_be_bytes());
+        tokio::io::AsyncWriteExt::write_all(&mut raw, &frames)
+            .await
+            .expect("write");
+        assert_eq!(&link.recv().await.expect("the good frame")[..], b"fine!");
+        assert_eq!(
+            link.ended().await,
+            EpochEnd::Fault(LinkFault::Io(std::io::ErrorKind::InvalidData))
+        );
+    })
+    .await;
+}
