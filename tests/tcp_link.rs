@@ -223,13 +223,14 @@ async fn a_killed_connection_drops_every_live_slot_once_and_the_next_epoch_carri
             }
             assert_eq!(terminals, 1, "exactly one Dropped");
         }
+        // B saw the end first (EOF); A's own peer task ends its slots too.
+        until(|| a.stats().slots_dropped == n_slots && b.stats().slots_dropped == n_slots).await;
         for tx in &mut senders {
             assert_eq!(
                 tx.send(Bytes::from_static(b"late")).await,
                 Err(SendError::Dropped(DropReason::EpochEnded { epoch }))
             );
         }
-        until(|| a.stats().slots_dropped == n_slots && b.stats().slots_dropped == n_slots).await;
 
         // The next epoch (a new connection) carries new slots.
         drop(senders);
