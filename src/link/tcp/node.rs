@@ -191,7 +191,8 @@ impl NodeInner {
             incarnation: self.incarnation,
             proposed,
             endpoint: Endpoint::Tcp(TcpEndpoint {
-                max_batch: u32::try_from(self.config.link.max_batch).unwrap_or(u32::MAX),
+                max_batch: u32::try_from(self.config.link.max_batch)
+                    .unwrap_or(TcpEndpoint::MAX_BATCH),
             }),
         }
     }
@@ -207,7 +208,12 @@ pub struct TcpNode {
 impl TcpNode {
     /// Binds the listener on `addr` (port 0 picks one) and starts accepting.
     /// Connections are declined until [`TcpNode::set_mux`] is called.
-    pub async fn bind(config: TcpNodeConfig, addr: SocketAddr) -> io::Result<TcpNode> {
+    pub async fn bind(mut config: TcpNodeConfig, addr: SocketAddr) -> io::Result<TcpNode> {
+        // What we advertise must pass the peer's validation.
+        config.link.max_batch = config.link.max_batch.clamp(
+            TcpEndpoint::MIN_BATCH as usize,
+            TcpEndpoint::MAX_BATCH as usize,
+        );
         let socket = socket2::Socket::new(
             socket2::Domain::for_address(addr),
             socket2::Type::STREAM,
