@@ -288,7 +288,8 @@ async fn a_restarted_peer_on_the_same_address_gets_a_new_epoch() {
         b_node.shutdown();
         drop(b);
         drop(b_node);
-        until(|| a_node.link(B).is_some_and(|l| l.is_ended())).await;
+        // Wait until A's mux saw the old epoch end, so new slots open in the next one.
+        until(|| a_node.link(B).is_some_and(|l| l.is_ended()) && a.epoch(B).is_none()).await;
         // The same node id restarts on the same address (once the port is free).
         let (b2_node, b2) = loop {
             match TcpNode::start(config(B, None), addr, MuxConfig::default()).await {
