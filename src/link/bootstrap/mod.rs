@@ -37,7 +37,7 @@ pub use self::wire::{
     DeclineReason, Endpoint, EndpointKind, HelloFields, MAC_LEN, MAGIC, MAX_MESSAGE, MessageKind,
     NONCE_LEN, Nonce, PROTOCOL_VERSION, RdmaEndpoint, TcpEndpoint,
 };
-use self::wire::{MAC_LEN as TAG_LEN, Message};
+use self::wire::{HelloMessage, MAC_LEN as TAG_LEN, Message};
 use crate::mux::PeerId;
 use crate::mux::protocol::Epoch;
 
@@ -421,144 +421,144 @@ impl Handshake {
 
     fn handle_message(&mut self, body: &[u8]) -> Result<(), BootstrapError> {
         let message = wire::decode(body)?;
+        let got = message.kind();
+        let unexpected = |expected| Err(BootstrapError::Unexpected { expected, got });
         let state = std::mem::replace(&mut self.state, State::Failed);
-        match (state, message) {
-            (State::AwaitChallenge, Message::Challenge { version: _, nonce }) => {
-                let local = self.local.ok_or(BootstrapError::OutOfOrder)?;
-                self.challenge = body.to_vec();
-                self.peer_nonce = Some(nonce);
-                let signed = wire::hello_signed(&local, &nonce, &self.my_nonce);
-                let mac = self
-                    .key
-                    .as_ref()
-                    .map(|k| k.mac(LABEL_DIALER_HELLO, &[&self.challenge, &signed]));
-                wire::frame(&mut self.out, &wire::with_mac(signed.clone(), mac));
-                self.dialer_hello = signed;
-                self.state = State::AwaitListenerHello;
-                Ok(())
-            }
-            (
-                State::AwaitDialerHello,
-                Message::Hello {
-                    version: _,
-                    fields,
-                    echo,
-                    nonce,
-                    mac,
-                    signed_len,
-                },
-            ) => {
-                let signed = &body[..signed_len];
-                // The echo first (a replay is named as such), then the MAC,
-                // before anything else is looked at or created.
-                if echo != self.my_nonce {
-                    return Err(BootstrapError::StaleNonce);
+        match state {
+            State::AwaitChallenge => match message {
+                Message::Challenge { version: _, nonce } => self.on_challenge(body, nonce),
+                Message::Hello(_) | Message::Ready { .. } | Message::Decline(_) => {
+                    unexpected(MessageKind::Challenge)
                 }
-                self.check_mac(LABEL_DIALER_HELLO, &[&self.challenge, signed], mac)?;
-                if nonce == self.my_nonce {
-                    return Err(BootstrapError::ReflectedNonce);
+            },
+            State::AwaitDialerHello => match message {
+                Message::Hello(hello) => self.on_dialer_hello(body, hello),
+                Message::Challenge { .. } | Message::Ready { .. } | Message::Decline(_) => {
+                    unexpected(MessageKind::Hello)
                 }
-                self.check_peer(&fields)?;
-                self.dialer_hello = signed.to_vec();
-                self.peer_nonce = Some(nonce);
-                self.events.push_back(Event::PeerHello(fields));
-                self.state = State::AwaitLocal { peer: fields };
-                Ok(())
-            }
-            (
-                State::AwaitListenerHello,
-                Message::Hello {
-                    version: _,
-                    fields,
-                    echo,
-                    nonce,
-                    mac,
-                    signed_len,
-                },
-            ) => {
-                let signed = &body[..signed_len];
-                if echo != self.my_nonce {
-                    return Err(BootstrapError::StaleNonce);
+            },
+            State::AwaitListenerHello => match message {
+                Message::Hello(hello) => self.on_listener_hello(body, hello),
+                Message::Decline(reason) => {
+                    self.events.push_back(Event::Declined(reason));
+                    self.state = State::Done;
+                    Ok(())
                 }
-                self.check_mac(
-                    LABEL_LISTENER_HELLO,
-                    &[&self.challenge, &self.dialer_hello, signed],
-                    mac,
-                )?;
-                if Some(nonce) != self.peer_nonce {
-                    return Err(BootstrapError::BadField("listener nonce"));
-                }
-                self.check_peer(&fields)?;
-                let local = self.local.ok_or(BootstrapError::OutOfOrder)?;
-                let epoch = agreed_epoch(local.proposed, fields.proposed);
-                let ready = wire::ready_signed(epoch);
-                let mac = self.key.as_ref().map(|k| {
-                    k.mac(
-                        LABEL_READY,
-                        &[&self.challenge, &self.dialer_hello, signed, &ready],
-                    )
-                });
-                wire::frame(&mut self.out, &wire::with_mac(ready, mac));
-                self.events.push_back(Event::Established(Established {
-                    peer: fields,
-                    epoch,
-                }));
-                self.state = State::Done;
-                Ok(())
-            }
-            (State::AwaitListenerHello, Message::Decline(reason)) => {
-                self.events.push_back(Event::Declined(reason));
-                self.state = State::Done;
-                Ok(())
-            }
-            (
-                State::AwaitReady {
-                    peer,
-                    epoch,
-                    listener_hello,
-                },
+                Message::Challenge { .. } | Message::Ready { .. } => unexpected(MessageKind::Hello),
+            },
+            State::AwaitReady {
+                peer,
+                epoch,
+                listener_hello,
+            } => match message {
                 Message::Ready {
                     epoch: theirs,
                     mac,
                     signed_len,
-                },
-            ) => {
-                self.check_mac(
-                    LABEL_READY,
-                    &[
-                        &self.challenge,
-                        &self.dialer_hello,
-                        &listener_hello,
-                        &body[..signed_len],
-                    ],
-                    mac,
-                )?;
-                if theirs != epoch {
-                    return Err(BootstrapError::EpochMismatch {
-                        ours: epoch,
-                        theirs,
-                    });
+                } => {
+                    self.check_mac(
+                        LABEL_READY,
+                        &[
+                            &self.challenge,
+                            &self.dialer_hello,
+                            &listener_hello,
+                            &body[..signed_len],
+                        ],
+                        mac,
+                    )?;
+                    if theirs != epoch {
+                        return Err(BootstrapError::EpochMismatch {
+                            ours: epoch,
+                            theirs,
+                        });
+                    }
+                    self.events
+                        .push_back(Event::Established(Established { peer, epoch }));
+                    self.state = State::Done;
+                    Ok(())
                 }
-                self.events
-                    .push_back(Event::Established(Established { peer, epoch }));
-                self.state = State::Done;
-                Ok(())
+                Message::Challenge { .. } | Message::Hello(_) | Message::Decline(_) => {
+                    unexpected(MessageKind::Ready)
+                }
+            },
+            // `handle_input` feeds no message in these states.
+            State::AwaitLocal { .. } | State::Done | State::Failed => {
+                Err(BootstrapError::OutOfOrder)
             }
-            (state, message) => Err(BootstrapError::Unexpected {
-                expected: expected_in(&state),
-                got: message.kind(),
-            }),
         }
     }
-}
 
-/// What a state takes next (for error messages).
-fn expected_in(state: &State) -> MessageKind {
-    match state {
-        State::AwaitChallenge => MessageKind::Challenge,
-        State::AwaitDialerHello | State::AwaitListenerHello => MessageKind::Hello,
-        State::AwaitReady { .. } => MessageKind::Ready,
-        State::AwaitLocal { .. } | State::Done | State::Failed => MessageKind::Hello,
+    /// Dialer: the listener's challenge arrived; say hello with our proof.
+    fn on_challenge(&mut self, body: &[u8], nonce: Nonce) -> Result<(), BootstrapError> {
+        let local = self.local.ok_or(BootstrapError::OutOfOrder)?;
+        self.challenge = body.to_vec();
+        self.peer_nonce = Some(nonce);
+        let signed = wire::hello_signed(&local, &nonce, &self.my_nonce);
+        let mac = self
+            .key
+            .as_ref()
+            .map(|k| k.mac(LABEL_DIALER_HELLO, &[&self.challenge, &signed]));
+        wire::frame(&mut self.out, &wire::with_mac(signed.clone(), mac));
+        self.dialer_hello = signed;
+        self.state = State::AwaitListenerHello;
+        Ok(())
+    }
+
+    /// Listener: verify the dialer before anything is created for it.
+    fn on_dialer_hello(&mut self, body: &[u8], hello: HelloMessage) -> Result<(), BootstrapError> {
+        let signed = &body[..hello.signed_len];
+        // The echo first (a replay is named as such), then the MAC, before
+        // anything else is looked at or created.
+        if hello.echo != self.my_nonce {
+            return Err(BootstrapError::StaleNonce);
+        }
+        self.check_mac(LABEL_DIALER_HELLO, &[&self.challenge, signed], hello.mac)?;
+        if hello.nonce == self.my_nonce {
+            return Err(BootstrapError::ReflectedNonce);
+        }
+        self.check_peer(&hello.fields)?;
+        self.dialer_hello = signed.to_vec();
+        self.peer_nonce = Some(hello.nonce);
+        self.events.push_back(Event::PeerHello(hello.fields));
+        self.state = State::AwaitLocal { peer: hello.fields };
+        Ok(())
+    }
+
+    /// Dialer: verify the listener, agree on the epoch, send ready.
+    fn on_listener_hello(
+        &mut self,
+        body: &[u8],
+        hello: HelloMessage,
+    ) -> Result<(), BootstrapError> {
+        let signed = &body[..hello.signed_len];
+        if hello.echo != self.my_nonce {
+            return Err(BootstrapError::StaleNonce);
+        }
+        self.check_mac(
+            LABEL_LISTENER_HELLO,
+            &[&self.challenge, &self.dialer_hello, signed],
+            hello.mac,
+        )?;
+        if Some(hello.nonce) != self.peer_nonce {
+            return Err(BootstrapError::BadField("listener nonce"));
+        }
+        self.check_peer(&hello.fields)?;
+        let local = self.local.ok_or(BootstrapError::OutOfOrder)?;
+        let epoch = agreed_epoch(local.proposed, hello.fields.proposed);
+        let ready = wire::ready_signed(epoch);
+        let mac = self.key.as_ref().map(|k| {
+            k.mac(
+                LABEL_READY,
+                &[&self.challenge, &self.dialer_hello, signed, &ready],
+            )
+        });
+        wire::frame(&mut self.out, &wire::with_mac(ready, mac));
+        self.events.push_back(Event::Established(Established {
+            peer: hello.fields,
+            epoch,
+        }));
+        self.state = State::Done;
+        Ok(())
     }
 }
 

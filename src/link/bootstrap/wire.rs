@@ -257,6 +257,17 @@ pub struct HelloFields {
     pub endpoint: Endpoint,
 }
 
+/// A decoded hello.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct HelloMessage {
+    pub(crate) fields: HelloFields,
+    pub(crate) echo: Nonce,
+    pub(crate) nonce: Nonce,
+    pub(crate) mac: Option<[u8; MAC_LEN]>,
+    /// Length of the body before the MAC trailer (what the MAC covers).
+    pub(crate) signed_len: usize,
+}
+
 /// A decoded message body.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Message {
@@ -264,15 +275,7 @@ pub(crate) enum Message {
         version: u16,
         nonce: Nonce,
     },
-    Hello {
-        version: u16,
-        fields: HelloFields,
-        echo: Nonce,
-        nonce: Nonce,
-        mac: Option<[u8; MAC_LEN]>,
-        /// Length of the body before the MAC trailer (what the MAC covers).
-        signed_len: usize,
-    },
+    Hello(HelloMessage),
     Ready {
         epoch: Epoch,
         mac: Option<[u8; MAC_LEN]>,
@@ -285,7 +288,7 @@ impl Message {
     pub(crate) fn kind(&self) -> MessageKind {
         match self {
             Message::Challenge { .. } => MessageKind::Challenge,
-            Message::Hello { .. } => MessageKind::Hello,
+            Message::Hello(_) => MessageKind::Hello,
             Message::Ready { .. } => MessageKind::Ready,
             Message::Decline(_) => MessageKind::Decline,
         }
@@ -385,7 +388,7 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
             Ok(Message::Challenge { version, nonce })
         }
         MessageKind::Hello => {
-            let version = magic_and_version(&mut r)?;
+            magic_and_version(&mut r)?;
             let node = PeerId(r.u64()?);
             let incarnation = r.u64()?;
             let proposed = Epoch(r.u64()?);
@@ -396,8 +399,7 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
             let nonce = r.array()?;
             let endpoint = Endpoint::decode(&mut r)?;
             let (mac, signed_len) = mac_trailer(body, &mut r)?;
-            Ok(Message::Hello {
-                version,
+            Ok(Message::Hello(HelloMessage {
                 fields: HelloFields {
                     node,
                     incarnation,
@@ -408,7 +410,7 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
                 nonce,
                 mac,
                 signed_len,
-            })
+            }))
         }
         MessageKind::Ready => {
             let epoch = Epoch(r.u64()?);
