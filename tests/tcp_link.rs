@@ -479,3 +479,35 @@ async fn an_oversized_frame_from_the_peer_ends_the_epoch() {
     })
     .await;
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+
+    /// Arbitrary bytes from the network end the epoch with a reason; the
+    /// link never panics and never delivers a batch over its limit.
+    #[test]
+    fn arbitrary_bytes_from_the_peer_never_panic_the_link(
+        bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2048),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(bounded(async {
+            let listener = tokio::net::TcpListener::bind(any_port()).await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let (dialed, accepted) =
+                tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+            let config = TcpLinkConfig { max_batch: 256, ..TcpLinkConfig::default() };
+            let link = TcpLink::new(dialed.expect("connect"), Vec::new(), Epoch(1), &config, 256)
+                .expect("link");
+            let mut raw = accepted.expect("accept").0;
+            tokio::io::AsyncWriteExt::write_all(&mut raw, &bytes).await.expect("write");
+            drop(raw);
+            while let Ok(batch) = link.recv().await {
+                assert!(batch.len() <= 256);
+            }
+            link.ended().await;
+        }));
+    }
+}

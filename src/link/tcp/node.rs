@@ -559,7 +559,8 @@ async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
             Err(err) => {
                 // Per-connection failures (aborted, fd limits): keep serving.
                 tracing::warn!(%err, "accept failed");
-                tokio::task::yield_now().await;
+                // Out of descriptors would fail again at once: do not spin.
+                tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             }
         };
