@@ -511,3 +511,27 @@ proptest::proptest! {
         }));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_peer_replaces_a_link_that_still_looks_alive() {
+    bounded(async {
+        let (a_node, a) = node(A, None).await;
+        let (b1_node, b1) = node(B, None).await;
+        mesh(&[&a_node, &b1_node]);
+        stream(&a, B, &b1, 1, 2).await;
+        let old = a_node.link(B).expect("link");
+        // B "restarts" (new incarnation) while A's link to the old B is
+        // still up, as after a host crash, and dials A first.
+        let (b2_node, b2) = node(B, None).await;
+        b2_node.register(A, a_node.local_addr());
+        a_node.register(B, b2_node.local_addr());
+        stream(&b2, A, &a, 2, 2).await;
+        assert!(old.is_ended(), "the old link was replaced");
+        assert_eq!(old.ended().await, EpochEnd::Replaced);
+        assert_eq!(a.epoch(B), Some(Epoch(2)), "max(0, 1) + 1");
+        assert_eq!(a_node.stats().restarts_seen, 1);
+        b1.shutdown();
+        b1_node.shutdown();
+    })
+    .await;
+}

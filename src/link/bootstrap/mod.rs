@@ -16,8 +16,9 @@
 //! messages flow with an empty MAC. Epoch = max(both proposals) + 1. Inputs:
 //! [`Handshake::handle_input`], [`Handshake::handle_eof`]; driver commands:
 //! [`Handshake::respond`], [`Handshake::decline`]; outputs, polled after each
-//! input or command: [`Handshake::poll_transmit`], then [`Handshake::poll_event`].
-//! Formats and rulings: `docs/bootstrap.md`.
+//! input or command: [`Handshake::poll_transmit`] and [`Handshake::poll_event`]
+//! (an RDMA dialer handles `Established` — QP to RTR — before it flushes the
+//! ready). Formats and rulings: `docs/bootstrap.md`.
 
 mod error;
 mod wire;
