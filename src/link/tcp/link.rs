@@ -59,6 +59,8 @@ impl Default for TcpLinkConfig {
 
 /// Batches queued to the writer taken per `writev` (two slices each).
 const WRITE_BATCHES: usize = 256;
+/// How long a graceful close may keep flushing after the epoch ended.
+const FLUSH_GRACE: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Default)]
 struct State {
@@ -363,7 +365,10 @@ async fn write_loop(inner: Arc<Inner>, mut wr: OwnedWriteHalf) {
             notified.await;
             continue;
         }
-        let written = write_batches(&mut wr, &work).await;
+        let written = tokio::select! {
+            written = write_batches(&mut wr, &work) => written,
+            () = ended_then_grace(&inner) => Err(io::ErrorKind::TimedOut.into()),
+        };
         let mut state = inner.lock();
         state.batches_sent += work.len() as u64;
         state.free.extend(work.into_iter().map(|(buf, _)| buf));
@@ -376,6 +381,22 @@ async fn write_loop(inner: Arc<Inner>, mut wr: OwnedWriteHalf) {
         }
     }
     inner.shutdown_socket();
+}
+
+/// Resolves `FLUSH_GRACE` after the epoch ended: a graceful close may flush
+/// that long into a peer that stopped reading (a zero window, which
+/// `TCP_USER_TIMEOUT` does not cover), then the socket is cut.
+async fn ended_then_grace(inner: &Inner) {
+    loop {
+        let notified = inner.wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if inner.lock().ended.is_some() {
+            break;
+        }
+        notified.await;
+    }
+    tokio::time::sleep(FLUSH_GRACE).await;
 }
 
 /// Writes `len|batch` for every batch with as few `writev`s as the kernel allows.
