@@ -411,6 +411,9 @@ async fn dial_task(inner: Arc<NodeInner>, peer: PeerId) {
 }
 
 async fn dial_once(inner: &Arc<NodeInner>, peer: PeerId) -> Result<Epoch, ConnectError> {
+    if inner.shutdown.load(Ordering::Acquire) {
+        return Err(ConnectError::NotServing);
+    }
     let (addr, proposed) = {
         let peers = inner.peers();
         let state = peers.get(&peer).ok_or(ConnectError::UnknownPeer(peer))?;
