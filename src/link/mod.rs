@@ -11,9 +11,13 @@
 //! epoch is a new object handed to the mux (docs/design.md § "A Link is one
 //! epoch"). Link credit never reaches the slot layer.
 //!
-//! Implementations: [`mem`] (in-process pair for tests).
+//! Implementations: [`mem`] (in-process pair for tests), [`tcp`] (one TCP
+//! connection per peer per epoch: the baseline). [`bootstrap`] is the
+//! handshake that starts an epoch, shared by the socket-based links.
 
+pub mod bootstrap;
 pub mod mem;
+pub mod tcp;
 
 use std::future::Future;
 use std::ops::{Deref, DerefMut};

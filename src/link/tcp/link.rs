@@ -1,0 +1,566 @@
+//! [`TcpLink`]: one epoch over one TCP connection.
+//!
+//! ```text
+//!  reserve() ─► free send buffer ─ post() ─► queue ─► writer task ─ writev(len|batch …) ─► socket
+//!  recv() ◄─ inbox ◄─ reader task ◄─ read len|batch ◄─ socket   (stops while `recv_batches` are held)
+//!  fail() / socket error / EOF ─► ended (first reason wins) ─► shutdown(Both)
+//! ```
+//!
+//! TCP does its own flow control, so a link credit is a free send buffer and
+//! nothing else. All state sits behind one mutex; waiters sleep on `Notify`s
+//! and re-check state after `enable()`, so `reserve` and `recv` are cancel-safe.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice};
+use std::net::{Shutdown, SocketAddr};
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use socket2::{SockRef, Socket, TcpKeepalive};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::Notify;
+
+use crate::link::{EpochEnd, Link, LinkError, LinkFault};
+use crate::mux::protocol::Epoch;
+
+/// Shape of a TCP link. Defaults are documented per field.
+#[derive(Clone, Debug)]
+pub struct TcpLinkConfig {
+    /// Largest batch this end receives (advertised in the hello); the send
+    /// limit is the smaller of ours and the peer's. Default 64 KiB.
+    pub max_batch: usize,
+    /// Send buffers per link: `reserve` waits while all are queued or being
+    /// written. Default 16.
+    pub send_buffers: usize,
+    /// Received batches the consumer may hold (plus ones queued for it) before
+    /// the reader stops reading the socket. Default 16.
+    pub recv_batches: usize,
+    /// Idle time before TCP keepalive probes, and their interval. Default 1 s.
+    pub keepalive: Option<Duration>,
+    /// `TCP_USER_TIMEOUT` (Linux): unacknowledged data older than this kills
+    /// the connection. Default 5 s.
+    pub user_timeout: Option<Duration>,
+}
+
+impl Default for TcpLinkConfig {
+    fn default() -> Self {
+        TcpLinkConfig {
+            max_batch: 64 * 1024,
+            send_buffers: 16,
+            recv_batches: 16,
+            keepalive: Some(Duration::from_secs(1)),
+            user_timeout: Some(Duration::from_secs(5)),
+        }
+    }
+}
+
+/// Batches queued to the writer taken per `writev` (two slices each).
+const WRITE_BATCHES: usize = 256;
+/// How long a graceful close may keep flushing after the epoch ended.
+const FLUSH_GRACE: Duration = Duration::from_secs(2);
+
+#[derive(Debug, Default)]
+struct State {
+    free: Vec<Vec<u8>>,
+    queue: VecDeque<(Vec<u8>, usize)>,
+    inbox: VecDeque<Vec<u8>>,
+    held: usize,
+    ended: Option<EpochEnd>,
+    batches_sent: u64,
+    batches_received: u64,
+}
+
+#[derive(Debug)]
+struct Inner {
+    epoch: Epoch,
+    send_max: usize,
+    recv_max: usize,
+    recv_batches: usize,
+    peer: Option<SocketAddr>,
+    socket: Socket,
+    state: Mutex<State>,
+    /// Reserve, recv and ended waiters.
+    wake: Notify,
+    /// The writer (queue grew, or the epoch ended).
+    writer: Notify,
+    /// The reader (the consumer dropped a batch, or the epoch ended).
+    reader: Notify,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("tcp link state poisoned")
+    }
+
+    fn ended_error(&self, state: &State) -> Option<LinkError> {
+        state.ended.map(|reason| LinkError::Ended {
+            epoch: self.epoch,
+            reason,
+        })
+    }
+
+    /// Ends the epoch (first reason wins). A graceful end lets the writer
+    /// flush what is queued before it shuts the socket; any other shuts now.
+    fn end(&self, reason: EpochEnd) {
+        let mut state = self.lock();
+        if state.ended.is_some() {
+            return;
+        }
+        state.ended = Some(reason);
+        drop(state);
+        if !graceful(reason) {
+            self.shutdown_socket();
+        }
+        self.wake.notify_waiters();
+        self.writer.notify_one();
+        self.reader.notify_one();
+    }
+
+    fn shutdown_socket(&self) {
+        if let Err(err) = self.socket.shutdown(Shutdown::Both) {
+            // Already shut or reset by the peer: nothing left to close.
+            tracing::trace!(%err, "tcp link shutdown");
+        }
+    }
+}
+
+fn graceful(reason: EpochEnd) -> bool {
+    match reason {
+        EpochEnd::Closed | EpochEnd::Shutdown => true,
+        EpochEnd::PeerClosed
+        | EpochEnd::PeerLost
+        | EpochEnd::Fault(_)
+        | EpochEnd::Violation(_)
+        | EpochEnd::Replaced => false,
+    }
+}
+
+/// How a socket error ends the epoch.
+fn end_of_io(err: &io::Error) -> EpochEnd {
+    match err.kind() {
+        io::ErrorKind::ConnectionReset
+        | io::ErrorKind::ConnectionAborted
+        | io::ErrorKind::BrokenPipe
+        | io::ErrorKind::TimedOut => EpochEnd::PeerLost,
+        kind => EpochEnd::Fault(LinkFault::Io(kind)),
+    }
+}
+
+/// Ends the epoch when the last handle goes away, so tasks never outlive users.
+#[derive(Debug)]
+struct Handle(Arc<Inner>);
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.0.end(EpochEnd::Closed);
+    }
+}
+
+/// One end of one epoch over one TCP connection. Cheap to clone; the epoch
+/// ends (gracefully) when the last clone is dropped.
+#[derive(Debug, Clone)]
+pub struct TcpLink {
+    handle: Arc<Handle>,
+}
+
+/// Counters of one link.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TcpLinkStats {
+    /// Batches written to the socket.
+    pub batches_sent: u64,
+    /// Batches read from the socket.
+    pub batches_received: u64,
+}
+
+impl TcpLink {
+    /// Starts a link for `epoch` on a connected stream whose handshake is
+    /// done. `prefix` holds bytes already read past the handshake (they are
+    /// the first link bytes); `peer_max_batch` is the peer's advertised limit.
+    /// Spawns the reader and writer on the current tokio runtime.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime.
+    pub fn new(
+        stream: TcpStream,
+        prefix: Vec<u8>,
+        epoch: Epoch,
+        config: &TcpLinkConfig,
+        peer_max_batch: usize,
+    ) -> io::Result<TcpLink> {
+        configure(&stream, config)?;
+        let socket = SockRef::from(&stream).try_clone()?;
+        let peer = stream.peer_addr().ok();
+        let send_max = config.max_batch.min(peer_max_batch);
+        let inner = Arc::new(Inner {
+            epoch,
+            send_max,
+            recv_max: config.max_batch,
+            recv_batches: config.recv_batches.max(1),
+            peer,
+            socket,
+            state: Mutex::new(State {
+                free: (0..config.send_buffers.max(1))
+                    .map(|_| vec![0u8; send_max])
+                    .collect(),
+                ..State::default()
+            }),
+            wake: Notify::new(),
+            writer: Notify::new(),
+            reader: Notify::new(),
+        });
+        let (rd, wr) = stream.into_split();
+        tokio::spawn(read_loop(inner.clone(), prefix, rd));
+        tokio::spawn(write_loop(inner.clone(), wr));
+        Ok(TcpLink {
+            handle: Arc::new(Handle(inner)),
+        })
+    }
+
+    fn inner(&self) -> &Arc<Inner> {
+        &self.handle.0
+    }
+
+    /// True once the epoch has ended.
+    pub fn is_ended(&self) -> bool {
+        self.inner().lock().ended.is_some()
+    }
+
+    /// The remote address, if the socket knew it.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.inner().peer
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> TcpLinkStats {
+        let state = self.inner().lock();
+        TcpLinkStats {
+            batches_sent: state.batches_sent,
+            batches_received: state.batches_received,
+        }
+    }
+
+    /// True if both handles are the same link.
+    pub fn same_link(&self, other: &TcpLink) -> bool {
+        Arc::ptr_eq(self.inner(), other.inner())
+    }
+}
+
+/// Sets TCP_NODELAY, keepalive and (Linux) TCP_USER_TIMEOUT.
+pub(crate) fn configure(stream: &TcpStream, config: &TcpLinkConfig) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    let sock = SockRef::from(stream);
+    if let Some(idle) = config.keepalive {
+        let keepalive = TcpKeepalive::new().with_time(idle);
+        #[cfg(any(target_os = "linux", target_os = "macos", target_os = "windows"))]
+        let keepalive = keepalive.with_interval(idle);
+        sock.set_tcp_keepalive(&keepalive)?;
+    }
+    #[cfg(target_os = "linux")]
+    if let Some(timeout) = config.user_timeout {
+        sock.set_tcp_user_timeout(Some(timeout))?;
+    }
+    Ok(())
+}
+
+async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
+    let mut rd = BufReader::with_capacity(64 * 1024, std::io::Cursor::new(prefix).chain(rd));
+    let reason = loop {
+        // Back-pressure: stop reading while the consumer holds enough.
+        loop {
+            let notified = inner.reader.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let state = inner.lock();
+                if state.ended.is_some() {
+                    return;
+                }
+                if state.inbox.len() + state.held < inner.recv_batches {
+                    break;
+                }
+            }
+            notified.await;
+        }
+        let read = tokio::select! {
+            read = read_batch(&mut rd, inner.recv_max) => read,
+            () = wait_ended(&inner) => return,
+        };
+        match read {
+            Ok(Some(batch)) => {
+                let mut state = inner.lock();
+                if state.ended.is_some() {
+                    return;
+                }
+                state.inbox.push_back(batch);
+                state.batches_received += 1;
+                drop(state);
+                inner.wake.notify_waiters();
+            }
+            Ok(None) => break EpochEnd::PeerClosed,
+            Err(err) => {
+                tracing::debug!(epoch = %inner.epoch, %err, "tcp link read failed");
+                break end_of_io(&err);
+            }
+        }
+    };
+    inner.end(reason);
+}
+
+/// One framed batch; `None` on EOF at a frame boundary.
+async fn read_batch<R: tokio::io::AsyncBufRead + Unpin>(
+    rd: &mut R,
+    max: usize,
+) -> io::Result<Option<Vec<u8>>> {
+    if rd.fill_buf().await?.is_empty() {
+        return Ok(None);
+    }
+    let len = rd.read_u32().await? as usize;
+    if len > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("batch of {len} bytes exceeds {max}"),
+        ));
+    }
+    let mut batch = vec![0u8; len];
+    rd.read_exact(&mut batch).await?;
+    Ok(Some(batch))
+}
+
+async fn wait_ended(inner: &Inner) {
+    loop {
+        let notified = inner.reader.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if inner.lock().ended.is_some() {
+            // Pass the wake-up on: the back-pressure wait shares this Notify.
+            inner.reader.notify_one();
+            return;
+        }
+        notified.await;
+    }
+}
+
+async fn write_loop(inner: Arc<Inner>, mut wr: OwnedWriteHalf) {
+    loop {
+        let notified = inner.writer.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let (work, ended) = {
+            let mut state = inner.lock();
+            let ended = state.ended;
+            let n = state.queue.len().min(WRITE_BATCHES);
+            let work: Vec<(Vec<u8>, usize)> = match ended {
+                Some(reason) if !graceful(reason) => Vec::new(),
+                Some(_) | None => state.queue.drain(..n).collect(),
+            };
+            (work, ended)
+        };
+        if work.is_empty() {
+            if ended.is_some() {
+                break;
+            }
+            notified.await;
+            continue;
+        }
+        let written = tokio::select! {
+            written = write_batches(&mut wr, &work) => written,
+            () = ended_then_grace(&inner) => Err(io::ErrorKind::TimedOut.into()),
+        };
+        let mut state = inner.lock();
+        state.batches_sent += work.len() as u64;
+        state.free.extend(work.into_iter().map(|(buf, _)| buf));
+        drop(state);
+        inner.wake.notify_waiters();
+        if let Err(err) = written {
+            tracing::debug!(epoch = %inner.epoch, %err, "tcp link write failed");
+            inner.end(end_of_io(&err));
+            break;
+        }
+    }
+    inner.shutdown_socket();
+}
+
+/// Resolves `FLUSH_GRACE` after the epoch ended: a graceful close may flush
+/// that long into a peer that stopped reading (a zero window, which
+/// `TCP_USER_TIMEOUT` does not cover), then the socket is cut.
+async fn ended_then_grace(inner: &Inner) {
+    loop {
+        let notified = inner.wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if inner.lock().ended.is_some() {
+            break;
+        }
+        notified.await;
+    }
+    tokio::time::sleep(FLUSH_GRACE).await;
+}
+
+/// Writes `len|batch` for every batch with as few `writev`s as the kernel allows.
+async fn write_batches(wr: &mut OwnedWriteHalf, work: &[(Vec<u8>, usize)]) -> io::Result<()> {
+    let headers: Vec<[u8; 4]> = work
+        .iter()
+        .map(|(_, len)| (*len as u32).to_be_bytes())
+        .collect();
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(work.len() * 2);
+    for ((buf, len), header) in work.iter().zip(&headers) {
+        slices.push(IoSlice::new(header));
+        slices.push(IoSlice::new(&buf[..*len]));
+    }
+    let mut rest: &mut [IoSlice<'_>] = &mut slices;
+    while !rest.is_empty() {
+        let n = wr.write_vectored(rest).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut rest, n);
+    }
+    Ok(())
+}
+
+/// A send buffer holding one link credit (a free buffer of the pool).
+#[derive(Debug)]
+pub struct TcpSendBuf {
+    data: Option<Vec<u8>>,
+    inner: Arc<Inner>,
+}
+
+impl Deref for TcpSendBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.data.as_deref().unwrap_or(&[])
+    }
+}
+
+impl DerefMut for TcpSendBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.data.as_deref_mut().unwrap_or(&mut [])
+    }
+}
+
+impl Drop for TcpSendBuf {
+    fn drop(&mut self) {
+        if let Some(buf) = self.data.take() {
+            self.inner.lock().free.push(buf);
+            self.inner.wake.notify_waiters();
+        }
+    }
+}
+
+/// A received batch; it owns its bytes. Dropping it lets the reader read on.
+#[derive(Debug)]
+pub struct TcpBatch {
+    data: Vec<u8>,
+    inner: Arc<Inner>,
+}
+
+impl Deref for TcpBatch {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.data
+    }
+}
+
+impl Drop for TcpBatch {
+    fn drop(&mut self) {
+        let mut state = self.inner.lock();
+        state.held = state.held.saturating_sub(1);
+        drop(state);
+        self.inner.reader.notify_one();
+    }
+}
+
+impl Link for TcpLink {
+    type SendBuf = TcpSendBuf;
+    type Batch = TcpBatch;
+
+    fn epoch(&self) -> Epoch {
+        self.inner().epoch
+    }
+
+    fn max_batch(&self) -> usize {
+        self.inner().send_max
+    }
+
+    async fn reserve(&self) -> Result<TcpSendBuf, LinkError> {
+        let inner = self.inner();
+        loop {
+            let notified = inner.wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut state = inner.lock();
+                if let Some(err) = inner.ended_error(&state) {
+                    return Err(err);
+                }
+                if let Some(buf) = state.free.pop() {
+                    return Ok(TcpSendBuf {
+                        data: Some(buf),
+                        inner: inner.clone(),
+                    });
+                }
+            }
+            notified.await;
+        }
+    }
+
+    fn post(&self, mut buf: TcpSendBuf, len: usize) -> Result<(), LinkError> {
+        let inner = self.inner();
+        let max = inner.send_max;
+        if len > max {
+            return Err(LinkError::BatchTooLarge { len, max });
+        }
+        let mut state = inner.lock();
+        if let Some(err) = inner.ended_error(&state) {
+            return Err(err);
+        }
+        let data = buf.data.take().expect("a send buffer is posted once");
+        state.queue.push_back((data, len));
+        drop(state);
+        inner.writer.notify_one();
+        Ok(())
+    }
+
+    async fn recv(&self) -> Result<TcpBatch, LinkError> {
+        let inner = self.inner();
+        loop {
+            let notified = inner.wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut state = inner.lock();
+                if let Some(data) = state.inbox.pop_front() {
+                    state.held += 1;
+                    return Ok(TcpBatch {
+                        data,
+                        inner: inner.clone(),
+                    });
+                }
+                if let Some(err) = inner.ended_error(&state) {
+                    return Err(err);
+                }
+            }
+            notified.await;
+        }
+    }
+
+    fn fail(&self, reason: EpochEnd) {
+        self.inner().end(reason);
+    }
+
+    async fn ended(&self) -> EpochEnd {
+        let inner = self.inner();
+        loop {
+            let notified = inner.wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(reason) = inner.lock().ended {
+                return reason;
+            }
+            notified.await;
+        }
+    }
+}

@@ -1,0 +1,655 @@
+//! [`TcpNode`]: the TCP connector. Listens, dials, runs the bootstrap
+//! handshake, and hands each new epoch's [`TcpLink`] to the mux.
+//!
+//! ```text
+//!  mux ─ want_link(peer) ─► dial task (backoff) ─ connect ─ handshake(dialer) ─┐
+//!  accept loop ─ accept ─► handshake task (bounded) ─ handshake(listener) ─────┼─► install ─► mux.attach(peer, link)
+//!                              PeerHello ─► decide: respond / decline (crossed, stale)
+//! ```
+//!
+//! One table (`peers`, one mutex) says per peer: address, dial in progress,
+//! handshakes being accepted, last epoch, incarnation, current link, backoff.
+//! Crossed dials settle on the connection dialed by the lower node id: a
+//! listener declines a higher-id dialer while it is dialing that peer
+//! itself, and declines any dial proposing an epoch older than the running
+//! one (it predates it). Declines are not errors.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, Semaphore};
+use tokio::time::{Instant, sleep_until, timeout};
+
+use super::link::{TcpLink, TcpLinkConfig};
+use crate::link::bootstrap::{
+    BootstrapError, ClusterKey, DeclineReason, Endpoint, EndpointKind, Established, Event,
+    Handshake, HelloFields, TcpEndpoint, fresh_nonce,
+};
+use crate::link::{EpochEnd, Link};
+use crate::mux::protocol::Epoch;
+use crate::mux::{Dialer, Mux, MuxConfig, PeerId};
+
+/// Configuration of a TCP node. Defaults are documented per field.
+#[derive(Clone, Debug)]
+pub struct TcpNodeConfig {
+    /// This node's id (sent in every hello).
+    pub id: PeerId,
+    /// The cluster key; `None` runs the handshake unauthenticated.
+    pub key: Option<ClusterKey>,
+    /// Shape of each link.
+    pub link: TcpLinkConfig,
+    /// Longest a connect plus handshake may take. Default 5 s.
+    pub handshake_timeout: Duration,
+    /// First backoff after a failed dial. Default 50 ms.
+    pub backoff_min: Duration,
+    /// Largest backoff. Default 5 s.
+    pub backoff_max: Duration,
+    /// Handshakes accepted concurrently; more connections are closed at once. Default 64.
+    pub max_pending_handshakes: usize,
+}
+
+impl TcpNodeConfig {
+    /// Defaults for node `id`, without a cluster key.
+    pub fn new(id: PeerId) -> TcpNodeConfig {
+        TcpNodeConfig {
+            id,
+            key: None,
+            link: TcpLinkConfig::default(),
+            handshake_timeout: Duration::from_secs(5),
+            backoff_min: Duration::from_millis(50),
+            backoff_max: Duration::from_secs(5),
+            max_pending_handshakes: 64,
+        }
+    }
+}
+
+/// Why a connection attempt (dialed or accepted) produced no link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+pub enum ConnectError {
+    /// A socket error.
+    #[error("i/o error: {0:?}")]
+    Io(io::ErrorKind),
+    /// Connect plus handshake took longer than `handshake_timeout`.
+    #[error("handshake timed out")]
+    Timeout,
+    /// The handshake failed (the peer is broken, misconfigured or hostile).
+    #[error("handshake failed: {0}")]
+    Handshake(#[from] BootstrapError),
+    /// The peer declined our dial (crossed or stale dial; not a fault).
+    #[error("declined by the peer: {0:?}")]
+    DeclinedByPeer(DeclineReason),
+    /// We declined the peer's dial (not a fault).
+    #[error("declined the peer's dial: {0:?}")]
+    DeclinedLocally(DeclineReason),
+    /// A newer epoch with the peer was installed while this one was set up.
+    #[error("superseded by epoch {0}")]
+    Superseded(Epoch),
+    /// No address is registered for the peer.
+    #[error("no address for peer {0:?}")]
+    UnknownPeer(PeerId),
+    /// The node is shut down or has no mux yet.
+    #[error("node is not serving")]
+    NotServing,
+}
+
+impl From<io::Error> for ConnectError {
+    fn from(err: io::Error) -> Self {
+        ConnectError::Io(err.kind())
+    }
+}
+
+impl ConnectError {
+    /// True for outcomes that are part of normal operation (declines, races).
+    pub fn is_benign(&self) -> bool {
+        match self {
+            ConnectError::DeclinedByPeer(_)
+            | ConnectError::DeclinedLocally(_)
+            | ConnectError::Superseded(_) => true,
+            ConnectError::Io(_)
+            | ConnectError::Timeout
+            | ConnectError::Handshake(_)
+            | ConnectError::UnknownPeer(_)
+            | ConnectError::NotServing => false,
+        }
+    }
+}
+
+/// Counters of one node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeStats {
+    /// Epochs installed (dialed or accepted).
+    pub established: u64,
+    /// Incoming connections refused with an error (bad handshake, timeout, overload).
+    pub refused: u64,
+    /// Dials that failed with an error.
+    pub dial_failures: u64,
+    /// Declines, sent or received (crossed or stale dials).
+    pub declined: u64,
+    /// Times a peer showed a new incarnation (it restarted).
+    pub restarts_seen: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    established: AtomicU64,
+    refused: AtomicU64,
+    dial_failures: AtomicU64,
+    declined: AtomicU64,
+    restarts_seen: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+#[derive(Default)]
+struct PeerState {
+    addr: Option<SocketAddr>,
+    dialing: bool,
+    accepting: usize,
+    last_epoch: Epoch,
+    incarnation: Option<u64>,
+    current: Option<TcpLink>,
+    backoff: Duration,
+    retry_at: Option<Instant>,
+}
+
+impl PeerState {
+    fn live(&self) -> bool {
+        self.current.as_ref().is_some_and(|l| !l.is_ended())
+    }
+}
+
+struct NodeInner {
+    config: TcpNodeConfig,
+    incarnation: u64,
+    local_addr: SocketAddr,
+    peers: Mutex<HashMap<PeerId, PeerState>>,
+    mux: OnceLock<Mux<TcpLink>>,
+    counters: Counters,
+    last_refusal: Mutex<Option<ConnectError>>,
+    shutdown: AtomicBool,
+    shutdown_notify: Notify,
+    handshakes: Arc<Semaphore>,
+}
+
+impl NodeInner {
+    fn peers(&self) -> MutexGuard<'_, HashMap<PeerId, PeerState>> {
+        self.peers.lock().expect("tcp node state poisoned")
+    }
+
+    fn hello(&self, proposed: Epoch) -> HelloFields {
+        HelloFields {
+            node: self.config.id,
+            incarnation: self.incarnation,
+            proposed,
+            endpoint: Endpoint::Tcp(TcpEndpoint {
+                max_batch: u32::try_from(self.config.link.max_batch)
+                    .unwrap_or(TcpEndpoint::MAX_BATCH),
+            }),
+        }
+    }
+}
+
+/// A node of the TCP transport: a listener, a peer table and a mux [`Dialer`].
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct TcpNode {
+    inner: Arc<NodeInner>,
+}
+
+impl TcpNode {
+    /// Binds the listener on `addr` (port 0 picks one) and starts accepting.
+    /// Connections are declined until [`TcpNode::set_mux`] is called.
+    pub async fn bind(mut config: TcpNodeConfig, addr: SocketAddr) -> io::Result<TcpNode> {
+        // What we advertise must pass the peer's validation.
+        config.link.max_batch = config.link.max_batch.clamp(
+            TcpEndpoint::MIN_BATCH as usize,
+            TcpEndpoint::MAX_BATCH as usize,
+        );
+        let socket = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::STREAM,
+            Some(socket2::Protocol::TCP),
+        )?;
+        socket.set_reuse_address(true)?;
+        socket.set_nonblocking(true)?;
+        socket.bind(&addr.into())?;
+        socket.listen(1024)?;
+        let listener = TcpListener::from_std(socket.into())?;
+        let local_addr = listener.local_addr()?;
+        let max_pending = config.max_pending_handshakes.max(1);
+        let inner = Arc::new(NodeInner {
+            config,
+            incarnation: rand::random(),
+            local_addr,
+            peers: Mutex::new(HashMap::new()),
+            mux: OnceLock::new(),
+            counters: Counters::default(),
+            last_refusal: Mutex::new(None),
+            shutdown: AtomicBool::new(false),
+            shutdown_notify: Notify::new(),
+            handshakes: Arc::new(Semaphore::new(max_pending)),
+        });
+        tokio::spawn(accept_loop(inner.clone(), listener));
+        Ok(TcpNode { inner })
+    }
+
+    /// Binds a node and creates its mux, wired both ways.
+    pub async fn start(
+        config: TcpNodeConfig,
+        addr: SocketAddr,
+        mux_config: MuxConfig,
+    ) -> io::Result<(TcpNode, Mux<TcpLink>)> {
+        let node = TcpNode::bind(config, addr).await?;
+        let mux = Mux::new(mux_config, node.dialer());
+        node.set_mux(mux.clone());
+        Ok((node, mux))
+    }
+
+    /// The dialer to give this node's mux (holds the node weakly).
+    pub fn dialer(&self) -> Arc<dyn Dialer> {
+        Arc::new(NodeDialer {
+            node: Arc::downgrade(&self.inner),
+        })
+    }
+
+    /// Sets the mux new links are attached to. Returns false if one was set already.
+    pub fn set_mux(&self, mux: Mux<TcpLink>) -> bool {
+        self.inner.mux.set(mux).is_ok()
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> PeerId {
+        self.inner.config.id
+    }
+
+    /// This process's incarnation of the node (random per start).
+    pub fn incarnation(&self) -> u64 {
+        self.inner.incarnation
+    }
+
+    /// The address the listener is bound to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr
+    }
+
+    /// Tells the node where `peer` listens.
+    pub fn register(&self, peer: PeerId, addr: SocketAddr) {
+        self.inner.peers().entry(peer).or_default().addr = Some(addr);
+    }
+
+    /// The current link to `peer`, if any (ended or not): a test hook to fail it.
+    pub fn link(&self, peer: PeerId) -> Option<TcpLink> {
+        self.inner.peers().get(&peer)?.current.clone()
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> NodeStats {
+        let c = &self.inner.counters;
+        NodeStats {
+            established: c.established.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
+            dial_failures: c.dial_failures.load(Ordering::Relaxed),
+            declined: c.declined.load(Ordering::Relaxed),
+            restarts_seen: c.restarts_seen.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Why the last refused incoming connection was refused.
+    pub fn last_refusal(&self) -> Option<ConnectError> {
+        *self
+            .inner
+            .last_refusal
+            .lock()
+            .expect("tcp node state poisoned")
+    }
+
+    /// Dials `peer` now (ignoring backoff) and installs the link. While it
+    /// runs, the peer's crossing dials are settled as for mux-driven dials.
+    pub async fn connect(&self, peer: PeerId) -> Result<Epoch, ConnectError> {
+        let owned = {
+            let mut peers = self.inner.peers();
+            let state = peers.entry(peer).or_default();
+            !std::mem::replace(&mut state.dialing, true)
+        };
+        let result = dial_once(&self.inner, peer).await;
+        if owned {
+            if let Some(state) = self.inner.peers().get_mut(&peer) {
+                state.dialing = false;
+            }
+        }
+        if let Err(ConnectError::DeclinedByPeer(_)) = result {
+            bump(&self.inner.counters.declined);
+        }
+        result
+    }
+
+    /// Stops the listener and ends every link with [`EpochEnd::Shutdown`].
+    /// Does not shut the mux down.
+    pub fn shutdown(&self) {
+        self.inner.shutdown.store(true, Ordering::Release);
+        self.inner.shutdown_notify.notify_waiters();
+        let links: Vec<TcpLink> = self
+            .inner
+            .peers()
+            .values_mut()
+            .filter_map(|p| p.current.take())
+            .collect();
+        for link in links {
+            link.fail(EpochEnd::Shutdown);
+        }
+    }
+}
+
+struct NodeDialer {
+    node: Weak<NodeInner>,
+}
+
+impl Dialer for NodeDialer {
+    fn want_link(&self, peer: PeerId) {
+        let Some(inner) = self.node.upgrade() else {
+            return;
+        };
+        if inner.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        let mut peers = inner.peers();
+        let Some(state) = peers.get_mut(&peer) else {
+            tracing::debug!(?peer, "mux wants a link to an unregistered peer");
+            return;
+        };
+        if state.live() || state.dialing || state.accepting > 0 || state.addr.is_none() {
+            return;
+        }
+        if let Some(previous) = state.current.take() {
+            let stats = previous.stats();
+            if stats.batches_received > 0 || stats.batches_sent > 0 {
+                // The last epoch carried traffic: this is a fresh failure.
+                state.backoff = Duration::ZERO;
+                state.retry_at = None;
+            }
+        }
+        state.dialing = true;
+        drop(peers);
+        tokio::spawn(dial_task(inner, peer));
+    }
+}
+
+async fn dial_task(inner: Arc<NodeInner>, peer: PeerId) {
+    let wait = inner.peers().get(&peer).and_then(|p| p.retry_at);
+    if let Some(at) = wait {
+        sleep_until(at).await;
+    }
+    let result = dial_once(&inner, peer).await;
+    let mut peers = inner.peers();
+    let state = peers.entry(peer).or_default();
+    state.dialing = false;
+    match result {
+        Ok(epoch) => tracing::debug!(?peer, %epoch, "dialed"),
+        Err(err) if err.is_benign() => {
+            if let ConnectError::DeclinedByPeer(_) = err {
+                bump(&inner.counters.declined);
+            }
+            tracing::debug!(?peer, %err, "dial settled elsewhere");
+        }
+        Err(err) => {
+            bump(&inner.counters.dial_failures);
+            let config = &inner.config;
+            state.backoff = (state.backoff * 2).clamp(config.backoff_min, config.backoff_max);
+            state.retry_at = Some(Instant::now() + state.backoff);
+            tracing::warn!(?peer, %err, backoff = ?state.backoff, "dial failed");
+        }
+    }
+}
+
+async fn dial_once(inner: &Arc<NodeInner>, peer: PeerId) -> Result<Epoch, ConnectError> {
+    if inner.shutdown.load(Ordering::Acquire) {
+        return Err(ConnectError::NotServing);
+    }
+    let (addr, proposed) = {
+        let peers = inner.peers();
+        let state = peers.get(&peer).ok_or(ConnectError::UnknownPeer(peer))?;
+        (
+            state.addr.ok_or(ConnectError::UnknownPeer(peer))?,
+            state.last_epoch,
+        )
+    };
+    let attempt = async {
+        let mut stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        let mut hs = Handshake::dialer(
+            inner.config.key.clone(),
+            inner.hello(proposed),
+            Some(peer),
+            fresh_nonce(),
+        );
+        let (established, prefix) = drive(&mut stream, &mut hs, |_| None).await?;
+        Ok::<_, ConnectError>((stream, established, prefix))
+    };
+    let (stream, established, prefix) = timeout(inner.config.handshake_timeout, attempt)
+        .await
+        .map_err(|_| ConnectError::Timeout)??;
+    install(inner, peer, established, stream, prefix)
+}
+
+/// Runs `hs` over `stream` to the end. `on_hello` answers a listener's
+/// `PeerHello`: `Some(Ok(hello))` responds, `Some(Err(reason))` declines.
+/// Returns the result and the bytes read past the handshake.
+async fn drive(
+    stream: &mut TcpStream,
+    hs: &mut Handshake,
+    mut on_hello: impl FnMut(&HelloFields) -> Option<Result<HelloFields, DeclineReason>>,
+) -> Result<(Established, Vec<u8>), ConnectError> {
+    let mut pending = Vec::new();
+    let mut buf = [0u8; 4096];
+    let mut declined = None;
+    loop {
+        if let Some(out) = hs.poll_transmit() {
+            stream.write_all(&out).await?;
+        }
+        match hs.poll_event() {
+            Some(Event::PeerHello(hello)) => {
+                match on_hello(&hello) {
+                    Some(Ok(local)) => hs.respond(local)?,
+                    Some(Err(reason)) => {
+                        hs.decline(reason)?;
+                        declined = Some(reason);
+                    }
+                    None => return Err(BootstrapError::OutOfOrder.into()),
+                }
+                continue;
+            }
+            Some(Event::Established(established)) => {
+                if let Some(out) = hs.poll_transmit() {
+                    stream.write_all(&out).await?;
+                }
+                return Ok((established, pending));
+            }
+            Some(Event::Declined(reason)) => return Err(ConnectError::DeclinedByPeer(reason)),
+            None => {}
+        }
+        if hs.is_finished() {
+            return Err(match declined {
+                Some(reason) => ConnectError::DeclinedLocally(reason),
+                None => ConnectError::Handshake(BootstrapError::AlreadyFailed),
+            });
+        }
+        if hs.wants_input() && !pending.is_empty() {
+            let used = hs.handle_input(&pending)?;
+            pending.drain(..used);
+            continue;
+        }
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            return Err(hs.handle_eof().into());
+        }
+        pending.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// Installs an established epoch: a new link, attached to the mux.
+fn install(
+    inner: &NodeInner,
+    peer: PeerId,
+    established: Established,
+    stream: TcpStream,
+    prefix: Vec<u8>,
+) -> Result<Epoch, ConnectError> {
+    let mux = inner.mux.get().ok_or(ConnectError::NotServing)?;
+    let peer_max = match established.peer.endpoint {
+        Endpoint::Tcp(t) => t.max_batch as usize,
+        Endpoint::Rdma(_) => {
+            return Err(BootstrapError::WrongTransport {
+                expected: EndpointKind::Tcp,
+                got: EndpointKind::Rdma,
+            }
+            .into());
+        }
+    };
+    let mut peers = inner.peers();
+    if inner.shutdown.load(Ordering::Acquire) {
+        return Err(ConnectError::NotServing);
+    }
+    let state = peers.entry(peer).or_default();
+    if established.epoch <= state.last_epoch {
+        return Err(ConnectError::Superseded(state.last_epoch));
+    }
+    let link = TcpLink::new(
+        stream,
+        prefix,
+        established.epoch,
+        &inner.config.link,
+        peer_max,
+    )?;
+    let incarnation = established.peer.incarnation;
+    if state.incarnation.is_some_and(|known| known != incarnation) {
+        bump(&inner.counters.restarts_seen);
+        tracing::info!(?peer, "peer restarted (new incarnation)");
+    }
+    state.incarnation = Some(incarnation);
+    state.last_epoch = established.epoch;
+    if let Some(old) = state.current.replace(link.clone()) {
+        old.fail(EpochEnd::Replaced);
+    }
+    bump(&inner.counters.established);
+    // Under the table lock, so two installs for one peer attach in epoch order.
+    mux.attach(peer, link);
+    Ok(established.epoch)
+}
+
+async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
+    loop {
+        let shutdown = inner.shutdown_notify.notified();
+        tokio::pin!(shutdown);
+        shutdown.as_mut().enable();
+        if inner.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut shutdown => return,
+        };
+        let (stream, remote) = match accepted {
+            Ok(accepted) => accepted,
+            Err(err) => {
+                // Per-connection failures (aborted, fd limits): keep serving.
+                tracing::warn!(%err, "accept failed");
+                // Out of descriptors would fail again at once: do not spin.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = inner.handshakes.clone().try_acquire_owned() else {
+            bump(&inner.counters.refused);
+            tracing::warn!(%remote, "too many pending handshakes; connection closed");
+            continue;
+        };
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let result = timeout(inner.config.handshake_timeout, accept_once(&inner, stream))
+                .await
+                .unwrap_or(Err(ConnectError::Timeout));
+            drop(permit);
+            match result {
+                Ok(epoch) => tracing::debug!(%remote, %epoch, "accepted"),
+                Err(err) if err.is_benign() => tracing::debug!(%remote, %err, "declined"),
+                Err(err) => {
+                    *inner.last_refusal.lock().expect("tcp node state poisoned") = Some(err);
+                    bump(&inner.counters.refused);
+                    tracing::warn!(%remote, %err, "refused an incoming connection");
+                }
+            }
+        });
+    }
+}
+
+/// Decrements the peer's `accepting` count when an accepted handshake ends.
+struct Accepting<'a> {
+    inner: &'a NodeInner,
+    peer: Option<PeerId>,
+}
+
+impl Drop for Accepting<'_> {
+    fn drop(&mut self) {
+        if let Some(peer) = self.peer {
+            if let Some(state) = self.inner.peers().get_mut(&peer) {
+                state.accepting = state.accepting.saturating_sub(1);
+            }
+        }
+    }
+}
+
+async fn accept_once(inner: &NodeInner, mut stream: TcpStream) -> Result<Epoch, ConnectError> {
+    stream.set_nodelay(true)?;
+    let mut hs = Handshake::listener(
+        inner.config.key.clone(),
+        inner.config.id,
+        EndpointKind::Tcp,
+        fresh_nonce(),
+    );
+    let mut guard = Accepting { inner, peer: None };
+    let (established, prefix) = drive(&mut stream, &mut hs, |hello| {
+        let decision = decide(inner, hello);
+        if decision.is_ok() {
+            guard.peer = Some(hello.node);
+        }
+        Some(decision)
+    })
+    .await
+    .inspect_err(|err| {
+        if let ConnectError::DeclinedLocally(_) = err {
+            bump(&inner.counters.declined);
+        }
+    })?;
+    let epoch = install(inner, established.peer.node, established, stream, prefix);
+    drop(guard);
+    epoch
+}
+
+/// The listener's answer to an authenticated dialer's hello.
+fn decide(inner: &NodeInner, hello: &HelloFields) -> Result<HelloFields, DeclineReason> {
+    if inner.shutdown.load(Ordering::Acquire) || inner.mux.get().is_none() {
+        return Err(DeclineReason::Unavailable);
+    }
+    let mut peers = inner.peers();
+    let state = peers.entry(hello.node).or_default();
+    if state.dialing && hello.node > inner.config.id {
+        return Err(DeclineReason::CrossedDial);
+    }
+    if state.live()
+        && state.incarnation == Some(hello.incarnation)
+        && hello.proposed < state.last_epoch
+    {
+        return Err(DeclineReason::StaleDial);
+    }
+    state.accepting += 1;
+    Ok(inner.hello(state.last_epoch))
+}

@@ -1,0 +1,303 @@
+//! The bootstrap handshake over real loopback sockets: node to node, and a
+//! raw hostile client against a node's listener. Waits are on states.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use qpmux::link::bootstrap::{BootstrapError, ClusterKey, DeclineReason, MAX_MESSAGE};
+use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
+use qpmux::mux::{Epoch, Mux, MuxConfig, MuxTransport, PeerId};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const A: PeerId = PeerId(1);
+const B: PeerId = PeerId(2);
+const KEY: &[u8] = b"cluster key for the bootstrap ok";
+
+async fn node(id: PeerId, key: Option<&[u8]>) -> (TcpNode, Mux<TcpLink>) {
+    node_with_timeout(id, key, Duration::from_secs(5)).await
+}
+
+async fn node_with_timeout(
+    id: PeerId,
+    key: Option<&[u8]>,
+    handshake_timeout: Duration,
+) -> (TcpNode, Mux<TcpLink>) {
+    let config = TcpNodeConfig {
+        key: key.and_then(ClusterKey::new),
+        handshake_timeout,
+        ..TcpNodeConfig::new(id)
+    };
+    let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+    TcpNode::start(config, addr, MuxConfig::default())
+        .await
+        .expect("bind")
+}
+
+async fn bounded<T>(f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(20), f)
+        .await
+        .expect("test did not reach its state")
+}
+
+async fn until(mut cond: impl FnMut() -> bool) {
+    while !cond() {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Connects raw and reads the listener's challenge; returns its nonce.
+async fn raw(node: &TcpNode) -> (TcpStream, [u8; 32]) {
+    let mut s = TcpStream::connect(node.local_addr())
+        .await
+        .expect("connect");
+    let mut frame = [0u8; 4 + 39];
+    s.read_exact(&mut frame).await.expect("challenge");
+    assert_eq!(frame[..4], 39u32.to_be_bytes());
+    assert_eq!(frame[4], 1, "challenge kind");
+    assert_eq!(&frame[5..9], b"QPMX");
+    assert_eq!(frame[9..11], 1u16.to_be_bytes(), "version 1");
+    let mut nonce = [0u8; 32];
+    nonce.copy_from_slice(&frame[11..]);
+    (s, nonce)
+}
+
+/// A keyless dialer hello, framed, byte by byte per docs/bootstrap.md.
+fn hello(version: u16, node: PeerId, echo: &[u8; 32], max_batch: u32) -> Vec<u8> {
+    let mut body = vec![2u8];
+    body.extend_from_slice(b"QPMX");
+    body.extend_from_slice(&version.to_be_bytes());
+    body.extend_from_slice(&node.0.to_be_bytes());
+    body.extend_from_slice(&7u64.to_be_bytes()); // incarnation
+    body.extend_from_slice(&0u64.to_be_bytes()); // proposed epoch
+    body.extend_from_slice(echo);
+    body.extend_from_slice(&[0xd1; 32]); // dialer nonce
+    body.push(1); // endpoint kind: tcp
+    body.extend_from_slice(&4u16.to_be_bytes());
+    body.extend_from_slice(&max_batch.to_be_bytes());
+    body.push(0); // no MAC
+    let mut out = (body.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Reads until the listener closes the connection (EOF or reset).
+async fn closed(mut s: TcpStream) {
+    let mut buf = [0u8; 256];
+    while let Ok(n) = s.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+    }
+}
+
+/// Waits for refusal number `n` and returns its reason.
+async fn refusal(node: &TcpNode, n: u64) -> Option<ConnectError> {
+    until(|| node.stats().refused >= n).await;
+    node.last_refusal()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_to_node_with_and_without_a_key() {
+    bounded(async {
+        for key in [Some(KEY), None] {
+            let (a_node, a) = node(A, key).await;
+            let (b_node, b) = node(B, key).await;
+            a_node.register(B, b_node.local_addr());
+            assert_eq!(a_node.connect(B).await, Ok(Epoch(1)));
+            until(|| b.epoch(A).is_some() && a.epoch(B).is_some()).await;
+            assert_eq!(b.epoch(A), Some(Epoch(1)));
+            assert_eq!(a.epoch(B), Some(Epoch(1)));
+            // A deliberate reconnect proposes the running epoch: epoch 2 replaces it.
+            assert_eq!(a_node.connect(B).await, Ok(Epoch(2)));
+            until(|| b.epoch(A) == Some(Epoch(2)) && a.epoch(B) == Some(Epoch(2))).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_key_is_refused_and_named_on_the_listener() {
+    bounded(async {
+        let (a_node, _a) = node(A, Some(b"another cluster's key, 32 bytes!")).await;
+        let (b_node, b) = node(B, Some(KEY)).await;
+        a_node.register(B, b_node.local_addr());
+        let dialed = a_node.connect(B).await;
+        assert!(
+            matches!(
+                dialed,
+                Err(ConnectError::Handshake(_)) | Err(ConnectError::Io(_))
+            ),
+            "{dialed:?}"
+        );
+        assert_eq!(
+            refusal(&b_node, 1).await,
+            Some(ConnectError::Handshake(BootstrapError::BadMac))
+        );
+        assert_eq!(b.epoch(A), None);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crossed_connects_settle_on_the_lower_ids_dial() {
+    bounded(async {
+        let (a_node, a) = node(A, Some(KEY)).await;
+        let (b_node, b) = node(B, Some(KEY)).await;
+        a_node.register(B, b_node.local_addr());
+        b_node.register(A, a_node.local_addr());
+        let (from_a, from_b) = tokio::join!(a_node.connect(B), b_node.connect(A));
+        assert_eq!(from_a, Ok(Epoch(1)), "the lower id's dial wins");
+        assert!(
+            matches!(
+                from_b,
+                Err(ConnectError::DeclinedByPeer(
+                    DeclineReason::CrossedDial | DeclineReason::StaleDial
+                ))
+            ),
+            "{from_b:?}"
+        );
+        until(|| b.epoch(A).is_some() && a.epoch(B).is_some()).await;
+        assert_eq!((a.epoch(B), b.epoch(A)), (Some(Epoch(1)), Some(Epoch(1))));
+        assert_eq!(a_node.stats().refused + b_node.stats().refused, 0);
+        assert_eq!(a_node.stats().established, 1);
+        assert_eq!(b_node.stats().established, 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_serving() {
+    bounded(async {
+        // Short enough for the silent client below, long enough for a loaded CI box.
+        let (l_node, l) = node_with_timeout(B, None, Duration::from_secs(1)).await;
+        let mut n = 0;
+        let mut expect = async |bytes: Vec<u8>, close: bool, want: BootstrapError| {
+            let (mut s, _nonce) = raw(&l_node).await;
+            s.write_all(&bytes).await.expect("write");
+            if close {
+                s.shutdown().await.expect("shutdown");
+            }
+            n += 1;
+            assert_eq!(
+                refusal(&l_node, n).await,
+                Some(ConnectError::Handshake(want)),
+                "case {n}"
+            );
+            closed(s).await;
+        };
+        expect(
+            b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+            false,
+            BootstrapError::Oversized {
+                len: u32::from_be_bytes(*b"GET "),
+                max: MAX_MESSAGE,
+            },
+        )
+        .await;
+        expect(
+            u32::MAX.to_be_bytes().to_vec(),
+            false,
+            BootstrapError::Oversized {
+                len: u32::MAX,
+                max: MAX_MESSAGE,
+            },
+        )
+        .await;
+        expect(
+            vec![0, 0, 0, 3, 0x42, 0, 0],
+            false,
+            BootstrapError::UnknownMessage(0x42),
+        )
+        .await;
+        // A ready before any hello.
+        let mut ready = vec![0, 0, 0, 10, 3];
+        ready.extend_from_slice(&1u64.to_be_bytes());
+        ready.push(0);
+        expect(
+            ready,
+            false,
+            BootstrapError::Unexpected {
+                expected: qpmux::link::bootstrap::MessageKind::Hello,
+                got: qpmux::link::bootstrap::MessageKind::Ready,
+            },
+        )
+        .await;
+        // A hello echoing a nonce from some other connection (replay).
+        expect(
+            hello(1, A, &[0x55; 32], 65536),
+            false,
+            BootstrapError::StaleNonce,
+        )
+        .await;
+        // Half a message, then EOF.
+        let half = hello(1, A, &[0; 32], 65536)[..40].to_vec();
+        expect(half, true, BootstrapError::Truncated).await;
+
+        // Cases that need the connection's own nonce.
+        let cases: [(u16, PeerId, u32, BootstrapError); 3] = [
+            (2, A, 65536, BootstrapError::BadVersion { got: 2 }),
+            (1, A, 1, BootstrapError::BadField("tcp max_batch")),
+            (1, B, 65536, BootstrapError::SelfConnect),
+        ];
+        for (version, id, max_batch, want) in cases {
+            let (mut s, nonce) = raw(&l_node).await;
+            s.write_all(&hello(version, id, &nonce, max_batch))
+                .await
+                .expect("write");
+            n += 1;
+            assert_eq!(
+                refusal(&l_node, n).await,
+                Some(ConnectError::Handshake(want))
+            );
+            closed(s).await;
+        }
+        // A client that never speaks is cut off by the handshake timeout.
+        let (silent, _) = raw(&l_node).await;
+        n += 1;
+        assert_eq!(refusal(&l_node, n).await, Some(ConnectError::Timeout));
+        closed(silent).await;
+
+        // A well-behaved raw dialer still gets the listener's hello.
+        let (mut s, nonce) = raw(&l_node).await;
+        s.write_all(&hello(1, A, &nonce, 65536))
+            .await
+            .expect("write");
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).await.expect("listener hello");
+        let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+        s.read_exact(&mut body).await.expect("listener hello");
+        assert_eq!(body[0], 2, "a hello");
+        assert_eq!(
+            body[7..15],
+            B.0.to_be_bytes(),
+            "from the listener's node id"
+        );
+        drop(s);
+        assert_eq!(l.epoch(A), None, "no ready, no epoch");
+
+        // And a real node connects.
+        let (a_node, _a) = node(A, None).await;
+        a_node.register(B, l_node.local_addr());
+        assert_eq!(a_node.connect(B).await, Ok(Epoch(1)));
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_listener_refuses_a_dialer_without_proof() {
+    bounded(async {
+        let (l_node, _l) = node(B, Some(KEY)).await;
+        let (mut s, nonce) = raw(&l_node).await;
+        s.write_all(&hello(1, A, &nonce, 65536))
+            .await
+            .expect("write");
+        assert_eq!(
+            refusal(&l_node, 1).await,
+            Some(ConnectError::Handshake(BootstrapError::MissingMac))
+        );
+        closed(s).await;
+    })
+    .await;
+}

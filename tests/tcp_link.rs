@@ -1,0 +1,537 @@
+//! Two (or three) `Mux<TcpLink>` nodes over real loopback sockets.
+//! Every wait is on a state; the outer timeout only turns a hang into a failure.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use qpmux::link::bootstrap::ClusterKey;
+use qpmux::link::tcp::{ConnectError, TcpLink, TcpLinkConfig, TcpNode, TcpNodeConfig};
+use qpmux::link::{EpochEnd, Link, LinkFault};
+use qpmux::mux::{
+    DropReason, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, SendError, StreamKey, Terminal,
+};
+use rand::{Rng, SeedableRng};
+
+const A: PeerId = PeerId(1);
+const B: PeerId = PeerId(2);
+const C: PeerId = PeerId(3);
+
+fn any_port() -> SocketAddr {
+    "127.0.0.1:0".parse().expect("addr")
+}
+
+fn config(id: PeerId, key: Option<&[u8]>) -> TcpNodeConfig {
+    TcpNodeConfig {
+        key: key.and_then(ClusterKey::new),
+        link: TcpLinkConfig {
+            max_batch: 16 * 1024,
+            ..TcpLinkConfig::default()
+        },
+        ..TcpNodeConfig::new(id)
+    }
+}
+
+async fn node(id: PeerId, key: Option<&[u8]>) -> (TcpNode, Mux<TcpLink>) {
+    TcpNode::start(config(id, key), any_port(), MuxConfig::default())
+        .await
+        .expect("bind")
+}
+
+/// Registers every node with every other.
+fn mesh(nodes: &[&TcpNode]) {
+    for a in nodes {
+        for b in nodes {
+            if a.id() != b.id() {
+                a.register(b.id(), b.local_addr());
+            }
+        }
+    }
+}
+
+/// Waits (on state, polling) until `cond` holds.
+async fn until(mut cond: impl FnMut() -> bool) {
+    while !cond() {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// A hang becomes a failure instead of a stuck test run.
+async fn bounded<T>(f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(20), f)
+        .await
+        .expect("test did not reach its state")
+}
+
+fn record(slot: u64, n: u32, len: usize) -> Bytes {
+    let mut v = vec![(n % 251) as u8; len.max(12)];
+    v[..8].copy_from_slice(&slot.to_be_bytes());
+    v[8..12].copy_from_slice(&n.to_be_bytes());
+    Bytes::from(v)
+}
+
+fn seq_of(b: &Bytes) -> u32 {
+    u32::from_be_bytes(b[8..12].try_into().expect("4 bytes"))
+}
+
+/// Opens `slots` streams from `from` to `to_mux`'s node and sends `records`
+/// random-size records on each (some larger than a 16 KiB batch); returns
+/// when every record arrived in order, exactly once, and every stream finished.
+async fn stream(from: &Mux<TcpLink>, to: PeerId, to_mux: &Mux<TcpLink>, anchor: u64, slots: u64) {
+    let records = 5u32;
+    let mut consumers = Vec::new();
+    let mut producers = Vec::new();
+    for s in 0..slots {
+        let key = StreamKey::new(anchor, s);
+        let mut rx = to_mux.bind(key).expect("bind");
+        consumers.push(tokio::spawn(async move {
+            let mut next = 0u32;
+            let mut bytes = 0usize;
+            while let Some(frame) = rx.recv().await {
+                match frame {
+                    Frame::Data(d) => {
+                        assert_eq!(seq_of(&d), next, "in order, exactly once");
+                        assert!(d[12..].iter().all(|&b| b == (next % 251) as u8), "intact");
+                        bytes += d.len();
+                        next += 1;
+                    }
+                    Frame::Finalized => break,
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            (next, bytes)
+        }));
+        let mut tx = from.open(to, key).expect("open");
+        producers.push(tokio::spawn(async move {
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(anchor * 1000 + s);
+            for n in 0..records {
+                let len = if rng.random_bool(0.1) {
+                    rng.random_range(20_000..40_000)
+                } else {
+                    rng.random_range(12..2_000)
+                };
+                tx.send(record(s, n, len)).await.expect("send");
+            }
+            tx.finish(Terminal::Finalized).expect("finish");
+        }));
+    }
+    for p in producers {
+        p.await.expect("producer");
+    }
+    for c in consumers {
+        assert_eq!(c.await.expect("consumer").0, records);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_slots_of_random_records_arrive_in_order_exactly_once() {
+    bounded(async {
+        let (a_node, a) = node(A, Some(b"a cluster key of 32 bytes here!!")).await;
+        let (b_node, b) = node(B, Some(b"a cluster key of 32 bytes here!!")).await;
+        mesh(&[&a_node, &b_node]);
+        stream(&a, B, &b, 1, 200).await;
+        assert_eq!(a.epoch(B), Some(Epoch(1)));
+        assert_eq!(a.stats().slots_dropped, 0);
+        assert_eq!(b.stats().slots_dropped, 0);
+        assert_eq!(a_node.stats().established, 1);
+        assert_eq!(b_node.stats().established, 1);
+        let link = a_node.link(B).expect("link");
+        assert_eq!(link.max_batch(), 16 * 1024);
+        assert!(link.stats().batches_sent > 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_sides_dialing_at_once_settle_on_one_connection_without_error() {
+    bounded(async {
+        for round in 0..3u64 {
+            let (a_node, a) = node(A, None).await;
+            let (b_node, b) = node(B, None).await;
+            mesh(&[&a_node, &b_node]);
+            // Both muxes get work for each other at once: both dial.
+            let (ab, ba) = tokio::join!(
+                stream(&a, B, &b, 10 + round, 20),
+                stream(&b, A, &a, 20 + round, 20)
+            );
+            let ((), ()) = (ab, ba);
+            for (n, m, peer) in [(&a_node, &a, B), (&b_node, &b, A)] {
+                let stats = n.stats();
+                assert_eq!(stats.established, 1, "one connection: {stats:?}");
+                assert_eq!(stats.refused, 0, "{stats:?}");
+                assert_eq!(stats.dial_failures, 0, "{stats:?}");
+                assert_eq!(m.epoch(peer), Some(Epoch(1)));
+                assert_eq!(m.stats().slots_dropped, 0);
+                assert_eq!(m.stats().epoch_deaths, 0);
+            }
+            a.shutdown();
+            b.shutdown();
+            a_node.shutdown();
+            b_node.shutdown();
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_connection_drops_every_live_slot_once_and_the_next_epoch_carries_new_slots() {
+    bounded(async {
+        let (a_node, a) = node(A, None).await;
+        let (b_node, b) = node(B, None).await;
+        mesh(&[&a_node, &b_node]);
+        let n_slots = 32u64;
+        let mut receivers = Vec::new();
+        let mut senders = Vec::new();
+        for s in 0..n_slots {
+            let key = StreamKey::new(9, s);
+            receivers.push(b.bind(key).expect("bind"));
+            senders.push(a.open(B, key).expect("open"));
+        }
+        for (s, tx) in senders.iter_mut().enumerate() {
+            for n in 0..3 {
+                tx.send(record(s as u64, n, 100)).await.expect("send");
+            }
+        }
+        for rx in &mut receivers {
+            match rx.recv().await {
+                Some(Frame::Data(d)) => assert_eq!(seq_of(&d), 0),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        let epoch = a.epoch(B).expect("link is up");
+        a_node
+            .link(B)
+            .expect("link")
+            .fail(EpochEnd::Fault(LinkFault::Injected));
+
+        for rx in &mut receivers {
+            let mut next = 1;
+            let mut terminals = 0;
+            while let Some(frame) = rx.recv().await {
+                match frame {
+                    Frame::Data(d) => {
+                        assert_eq!(seq_of(&d), next, "delivered prefix stays in order");
+                        next += 1;
+                    }
+                    Frame::Dropped(DropReason::EpochEnded { epoch: e }) => {
+                        assert_eq!(e, epoch);
+                        terminals += 1;
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            assert_eq!(terminals, 1, "exactly one Dropped");
+        }
+        // B saw the end first (EOF); A's own peer task ends its slots too.
+        until(|| a.stats().slots_dropped == n_slots && b.stats().slots_dropped == n_slots).await;
+        for tx in &mut senders {
+            assert_eq!(
+                tx.send(Bytes::from_static(b"late")).await,
+                Err(SendError::Dropped(DropReason::EpochEnded { epoch }))
+            );
+        }
+
+        // The next epoch (a new connection) carries new slots.
+        drop(senders);
+        stream(&a, B, &b, 11, 8).await;
+        let next = a.epoch(B).expect("relinked");
+        assert!(next > epoch, "{next} after {epoch}");
+        assert_eq!(b.epoch(A), Some(next));
+        assert_eq!(a.stats().slots_dropped, n_slots, "nothing dropped twice");
+        assert_eq!(b.stats().slots_dropped, n_slots, "nothing dropped twice");
+        assert_eq!(a_node.stats().dial_failures, 0);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_key_is_refused_while_a_correct_peer_connects() {
+    bounded(async {
+        let key: &[u8] = b"the right cluster key, 32 bytes!";
+        let (a_node, a) = node(A, Some(b"the WRONG cluster key, 32 bytes!")).await;
+        let (b_node, b) = node(B, Some(key)).await;
+        let (c_node, c) = node(C, Some(key)).await;
+        mesh(&[&a_node, &b_node, &c_node]);
+        let key_ab = StreamKey::new(5, 1);
+        let _rx_ab = b.bind(key_ab).expect("bind");
+        let mut tx_ab = a.open(B, key_ab).expect("open");
+        tx_ab
+            .send(Bytes::from_static(b"intruder"))
+            .await
+            .expect("queued");
+        until(|| b_node.stats().refused >= 1 && a_node.stats().dial_failures >= 1).await;
+        assert!(matches!(
+            b_node.last_refusal(),
+            Some(ConnectError::Handshake(_))
+        ));
+        assert_eq!(b.epoch(A), None, "no epoch with the intruder");
+        // The listener keeps serving the correct peer.
+        stream(&c, B, &b, 6, 10).await;
+        assert_eq!(b.epoch(C), Some(Epoch(1)));
+        assert_eq!(b_node.stats().established, 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_peer_on_the_same_address_gets_a_new_epoch() {
+    bounded(async {
+        let (a_node, a) = node(A, None).await;
+        let (b_node, b) = node(B, None).await;
+        mesh(&[&a_node, &b_node]);
+        stream(&a, B, &b, 1, 4).await;
+        assert_eq!(a.epoch(B), Some(Epoch(1)));
+        let addr = b_node.local_addr();
+        let old_incarnation = b_node.incarnation();
+        b.shutdown();
+        b_node.shutdown();
+        drop(b);
+        drop(b_node);
+        // Wait until A's mux saw the old epoch end, so new slots open in the next one.
+        until(|| a_node.link(B).is_some_and(|l| l.is_ended()) && a.epoch(B).is_none()).await;
+        // The same node id restarts on the same address (once the port is free).
+        let (b2_node, b2) = loop {
+            match TcpNode::start(config(B, None), addr, MuxConfig::default()).await {
+                Ok(started) => break started,
+                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        };
+        assert_ne!(b2_node.incarnation(), old_incarnation);
+        stream(&a, B, &b2, 2, 4).await;
+        assert_eq!(a.epoch(B), Some(Epoch(2)), "max(1, 0) + 1");
+        assert_eq!(b2.epoch(A), Some(Epoch(2)));
+        assert_eq!(a_node.stats().restarts_seen, 1);
+    })
+    .await;
+}
+
+// ---- The link alone, over a loopback connection (no handshake). ----
+
+async fn link_pair(config: &TcpLinkConfig) -> (TcpLink, TcpLink) {
+    let listener = tokio::net::TcpListener::bind(any_port())
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (dialed, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+    let a = TcpLink::new(
+        dialed.expect("connect"),
+        Vec::new(),
+        Epoch(1),
+        config,
+        config.max_batch,
+    )
+    .expect("link");
+    let b = TcpLink::new(
+        accepted.expect("accept").0,
+        Vec::new(),
+        Epoch(1),
+        config,
+        config.max_batch,
+    )
+    .expect("link");
+    (a, b)
+}
+
+async fn post(link: &TcpLink, payload: &[u8]) {
+    let mut buf = link.reserve().await.expect("reserve");
+    buf[..payload.len()].copy_from_slice(payload);
+    link.post(buf, payload.len()).expect("post");
+}
+
+/// True if `f` is ready on its first poll.
+async fn ready_now<T>(f: impl Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        biased;
+        v = f => Some(v),
+        () = std::future::ready(()) => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_sent_before_a_close_arrive_first_then_the_end() {
+    bounded(async {
+        let (a, b) = link_pair(&TcpLinkConfig::default()).await;
+        for i in 0..3u8 {
+            post(&a, &[i; 100]).await;
+        }
+        a.fail(EpochEnd::Closed);
+        for i in 0..3u8 {
+            let batch = b.recv().await.expect("delivered before the end");
+            assert_eq!(&batch[..], &[i; 100][..]);
+        }
+        let end = b.recv().await.map(|_| ()).expect_err("then the end");
+        assert_eq!(
+            end,
+            qpmux::link::LinkError::Ended {
+                epoch: Epoch(1),
+                reason: EpochEnd::PeerClosed
+            }
+        );
+        assert_eq!(b.ended().await, EpochEnd::PeerClosed);
+        assert_eq!(a.ended().await, EpochEnd::Closed);
+        assert!(a.reserve().await.is_err());
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_link_ends_both_ends_with_their_reasons() {
+    bounded(async {
+        let (a, b) = link_pair(&TcpLinkConfig::default()).await;
+        post(&a, b"hello").await;
+        assert_eq!(&b.recv().await.expect("batch")[..], b"hello");
+        a.fail(EpochEnd::Fault(LinkFault::Injected));
+        assert_eq!(b.ended().await, EpochEnd::PeerClosed);
+        assert_eq!(a.ended().await, EpochEnd::Fault(LinkFault::Injected));
+        assert!(b.recv().await.is_err());
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserve_waits_for_a_free_send_buffer_and_posts_are_bounded() {
+    bounded(async {
+        let config = TcpLinkConfig {
+            send_buffers: 2,
+            max_batch: 1024,
+            ..TcpLinkConfig::default()
+        };
+        let (a, _b) = link_pair(&config).await;
+        let first = a.reserve().await.expect("reserve");
+        let second = a.reserve().await.expect("reserve");
+        assert!(ready_now(a.reserve()).await.is_none(), "all buffers out");
+        drop(first);
+        let third = a.reserve().await.expect("a dropped buffer is free again");
+        assert_eq!(third.len(), 1024);
+        assert_eq!(
+            a.post(second, 1025),
+            Err(qpmux::link::LinkError::BatchTooLarge {
+                len: 1025,
+                max: 1024
+            })
+        );
+        drop(third);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reader_stops_while_the_consumer_holds_its_quota() {
+    bounded(async {
+        let config = TcpLinkConfig {
+            recv_batches: 2,
+            ..TcpLinkConfig::default()
+        };
+        let (a, b) = link_pair(&config).await;
+        for i in 0..10u8 {
+            post(&a, &[i; 64]).await;
+        }
+        until(|| a.stats().batches_sent == 10).await;
+        let held = [
+            b.recv().await.expect("batch 0"),
+            b.recv().await.expect("batch 1"),
+        ];
+        // Everything is in b's socket buffer, yet the reader holds at the quota.
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+            assert_eq!(b.stats().batches_received, 2, "quota of 2 respected");
+        }
+        drop(held);
+        for i in 2..10u8 {
+            assert_eq!(&b.recv().await.expect("batch")[..], &[i; 64][..]);
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_frame_from_the_peer_ends_the_epoch() {
+    bounded(async {
+        let listener = tokio::net::TcpListener::bind(any_port())
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (dialed, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let config = TcpLinkConfig::default();
+        let link = TcpLink::new(
+            dialed.expect("connect"),
+            Vec::new(),
+            Epoch(3),
+            &config,
+            config.max_batch,
+        )
+        .expect("link");
+        let mut raw = accepted.expect("accept").0;
+        let mut frames = Vec::new();
+        frames.extend_from_slice(&5u32.to_be_bytes());
+        frames.extend_from_slice(b"fine!");
+        frames.extend_from_slice(&u32::MAX.to_be_bytes());
+        tokio::io::AsyncWriteExt::write_all(&mut raw, &frames)
+            .await
+            .expect("write");
+        assert_eq!(&link.recv().await.expect("the good frame")[..], b"fine!");
+        assert_eq!(
+            link.ended().await,
+            EpochEnd::Fault(LinkFault::Io(std::io::ErrorKind::InvalidData))
+        );
+    })
+    .await;
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+
+    /// Arbitrary bytes from the network end the epoch with a reason; the
+    /// link never panics and never delivers a batch over its limit.
+    #[test]
+    fn arbitrary_bytes_from_the_peer_never_panic_the_link(
+        bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2048),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(bounded(async {
+            let listener = tokio::net::TcpListener::bind(any_port()).await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let (dialed, accepted) =
+                tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+            let config = TcpLinkConfig { max_batch: 256, ..TcpLinkConfig::default() };
+            let link = TcpLink::new(dialed.expect("connect"), Vec::new(), Epoch(1), &config, 256)
+                .expect("link");
+            let mut raw = accepted.expect("accept").0;
+            tokio::io::AsyncWriteExt::write_all(&mut raw, &bytes).await.expect("write");
+            drop(raw);
+            while let Ok(batch) = link.recv().await {
+                assert!(batch.len() <= 256);
+            }
+            link.ended().await;
+        }));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_peer_replaces_a_link_that_still_looks_alive() {
+    bounded(async {
+        let (a_node, a) = node(A, None).await;
+        let (b1_node, b1) = node(B, None).await;
+        mesh(&[&a_node, &b1_node]);
+        stream(&a, B, &b1, 1, 2).await;
+        let old = a_node.link(B).expect("link");
+        // B "restarts" (new incarnation) while A's link to the old B is
+        // still up, as after a host crash, and dials A first.
+        let (b2_node, b2) = node(B, None).await;
+        b2_node.register(A, a_node.local_addr());
+        a_node.register(B, b2_node.local_addr());
+        stream(&b2, A, &a, 2, 2).await;
+        assert!(old.is_ended(), "the old link was replaced");
+        assert_eq!(old.ended().await, EpochEnd::Replaced);
+        assert_eq!(a.epoch(B), Some(Epoch(2)), "max(0, 1) + 1");
+        assert_eq!(a_node.stats().restarts_seen, 1);
+        b1.shutdown();
+        b1_node.shutdown();
+    })
+    .await;
+}
