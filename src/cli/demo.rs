@@ -9,6 +9,7 @@ use serde::Serialize;
 use crate::demo::{self, Report, Workload};
 use crate::link::Node;
 use crate::link::mem::{MemConfig, MemFabric};
+use crate::link::tcp::{TcpNodeConfig, TcpTransport};
 use crate::mux::{MuxConfig, PeerId};
 
 /// Shape of the demo run.
@@ -76,6 +77,27 @@ async fn mem_row(workload: Workload) -> Report {
     report
 }
 
+async fn tcp_row(workload: Workload) -> anyhow::Result<Report> {
+    let loopback = "127.0.0.1:0".parse().expect("literal address");
+    let a = TcpTransport::bind(
+        TcpNodeConfig::new(PeerId(1)),
+        loopback,
+        MuxConfig::default(),
+    )
+    .await?;
+    let b = TcpTransport::bind(
+        TcpNodeConfig::new(PeerId(2)),
+        loopback,
+        MuxConfig::default(),
+    )
+    .await?;
+    b.register(&a.address())?;
+    let report = demo::run_nodes(&a, &b, 1, workload).await;
+    a.shutdown();
+    b.shutdown();
+    Ok(report)
+}
+
 pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
     let workload = Workload {
         streams: args.streams,
@@ -83,7 +105,7 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
         record_size: args.record_size.max(16),
         pace: (args.pace_us > 0).then(|| Duration::from_micros(args.pace_us)),
     };
-    let paths: [&'static str; 1] = ["mem"];
+    let paths: [&'static str; 2] = ["mem", "qpmux-tcp"];
     let bar = if json {
         ProgressBar::hidden()
     } else {
@@ -103,6 +125,7 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
         ));
         let report = match path {
             "mem" => mem_row(workload).await,
+            "qpmux-tcp" => tcp_row(workload).await?,
             other => anyhow::bail!("unknown path {other}"),
         };
         rows.push(Row::new(path, args.streams, &report));

@@ -15,6 +15,7 @@
 //! connection per peer per epoch: the baseline). [`bootstrap`] is the
 //! handshake that starts an epoch, shared by the socket-based links.
 
+pub mod address;
 pub mod bootstrap;
 pub mod mem;
 pub mod tcp;

@@ -14,6 +14,8 @@
 
 mod link;
 mod node;
+mod transport;
 
 pub use link::{TcpBatch, TcpLink, TcpLinkConfig, TcpLinkStats, TcpSendBuf};
 pub use node::{ConnectError, NodeStats, TcpNode, TcpNodeConfig};
+pub use transport::TcpTransport;
