@@ -627,3 +627,30 @@ async fn ping_is_answered_ahead_of_a_congested_slot() {
     }
     muxes[1].ping(A).await.expect("pong the other way");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_writes_what_was_queued_then_says_goodbye() {
+    let (_fabric, muxes) = fabric(&[A, B], MuxConfig::default(), MemConfig::default());
+    let key = StreamKey::new(13, 0);
+    let mut rx = muxes[1].bind(key).expect("bind");
+    let mut tx = muxes[0].open(B, key).expect("open");
+    for n in 0..100 {
+        tx.send(record(13, n, 300)).await.expect("send");
+    }
+    tx.finish(Terminal::Finalized).expect("finish");
+    muxes[0].shutdown();
+    let mut got = 0;
+    while let Some(frame) = rx.recv().await {
+        match frame {
+            Frame::Data(_) => got += 1,
+            Frame::Finalized => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(got, 100);
+    muxes[0].closed().await;
+    assert!(
+        muxes[0].open(B, StreamKey::new(13, 1)).is_err(),
+        "shut down"
+    );
+}

@@ -2,13 +2,15 @@
 //!
 //! ```text
 //!  bin/qpmux.rs ─► cli::main ─► demo     (default; streams over each node kind, one table)
-//!                            └► devices  (providers, devices, ports, GIDs)
+//!                            ├► devices  (providers, devices, ports, GIDs)
+//!                            └► pingpong (latency / bandwidth, perftest-shaped)
 //! ```
 //!
 //! Every subcommand prints a human table, or JSON with `--json`.
 
 mod demo;
 mod devices;
+mod pingpong;
 
 use clap::{Parser, Subcommand};
 
@@ -31,11 +33,20 @@ pub enum Command {
     Demo(demo::DemoArgs),
     /// List providers, devices and ports.
     Devices,
+    /// Latency or bandwidth between two endpoints (perftest-style table).
+    Pingpong(pingpong::PingpongArgs),
 }
 
 /// Parses the command line and runs it.
 pub fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -45,6 +56,7 @@ pub fn main() -> anyhow::Result<()> {
             None => demo::run(demo::DemoArgs::default(), args.json).await,
             Some(Command::Demo(demo_args)) => demo::run(demo_args, args.json).await,
             Some(Command::Devices) => devices::run(args.json).await,
+            Some(Command::Pingpong(pingpong_args)) => pingpong::run(pingpong_args, args.json).await,
         }
     })
 }

@@ -47,6 +47,9 @@ pub struct MuxConfig {
     pub max_slots_per_peer: u32,
     /// Largest logical record (reassembled from fragments). Default 16 MiB.
     pub max_record: usize,
+    /// On shutdown, how long a peer task keeps writing what producers had
+    /// already queued before it says goodbye. Default 1 s.
+    pub shutdown_linger: Duration,
 }
 
 impl Default for MuxConfig {
@@ -61,6 +64,7 @@ impl Default for MuxConfig {
             idle_retire: Duration::from_secs(60),
             max_slots_per_peer: 65_536,
             max_record: 16 * 1024 * 1024,
+            shutdown_linger: Duration::from_secs(1),
         }
     }
 }

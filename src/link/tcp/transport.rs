@@ -57,7 +57,13 @@ impl Node for TcpTransport {
     }
 
     fn shutdown(&self) {
-        self.node.shutdown();
+        // The mux drains and says goodbye on the live links first; the
+        // listener and any link left stop once it has closed.
         self.mux.shutdown();
+        let (node, mux) = (self.node.clone(), self.mux.clone());
+        tokio::spawn(async move {
+            mux.closed().await;
+            node.shutdown();
+        });
     }
 }

@@ -70,6 +70,8 @@ struct Shared<L> {
     shutdown: AtomicBool,
     shutdown_notify: Notify,
     sink: OnceLock<Arc<dyn MessageSink>>,
+    /// Fires whenever a peer task retires.
+    retired: Notify,
 }
 
 /// A node's slot mux over links of type `L`. Cheap to clone.
@@ -103,6 +105,7 @@ impl<L: Link> Mux<L> {
                 shutdown: AtomicBool::new(false),
                 shutdown_notify: Notify::new(),
                 sink: OnceLock::new(),
+                retired: Notify::new(),
             }),
         }
     }
@@ -122,8 +125,9 @@ impl<L: Link> Mux<L> {
         entry.link_arrived.notify_one();
     }
 
-    /// Ends every epoch (each live slot gets `Dropped(Shutdown)`), and stops
-    /// the peer tasks. Does not wait.
+    /// Stops the mux: each peer task writes what producers already queued
+    /// (bounded by `shutdown_linger`), says goodbye, and ends its epoch; live
+    /// slots then get `Dropped(Shutdown)`. Does not wait; see [`Mux::closed`].
     pub fn shutdown(&self) {
         self.shared.shutdown.store(true, Ordering::Release);
         self.shared.shutdown_notify.notify_waiters();
@@ -167,6 +171,21 @@ impl<L: Link> Mux<L> {
         }
         entry.control.ping().await;
         Ok(start.elapsed())
+    }
+
+    /// Resolves once every peer task has retired (after [`Mux::shutdown`]:
+    /// once queued records are written, bounded by `shutdown_linger`, and
+    /// every epoch has ended).
+    pub async fn closed(&self) {
+        loop {
+            let retired = self.shared.retired.notified();
+            tokio::pin!(retired);
+            retired.as_mut().enable();
+            if lock(&self.shared.peers).is_empty() {
+                return;
+            }
+            retired.await;
+        }
     }
 
     /// Number of peers with a running task.
@@ -333,6 +352,7 @@ fn retire<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, force: bool) -> boo
         peers.remove(&peer);
     }
     drop(peers);
+    shared.retired.notify_waiters();
     for inlet in orphans {
         inlet.close(crate::mux::SendError::Dropped(DropReason::Shutdown));
     }
@@ -377,6 +397,7 @@ async fn run_epoch<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, link: L) -
     core.set_sink(shared.sink.get().cloned());
     core.handle_control(Instant::now());
     let mut messages: Option<flume::Receiver<OutboundMessage>> = lock(&entry.messages).take();
+    let mut drain_until: Option<Instant> = None;
     let end = loop {
         if let Some(fresh) = lock(&entry.messages).take() {
             messages = Some(fresh);
@@ -384,15 +405,24 @@ async fn run_epoch<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, link: L) -
         let shutdown = shared.shutdown_notify.notified();
         tokio::pin!(shutdown);
         shutdown.as_mut().enable();
-        if shared.shutdown.load(Ordering::Acquire) {
-            try_goodbye(&link, &mut core).await;
-            break EpochEnd::Shutdown;
-        }
         let now = Instant::now();
+        if shared.shutdown.load(Ordering::Acquire) {
+            // Write what is already queued (bounded by the linger), then say goodbye.
+            let until = *drain_until.get_or_insert(now + config.shutdown_linger);
+            // Take what producers queued before the shutdown, then judge.
+            core.handle_control(now);
+            if core.is_quiet() || now >= until {
+                try_goodbye(&link, &mut core).await;
+                break EpochEnd::Shutdown;
+            }
+        }
         if core.goodbye_received() {
             break EpochEnd::PeerClosed;
         }
         let mut deadline = core.poll_timeout();
+        if let Some(until) = drain_until {
+            deadline = deadline.min(until);
+        }
         if let Some(since) = core.idle_since() {
             let retire_at = since + config.idle_retire;
             if now >= retire_at && entry.control.state().dirty_inlets.is_empty() {

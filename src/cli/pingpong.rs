@@ -1,0 +1,302 @@
+//! `qpmux pingpong`: latency and bandwidth between two endpoints, shaped like
+//! perftest's `ib_send_lat` / `ib_send_bw` tables.
+//!
+//! ```text
+//!  client ─ slot (PING, n) ─► server: first record = client's address blob
+//!  server ─ slot (PONG, n) ─► client: echoes every record (lat) or one ack (bw)
+//! ```
+//!
+//! Both ends in one process by default; `--server` and `--client` run them
+//! in two (the server prints its address blob in hex for the client).
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::{Args as ClapArgs, ValueEnum};
+use serde::Serialize;
+
+use crate::link::Node;
+use crate::link::tcp::{TcpNodeConfig, TcpTransport};
+use crate::mux::{Frame, MuxConfig, MuxTransport, PeerId, StreamKey, Terminal};
+
+const PING_ANCHOR: u64 = 0x5049_4e47; // "PING"
+const PONG_ANCHOR: u64 = 0x504f_4e47; // "PONG"
+
+/// Which transport carries the test.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+pub enum TransportKind {
+    /// The mux over TCP links.
+    Tcp,
+}
+
+/// What to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+pub enum Test {
+    /// One record in flight, echoed: one-way latency = round trip / 2.
+    Lat,
+    /// A stream of records, one acknowledgement at the end.
+    Bw,
+}
+
+/// Arguments of `qpmux pingpong`.
+#[derive(Debug, Clone, ClapArgs)]
+pub struct PingpongArgs {
+    /// Transport under test.
+    #[arg(long, value_enum, default_value_t = TransportKind::Tcp)]
+    pub transport: TransportKind,
+    /// Latency or bandwidth.
+    #[arg(long, value_enum, default_value_t = Test::Lat)]
+    pub test: Test,
+    /// Message sizes in bytes (repeat or comma-separate).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![64usize, 4096, 65536])]
+    pub size: Vec<usize>,
+    /// Iterations per size.
+    #[arg(long, default_value_t = 2000)]
+    pub iters: u64,
+    /// Run only the server, listening here; prints its address blob.
+    #[arg(long)]
+    pub server: Option<std::net::SocketAddr>,
+    /// Run only the client, against a server's hex address blob.
+    #[arg(long)]
+    pub client: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct LatRow {
+    bytes: usize,
+    iterations: u64,
+    t_min_us: f64,
+    t_typ_us: f64,
+    t_avg_us: f64,
+    t_99_us: f64,
+    t_max_us: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct BwRow {
+    bytes: usize,
+    iterations: u64,
+    bw_mib_s: f64,
+    msg_rate_mpps: f64,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> anyhow::Result<Vec<u8>> {
+    let text = text.trim();
+    anyhow::ensure!(text.len() % 2 == 0, "odd-length hex address");
+    (0..text.len())
+        .step_by(2)
+        .map(|i| Ok(u8::from_str_radix(&text[i..i + 2], 16)?))
+        .collect()
+}
+
+async fn tcp_node(id: u64, bind: std::net::SocketAddr) -> anyhow::Result<TcpTransport> {
+    Ok(TcpTransport::bind(TcpNodeConfig::new(PeerId(id)), bind, MuxConfig::default()).await?)
+}
+
+/// Serves pingpong sessions forever (or, in one process, until dropped).
+async fn serve<N: Node>(node: &N, sessions: u64) -> anyhow::Result<()> {
+    for session in 0..sessions {
+        let mut rx = node.mux().bind(StreamKey::new(PING_ANCHOR, session))?;
+        let Some(Frame::Data(hello)) = rx.recv().await else {
+            anyhow::bail!("pingpong client sent no address");
+        };
+        let peer = node.register(&hello)?;
+        let Some(Frame::Data(mode)) = rx.recv().await else {
+            anyhow::bail!("pingpong client sent no mode");
+        };
+        let mut tx = node
+            .mux()
+            .open(peer, StreamKey::new(PONG_ANCHOR, session))?;
+        let echo = mode.as_ref() == b"lat";
+        let mut received = 0u64;
+        while let Some(frame) = rx.recv().await {
+            match frame {
+                Frame::Data(record) => {
+                    received += 1;
+                    if echo {
+                        tx.send(record).await?;
+                    }
+                }
+                Frame::Finalized => break,
+                other => anyhow::bail!("pingpong stream ended: {other:?}"),
+            }
+        }
+        if !echo {
+            tx.send(Bytes::copy_from_slice(&received.to_be_bytes()))
+                .await?;
+        }
+        tx.finish(Terminal::Finalized)?;
+    }
+    Ok(())
+}
+
+async fn client<N: Node>(
+    node: &N,
+    server: PeerId,
+    session: u64,
+    test: Test,
+    size: usize,
+    iters: u64,
+) -> anyhow::Result<(Vec<Duration>, Duration)> {
+    let mut rx = node.mux().bind(StreamKey::new(PONG_ANCHOR, session))?;
+    let mut tx = node
+        .mux()
+        .open(server, StreamKey::new(PING_ANCHOR, session))?;
+    tx.send(Bytes::from(node.address())).await?;
+    let mode: &'static [u8] = match test {
+        Test::Lat => b"lat",
+        Test::Bw => b"bw",
+    };
+    tx.send(Bytes::from_static(mode)).await?;
+    let record = Bytes::from(vec![0xa5u8; size]);
+    let mut one_way = Vec::with_capacity(iters as usize);
+    let start = Instant::now();
+    match test {
+        Test::Lat => {
+            for _ in 0..iters {
+                let sent = Instant::now();
+                tx.send(record.clone()).await?;
+                match rx.recv().await {
+                    Some(Frame::Data(echo)) if echo.len() == size => {}
+                    other => anyhow::bail!("bad echo: {other:?}"),
+                }
+                one_way.push(sent.elapsed() / 2);
+            }
+            tx.finish(Terminal::Finalized)?;
+        }
+        Test::Bw => {
+            for _ in 0..iters {
+                tx.send(record.clone()).await?;
+            }
+            tx.finish(Terminal::Finalized)?;
+            match rx.recv().await {
+                Some(Frame::Data(count)) if count.as_ref() == iters.to_be_bytes() => {}
+                other => anyhow::bail!("bad bandwidth acknowledgement: {other:?}"),
+            }
+        }
+    }
+    let elapsed = start.elapsed();
+    while rx.recv().await.is_some() {}
+    Ok((one_way, elapsed))
+}
+
+fn lat_row(size: usize, mut samples: Vec<Duration>) -> LatRow {
+    samples.sort_unstable();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
+    let total: Duration = samples.iter().sum();
+    LatRow {
+        bytes: size,
+        iterations: samples.len() as u64,
+        t_min_us: us(samples[0]),
+        t_typ_us: us(at(0.5)),
+        t_avg_us: us(total / samples.len() as u32),
+        t_99_us: us(at(0.99)),
+        t_max_us: us(samples[samples.len() - 1]),
+    }
+}
+
+pub async fn run(args: PingpongArgs, json: bool) -> anyhow::Result<()> {
+    anyhow::ensure!(args.iters > 0, "--iters must be positive");
+    let TransportKind::Tcp = args.transport;
+    let loopback: std::net::SocketAddr = "127.0.0.1:0".parse().expect("literal");
+    if let Some(bind) = args.server {
+        let node = tcp_node(1, bind).await?;
+        println!("pingpong server; address: {}", hex(&node.address()));
+        return serve(&node, u64::MAX).await;
+    }
+    let client_node = tcp_node(2, loopback).await?;
+    let (server_peer, local_server) = match &args.client {
+        Some(blob) => (client_node.register(&unhex(blob)?)?, None),
+        None => {
+            let server = tcp_node(1, loopback).await?;
+            let peer = client_node.register(&server.address())?;
+            (peer, Some(server))
+        }
+    };
+    let sessions = args.size.len() as u64;
+    let server_task = local_server.map(|server| {
+        tokio::spawn(async move {
+            let served = serve(&server, sessions).await;
+            server.shutdown();
+            served
+        })
+    });
+    let mut lat_rows = Vec::new();
+    let mut bw_rows = Vec::new();
+    for (session, &size) in args.size.iter().enumerate() {
+        let (samples, elapsed) = client(
+            &client_node,
+            server_peer,
+            session as u64,
+            args.test,
+            size,
+            args.iters,
+        )
+        .await?;
+        match args.test {
+            Test::Lat => lat_rows.push(lat_row(size, samples)),
+            Test::Bw => {
+                let secs = elapsed.as_secs_f64().max(1e-9);
+                bw_rows.push(BwRow {
+                    bytes: size,
+                    iterations: args.iters,
+                    bw_mib_s: (size as f64 * args.iters as f64) / secs / (1 << 20) as f64,
+                    msg_rate_mpps: args.iters as f64 / secs / 1e6,
+                });
+            }
+        }
+    }
+    if let Some(task) = server_task {
+        task.await??;
+    }
+    client_node.shutdown();
+    if json {
+        match args.test {
+            Test::Lat => println!("{}", serde_json::to_string_pretty(&lat_rows)?),
+            Test::Bw => println!("{}", serde_json::to_string_pretty(&bw_rows)?),
+        }
+        return Ok(());
+    }
+    println!(
+        "qpmux pingpong over {:?} (the mux's slot path; user space, loopback)",
+        args.transport
+    );
+    match args.test {
+        Test::Lat => {
+            println!(
+                " {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+                "#bytes", "#iters", "t_min[µs]", "t_typ[µs]", "t_avg[µs]", "t_99[µs]", "t_max[µs]"
+            );
+            for r in &lat_rows {
+                println!(
+                    " {:>8} {:>10} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
+                    r.bytes,
+                    r.iterations,
+                    r.t_min_us,
+                    r.t_typ_us,
+                    r.t_avg_us,
+                    r.t_99_us,
+                    r.t_max_us
+                );
+            }
+        }
+        Test::Bw => {
+            println!(
+                " {:>8} {:>10} {:>14} {:>14}",
+                "#bytes", "#iters", "BW avg[MiB/s]", "MsgRate[Mpps]"
+            );
+            for r in &bw_rows {
+                println!(
+                    " {:>8} {:>10} {:>14.2} {:>14.4}",
+                    r.bytes, r.iterations, r.bw_mib_s, r.msg_rate_mpps
+                );
+            }
+        }
+    }
+    Ok(())
+}
