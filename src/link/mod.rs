@@ -11,9 +11,11 @@
 //! epoch is a new object handed to the mux (docs/design.md § "A Link is one
 //! epoch"). Link credit never reaches the slot layer.
 //!
-//! Implementations: [`mem`] (in-process pair for tests).
+//! Implementations: [`mem`] (in-process pair for tests), [`rdma`] (one RC
+//! queue pair through the verbs seam).
 
 pub mod mem;
+pub mod rdma;
 
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
