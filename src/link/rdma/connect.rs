@@ -137,6 +137,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             send_mrs: self.send_mrs,
             recv_mrs: self.recv_mrs,
             _pd: self.pd,
+            address: self.address,
             epoch,
             config,
             state: Mutex::new(state),

@@ -31,8 +31,8 @@ use self::credit::Credit;
 use super::{EpochEnd, Link, LinkError, LinkFault};
 use crate::mux::protocol::Epoch;
 use crate::verbs::{
-    Device, MemoryRegion, PostError, QueuePair, RecvWr, SendOpcode, SendWr, Sge, VerbsError,
-    WcStatus,
+    Device, MemoryRegion, PostError, QpAddress, QueuePair, RecvWr, SendOpcode, SendWr, Sge,
+    VerbsError, WcStatus,
 };
 
 /// Receive WR ids carry this bit; send WR ids are a sequence number below it.
@@ -204,6 +204,7 @@ struct Shared<D: Device> {
     send_mrs: Vec<D::Mr>,
     recv_mrs: Vec<D::Mr>,
     _pd: D::Pd,
+    address: QpAddress,
     epoch: Epoch,
     config: RdmaConfig,
     state: Mutex<State>,
@@ -423,7 +424,7 @@ impl<D: Device + 'static> std::fmt::Debug for RdmaLink<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RdmaLink")
             .field("epoch", &self.shared().epoch)
-            .field("qpn", &self.shared().qp.qp_num())
+            .field("qpn", &self.shared().address.qpn)
             .finish()
     }
 }
@@ -453,9 +454,9 @@ impl<D: Device + 'static> RdmaLink<D> {
         self.shared().config
     }
 
-    /// The QP's number.
-    pub fn qp_num(&self) -> crate::verbs::Qpn {
-        self.shared().qp.qp_num()
+    /// This end's QP address (what its peer connected to).
+    pub fn address(&self) -> QpAddress {
+        self.shared().address
     }
 
     /// Calls `hook` once with the reason when the epoch ends (at once if it
