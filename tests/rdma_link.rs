@@ -105,6 +105,59 @@ async fn a_sender_without_credit_waits_and_never_causes_rnr() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_traffic_both_ways_arrives_in_order_without_rnr() {
+    // R = 8, threshold 2: consumers holding up to R - threshold - 1 = 5
+    // batches never stall their sender for good.
+    let (da, db, a, b) = linked(8).await;
+    const N: u32 = 300;
+    let mut tasks = Vec::new();
+    for (tx, rx, seed) in [(a.clone(), b.clone(), 1), (b.clone(), a.clone(), 2)] {
+        tasks.push(tokio::spawn(async move {
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+            for n in 0..N {
+                let len = rng.random_range(4..=4096);
+                let mut buf = tx.reserve().await.expect("reserve");
+                buf[..4].copy_from_slice(&n.to_be_bytes());
+                buf[len - 1] = n as u8;
+                tx.post(buf, len).expect("post");
+                if rng.random_bool(0.2) {
+                    tokio::task::yield_now().await;
+                }
+            }
+        }));
+        tasks.push(tokio::spawn(async move {
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(seed + 10);
+            let mut held = std::collections::VecDeque::new();
+            for n in 0..N {
+                let batch = rx.recv().await.expect("batch");
+                let seq = u32::from_be_bytes(batch[..4].try_into().expect("4 bytes"));
+                assert_eq!(seq, n, "in order, exactly once");
+                assert_eq!(batch[batch.len() - 1], n as u8, "intact");
+                held.push_back(batch);
+                let keep = rng.random_range(0..=5);
+                while held.len() > keep {
+                    held.pop_front();
+                }
+                if rng.random_bool(0.3) {
+                    tokio::task::yield_now().await;
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    until(|| settled(&a, &b) && settled(&b, &a)).await;
+    assert_eq!((a.end_reason(), b.end_reason()), (None, None));
+    assert_eq!(da.counters().rnr_naks_sent + db.counters().rnr_naks_sent, 0);
+    let stats = a.stats();
+    assert!(
+        stats.signaled_sends < stats.batches_sent + stats.credit_only_sent,
+        "selective signaling: {stats:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_a_batch_returns_exactly_one_credit() {
     let (_da, _db, a, b) = linked(8).await;
     for _ in 0..4 {

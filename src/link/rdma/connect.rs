@@ -129,6 +129,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             recv_posted: config.recv_depth,
             reserve_waiters: 0,
             ended: None,
+            drained: false,
             stats: LinkStats::default(),
         };
         let shared = Arc::new(Shared {

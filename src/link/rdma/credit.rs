@@ -285,6 +285,28 @@ mod tests {
         );
     }
 
+    #[test]
+    fn holding_r_minus_threshold_batches_stalls_the_sender() {
+        // The bound the proptest below shows is tight: R = 4, threshold 2.
+        let (mut a, mut b) = (Credit::new(4), Credit::new(4));
+        for _ in 0..3 {
+            assert!(a.try_reserve());
+            let imm = a.on_post(false);
+            b.on_peer_imm(imm).expect("no claim");
+            b.on_receive();
+        }
+        b.on_reposted(); // the consumer keeps 2 = R - threshold batches
+        assert_eq!(b.try_credit_only(false), None, "1 owed < threshold");
+        assert!(
+            !a.try_reserve(),
+            "a waits until the consumer drops one more"
+        );
+        b.on_reposted();
+        let imm = b.try_credit_only(false).expect("2 owed");
+        a.on_peer_imm(imm).expect("no claim");
+        assert!(a.try_reserve());
+    }
+
     #[derive(Debug, Clone, Copy)]
     struct Msg {
         data: bool,
@@ -399,8 +421,9 @@ mod tests {
             }
         }
 
-        /// Posts every buffer, then delivers and drains until nothing moves.
-        fn quiesce(&mut self) {
+        /// Posts every buffer, then delivers until nothing moves, each
+        /// consumer keeping up to `hold` batches.
+        fn quiesce(&mut self, hold: u32) {
             for s in 0..2 {
                 self.ends[s].waiting = false;
                 while self.act(1, s) {}
@@ -410,7 +433,9 @@ mod tests {
                 let mut moved = false;
                 for s in 0..2 {
                     moved |= self.act(3, s);
-                    moved |= self.act(4, s);
+                    if self.ends[s].batches > hold {
+                        moved |= self.act(4, s);
+                    }
                 }
                 if !moved && self.net.iter().all(VecDeque::is_empty) {
                     break;
@@ -423,17 +448,24 @@ mod tests {
         #[test]
         fn invariant_holds_and_no_deadlock(
             depth in Credit::MIN_DEPTH..40,
+            hold in 0u32..40,
             actions in proptest::collection::vec((0u8..6, 0usize..2), 0..400),
         ) {
             let mut model = Model::new(depth);
             for (action, side) in actions {
                 model.act(action, side);
             }
-            model.quiesce();
-            for s in 0..2 {
-                let credit = &mut model.ends[s].credit;
-                prop_assert!(credit.try_reserve(), "an idle end can always send: {credit:?}");
-                credit.unreserve();
+            // A consumer holding fewer than R - threshold batches never
+            // stalls its sender (docs/rdma-link.md § "Credit-only messages
+            // only at the threshold").
+            let hold = hold % (depth - Credit::new(depth).threshold());
+            for hold in [hold, 0] {
+                model.quiesce(hold);
+                for s in 0..2 {
+                    let credit = &mut model.ends[s].credit;
+                    prop_assert!(credit.try_reserve(), "hold {hold}: the end can send: {credit:?}");
+                    credit.unreserve();
+                }
             }
             // Idle: nothing more goes out.
             let sent = model.credit_only_sent;

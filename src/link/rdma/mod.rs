@@ -180,6 +180,8 @@ struct State {
     /// `reserve` calls waiting for credit (their SENDs' starved bit).
     reserve_waiters: usize,
     ended: Option<EpochEnd>,
+    /// The poller is done: every completion the CQ will ever hold was handled.
+    drained: bool,
     stats: LinkStats,
 }
 
@@ -274,7 +276,9 @@ impl<D: Device + 'static> Shared<D> {
     /// WR), wake every waiter, tell the liveness hook.
     fn after_end(&self, reason: EpochEnd) {
         if let Err(err) = self.qp.modify_to_error() {
+            // No flush will come; do not let `recv` wait for one.
             tracing::debug!(%err, "moving the QP to ERR failed; the device is gone");
+            self.mark_drained();
         }
         self.wake_send.notify_waiters();
         self.wake_recv.notify_waiters();
@@ -284,6 +288,12 @@ impl<D: Device + 'static> Shared<D> {
         if let Some(hook) = hook {
             hook(reason);
         }
+    }
+
+    /// No more completions will be handled; `recv` may report the end.
+    fn mark_drained(&self) {
+        self.lock().drained = true;
+        self.wake_recv.notify_waiters();
     }
 
     /// Posts one send WR (a batch from `buf`, or credit-only) whose credit and
@@ -668,7 +678,8 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                         shared: shared.clone(),
                     });
                 }
-                if let Some(reason) = st.ended {
+                // Completions still in the CQ come before the end.
+                if let Some(reason) = st.ended.filter(|_| st.drained) {
                     return Err(shared.ended_error(reason));
                 }
             }

@@ -3,7 +3,7 @@
 //! ```text
 //!  loop { poll ─► on_completions ; empty? spin a few yields ;
 //!         req_notify ─► poll once more (arm before the final drain) ─► notified().await }
-//!  exits when the epoch has ended and every posted WR has completed (flushed),
+//!  exits when the epoch has ended and every posted receive has completed,
 //!  or when every user handle is gone
 //! ```
 //!
@@ -38,12 +38,16 @@ enum Polled {
 }
 
 impl<D: Device + 'static> Shared<D> {
+    /// Done once the epoch has ended and every posted receive has completed
+    /// (receives always complete, so their flush is the last thing `recv`
+    /// waits for). Sends need no wait: an unsignaled send that succeeded
+    /// never completes, and after the end its buffer is never reused.
     fn finished(&self) -> bool {
         if self.detached.load(Ordering::Acquire) {
             return true;
         }
         let st = self.lock();
-        st.ended.is_some() && st.posted.is_empty() && st.recv_posted == 0
+        st.ended.is_some() && st.recv_posted == 0
     }
 
     fn poll_once(&self, wcs: &mut [WorkCompletion]) -> Polled {
@@ -173,6 +177,11 @@ fn on_send_completion(st: &mut State, wc: &WorkCompletion) -> Option<LinkFault> 
 
 /// Runs until the epoch is over and drained, or the link is dropped.
 pub(super) async fn run<D: Device + 'static>(shared: Arc<Shared<D>>) {
+    poll_until_done(&shared).await;
+    shared.mark_drained();
+}
+
+async fn poll_until_done<D: Device + 'static>(shared: &Shared<D>) {
     let mut wcs = [EMPTY_WC; POLL_BATCH];
     let mut empty_polls = 0;
     loop {
