@@ -99,8 +99,11 @@ impl<D: Device + 'static> PreparedEnd<D> {
         self.address
     }
 
-    /// Moves the QP to RTR toward `peer`, then RTS, and starts the poller
-    /// (on the current tokio runtime). Nothing is sent until the mux posts.
+    /// Moves the QP to RTR toward `peer`, then RTS, and starts the poller.
+    /// Nothing is sent until the mux posts.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime (the poller is spawned on the current one).
     pub fn connect(self, peer: &QpAddress, epoch: Epoch) -> Result<RdmaLink<D>, RdmaError> {
         let config = self.config;
         self.qp.modify_to_rtr(RtrAttr::for_peer(
@@ -147,7 +150,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             wake_end: Notify::new(),
             wake_poller: Notify::new(),
             detached: AtomicBool::new(false),
-            on_end: Mutex::new(None),
+            on_end: Mutex::new(Vec::new()),
         });
         tokio::spawn(poller::run(shared.clone()));
         Ok(RdmaLink {
@@ -159,7 +162,10 @@ impl<D: Device + 'static> PreparedEnd<D> {
 /// Both ends of a link in one process (one device twice is fine: two QPs),
 /// addresses exchanged directly. Each end's end is told to the other as
 /// [`EpochEnd::PeerClosed`], standing in for the bootstrap TCP connection's
-/// close. Call on a tokio runtime.
+/// close.
+///
+/// # Panics
+/// Outside a tokio runtime, as [`PreparedEnd::connect`].
 pub fn pair<D: Device + 'static>(
     a: &D,
     b: &D,

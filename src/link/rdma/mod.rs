@@ -215,7 +215,7 @@ struct Shared<D: Device> {
     wake_end: Notify,
     wake_poller: Notify,
     detached: AtomicBool,
-    on_end: Mutex<Option<EndHook>>,
+    on_end: Mutex<Vec<EndHook>>,
 }
 
 /// The completion status as `ibv_wc_status` numbers it.
@@ -284,8 +284,8 @@ impl<D: Device + 'static> Shared<D> {
         self.wake_recv.notify_waiters();
         self.wake_end.notify_waiters();
         self.wake_poller.notify_one();
-        let hook = self.on_end.lock().expect("hook lock poisoned").take();
-        if let Some(hook) = hook {
+        let hooks = std::mem::take(&mut *self.on_end.lock().expect("hook lock poisoned"));
+        for hook in hooks {
             hook(reason);
         }
     }
@@ -470,17 +470,18 @@ impl<D: Device + 'static> RdmaLink<D> {
     }
 
     /// Calls `hook` once with the reason when the epoch ends (at once if it
-    /// already has). The bootstrap connection uses it to close its liveness
-    /// channel; the in-process [`pair`] uses it to end the other side.
+    /// already has), after any hooks added before it. The bootstrap
+    /// connection uses it to close its liveness channel; the in-process
+    /// [`pair`] uses it to end the other side.
     pub fn on_end(&self, hook: impl FnOnce(EpochEnd) + Send + 'static) {
         let shared = self.shared();
-        let mut slot = shared.on_end.lock().expect("hook lock poisoned");
+        let mut hooks = shared.on_end.lock().expect("hook lock poisoned");
         match shared.lock().ended {
             Some(reason) => {
-                drop(slot);
+                drop(hooks);
                 hook(reason);
             }
-            None => *slot = Some(Box::new(hook)),
+            None => hooks.push(Box::new(hook)),
         }
     }
 
