@@ -375,14 +375,15 @@ async fn hostile_peer(payload_len: usize, imm: u32) -> EpochEnd {
         offset: 0,
         len: payload_len,
     }];
-    qp.post_send(&[SendWr {
-        wr_id: 1,
+    // The bad message, then one that would look fine on its own.
+    let wr = |wr_id, imm| SendWr {
+        wr_id,
         opcode: SendOpcode::SendWithImm(imm),
         sg_list: &sge,
         signaled: true,
         inline: false,
-    }])
-    .expect("post");
+    };
+    qp.post_send(&[wr(1, imm), wr(2, 0)]).expect("post");
     let end = link.ended().await;
     assert!(link.recv().await.is_err(), "nothing from a hostile peer");
     drop((qp, cq, mr));

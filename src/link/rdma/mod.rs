@@ -525,6 +525,7 @@ impl<D: Device + 'static> Drop for RdmaSendBuf<D> {
         st.sq_free += 1;
         st.credit.unreserve();
         let end = shared.maybe_credit_only(&mut st).err();
+        debug_assert!(st.credit.invariant_holds());
         let ended_now = end.is_some_and(|reason| st.set_end(reason));
         drop(st);
         shared.wake_send.notify_waiters();
@@ -623,6 +624,10 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
 
     fn post(&self, mut buf: RdmaSendBuf<D>, len: usize) -> Result<(), LinkError> {
         let shared = buf.shared.clone();
+        debug_assert!(
+            Arc::ptr_eq(&shared, self.shared()),
+            "a send buffer is posted on the link that reserved it"
+        );
         let max = shared.config.max_batch;
         if len > max {
             return Err(LinkError::BatchTooLarge { len, max });

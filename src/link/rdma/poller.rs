@@ -72,7 +72,12 @@ impl<D: Device + 'static> Shared<D> {
         let mut received = false;
         for wc in wcs {
             let fault = if wc.wr_id & RECV_TAG != 0 {
-                self.on_recv_completion(&mut st, wc, &mut reposts, &mut received)
+                // After a peer's violation nothing more from it is delivered.
+                let hostile = matches!(
+                    st.ended.or(end),
+                    Some(EpochEnd::Fault(LinkFault::CreditOverclaim { .. }))
+                );
+                self.on_recv_completion(&mut st, wc, hostile, &mut reposts, &mut received)
             } else {
                 on_send_completion(&mut st, wc)
             };
@@ -108,6 +113,7 @@ impl<D: Device + 'static> Shared<D> {
         &self,
         st: &mut State,
         wc: &WorkCompletion,
+        hostile: bool,
         reposts: &mut Vec<usize>,
         received: &mut bool,
     ) -> Option<LinkFault> {
@@ -117,6 +123,9 @@ impl<D: Device + 'static> Shared<D> {
             return Some(LinkFault::Completion {
                 status: ibv_status(wc.status),
             });
+        }
+        if hostile {
+            return None;
         }
         let len = wc.byte_len as usize;
         if idx >= self.recv_mrs.len() || len > self.config.max_batch {
