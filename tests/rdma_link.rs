@@ -417,7 +417,8 @@ const B: PeerId = PeerId(2);
 #[derive(Default)]
 struct Nodes {
     nodes: HashMap<PeerId, (Mux<Soft>, SoftDevice)>,
-    link: Option<Soft>,
+    /// The current pair: the dialer's end, then the other.
+    link: Option<(Soft, Soft)>,
     epoch: Epoch,
 }
 
@@ -471,7 +472,7 @@ impl RdmaFabric {
         if nodes
             .link
             .as_ref()
-            .is_some_and(|l| l.end_reason().is_none())
+            .is_some_and(|(l, _)| l.end_reason().is_none())
         {
             return;
         }
@@ -479,13 +480,17 @@ impl RdmaFabric {
         let (mux_peer, dev_peer) = nodes.nodes[&peer].clone();
         nodes.epoch = nodes.epoch.next();
         let (mine, theirs) = pair(&dev_me, &dev_peer, nodes.epoch, self.config).expect("pair");
-        nodes.link = Some(mine.clone());
+        nodes.link = Some((mine.clone(), theirs.clone()));
         drop(nodes);
         mux_me.attach(peer, mine);
         mux_peer.attach(me, theirs);
     }
 
     fn link(&self) -> Option<Soft> {
+        self.lock().link.as_ref().map(|(mine, _)| mine.clone())
+    }
+
+    fn links(&self) -> Option<(Soft, Soft)> {
         self.lock().link.clone()
     }
 
@@ -566,9 +571,10 @@ async fn mux_delivers_200_slots_in_order_exactly_once_without_rnr() {
     assert_eq!(a.stats().slots_dropped, 0);
     assert_eq!(a.stats().epoch_deaths, 0);
     assert_eq!(fabric.rnr_naks(), 0, "credit made RNR unreachable");
-    let link = fabric.link().expect("link");
-    assert_eq!(link.end_reason(), None);
-    assert!(link.stats().batches_sent > 0);
+    let (x, y) = fabric.links().expect("link");
+    assert_eq!((x.end_reason(), y.end_reason()), (None, None));
+    assert!(x.stats().batches_sent + y.stats().batches_sent > 0);
+    until(|| settled(&x, &y) && settled(&y, &x)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
