@@ -11,13 +11,15 @@
 //! epoch is a new object handed to the mux (docs/design.md § "A Link is one
 //! epoch"). Link credit never reaches the slot layer.
 //!
-//! Implementations: [`mem`] (in-process pair for tests), [`tcp`] (one TCP
-//! connection per peer per epoch: the baseline). [`bootstrap`] is the
-//! handshake that starts an epoch, shared by the socket-based links.
+//! Implementations: [`mem`] (in-process pair for tests), [`rdma`] (one RC
+//! queue pair through the verbs seam), [`tcp`] (one TCP connection per peer
+//! per epoch: the baseline). [`bootstrap`] is the handshake that starts an
+//! epoch, shared by the TCP and RDMA nodes.
 
 pub mod address;
 pub mod bootstrap;
 pub mod mem;
+pub mod rdma;
 pub mod tcp;
 
 use std::future::Future;

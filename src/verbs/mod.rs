@@ -701,6 +701,15 @@ pub trait Device: Send + Sync + Sized {
 /// The closures run under the region's lock: do not call other verbs inside
 /// them.
 pub trait MemoryRegion: Send + Sync {
+    /// Owned, exclusive access to the whole region (see [`Self::lock_owned`]).
+    type Guard: std::ops::DerefMut<Target = [u8]> + Send + 'static;
+
+    /// Exclusive access to the whole region that can be held across awaits
+    /// without a closure (a send buffer the mux encodes into in place). It
+    /// holds the same lock the provider takes to gather and scatter: drop it
+    /// before naming the region in a posted WR, and never hold it while the
+    /// region is in flight.
+    fn lock_owned(&self) -> Self::Guard;
     /// Local key.
     fn lkey(&self) -> Lkey;
     /// Length in bytes.

@@ -31,7 +31,7 @@ pub mod wire;
 pub use cq::SoftCq;
 pub use device::DeviceStats;
 pub use engine::QpCounters;
-pub use mr::SoftMr;
+pub use mr::{SoftMr, SoftMrGuard};
 
 use device::DeviceCore;
 use engine::{RecvWqe, Segment, SendWqe};

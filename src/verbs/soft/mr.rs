@@ -9,26 +9,29 @@
 //! Owner: shared by the `SoftMr` handle and every WR that names it (an `Arc`),
 //! so a region outlives the WRs posted from it, as `ibv_dereg_mr` requires.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use parking_lot::{ArcMutexGuard, Mutex, MutexGuard, RawMutex};
 
 use crate::verbs::{AccessFlags, Lkey, MemoryRegion, VerbsError};
 
 /// The bytes of one region.
 #[derive(Debug)]
 pub(crate) struct MrMem {
-    bytes: Mutex<Box<[u8]>>,
+    // parking_lot for its owned guard (`SoftMrGuard`); it does not poison.
+    bytes: Arc<Mutex<Box<[u8]>>>,
 }
 
 impl MrMem {
     pub fn new(len: usize) -> MrMem {
         MrMem {
-            bytes: Mutex::new(vec![0u8; len].into_boxed_slice()),
+            bytes: Arc::new(Mutex::new(vec![0u8; len].into_boxed_slice())),
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, Box<[u8]>> {
-        // A panic while holding the lock leaves plain bytes behind; keep going.
-        self.bytes.lock().unwrap_or_else(|e| e.into_inner())
+        self.bytes.lock()
     }
 
     /// Copy out; the caller checked bounds at post time.
@@ -65,7 +68,38 @@ impl SoftMr {
     }
 }
 
+/// Exclusive access to a whole soft region without a closure; see
+/// [`MemoryRegion::lock_owned`].
+pub struct SoftMrGuard(ArcMutexGuard<RawMutex, Box<[u8]>>);
+
+impl std::fmt::Debug for SoftMrGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SoftMrGuard")
+            .field("len", &self.0.len())
+            .finish()
+    }
+}
+
+impl Deref for SoftMrGuard {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl DerefMut for SoftMrGuard {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
 impl MemoryRegion for SoftMr {
+    type Guard = SoftMrGuard;
+
+    fn lock_owned(&self) -> SoftMrGuard {
+        SoftMrGuard(Mutex::lock_arc(&self.mem.bytes))
+    }
+
     fn lkey(&self) -> Lkey {
         self.lkey
     }

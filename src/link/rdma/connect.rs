@@ -1,0 +1,190 @@
+//! Bringing a link end up: resources, INIT, receives, then RTR and RTS.
+//!
+//! ```text
+//!  PreparedEnd::new(dev)  PD, CQ, QP (RESET→INIT), send MRs (local read),
+//!                         receive MRs (local write), R receives posted
+//!  .address()             QpAddress to publish (the QP part of the hello)
+//!  .connect(peer, epoch)  RTR (receives already posted) → RTS → poller spawned
+//!  pair(a, b, epoch)      both ends in process, addresses exchanged directly
+//! ```
+//!
+//! Owner: the caller until `connect`, then the link. The TCP bootstrap
+//! (another module) does what `pair` does across hosts and owns liveness.
+
+use std::collections::VecDeque;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::Notify;
+
+use super::credit::Credit;
+use super::{Handle, LinkStats, RECV_TAG, RdmaConfig, RdmaError, RdmaLink, Shared, State, poller};
+use crate::link::{EpochEnd, Link};
+use crate::mux::protocol::Epoch;
+use crate::verbs::{
+    AccessFlags, Device, InitAttr, Mtu, QpAddress, QpCaps, QueuePair, RecvWr, RtrAttr, RtsAttr, Sge,
+};
+
+/// One link end with its resources created and receives posted, waiting for
+/// the peer's address.
+pub struct PreparedEnd<D: Device + 'static> {
+    config: RdmaConfig,
+    address: QpAddress,
+    local_mtu: Mtu,
+    qp: D::Qp,
+    cq: D::Cq,
+    send_mrs: Vec<D::Mr>,
+    recv_mrs: Vec<D::Mr>,
+    pd: D::Pd,
+}
+
+impl<D: Device + 'static> PreparedEnd<D> {
+    /// Creates the PD, one CQ for both queues, the QP (to INIT), one MR per
+    /// send and receive buffer (no remote access), and posts every receive.
+    pub fn new(dev: &D, config: RdmaConfig) -> Result<PreparedEnd<D>, RdmaError> {
+        config.validate()?;
+        let port = dev.query_port();
+        let pd = dev.alloc_pd()?;
+        let cq = dev.create_cq(config.cq_depth())?;
+        let caps = QpCaps {
+            max_send_wr: config.sq_depth(),
+            max_recv_wr: config.recv_depth,
+            max_sge: 1,
+            max_inline_data: 0,
+        };
+        let qp = dev.create_qp(&pd, &cq, &cq, caps)?;
+        let send_mrs = (0..config.send_buffers)
+            .map(|_| dev.reg_mr(&pd, config.max_batch, AccessFlags::LOCAL_READ))
+            .collect::<Result<Vec<_>, _>>()?;
+        let recv_mrs = (0..config.recv_depth)
+            .map(|_| dev.reg_mr(&pd, config.max_batch, AccessFlags::LOCAL_WRITE))
+            .collect::<Result<Vec<_>, _>>()?;
+        qp.modify_to_init(InitAttr {
+            access: AccessFlags::LOCAL_READ,
+        })?;
+        let sges: Vec<_> = recv_mrs
+            .iter()
+            .map(|mr| {
+                [Sge {
+                    mr,
+                    offset: 0,
+                    len: config.max_batch,
+                }]
+            })
+            .collect();
+        let wrs: Vec<_> = sges
+            .iter()
+            .enumerate()
+            .map(|(idx, sg_list)| RecvWr {
+                wr_id: RECV_TAG | idx as u64,
+                sg_list,
+            })
+            .collect();
+        qp.post_recv(&wrs)?;
+        let address = QpAddress::of(dev, &qp);
+        Ok(PreparedEnd {
+            config,
+            address,
+            local_mtu: port.active_mtu,
+            qp,
+            cq,
+            send_mrs,
+            recv_mrs,
+            pd,
+        })
+    }
+
+    /// What the peer needs to reach this QP.
+    pub fn address(&self) -> QpAddress {
+        self.address
+    }
+
+    /// Moves the QP to RTR toward `peer`, then RTS, and starts the poller.
+    /// Nothing is sent until the mux posts.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime (the poller is spawned on the current one).
+    pub fn connect(self, peer: &QpAddress, epoch: Epoch) -> Result<RdmaLink<D>, RdmaError> {
+        let config = self.config;
+        self.qp.modify_to_rtr(RtrAttr::for_peer(
+            peer,
+            self.local_mtu,
+            config.min_rnr_timer,
+        ))?;
+        self.qp.modify_to_rts(RtsAttr {
+            sq_psn: self.qp.initial_psn(),
+            timeout: config.timeout,
+            retry_cnt: config.retry_cnt,
+            rnr_retry: config.rnr_retry,
+        })?;
+        let depth = u32::try_from(config.recv_depth).map_err(|_| RdmaError::InvalidConfig {
+            field: "recv_depth",
+            value: config.recv_depth,
+        })?;
+        let state = State {
+            credit: Credit::new(depth),
+            free_send: (0..config.send_buffers).rev().collect(),
+            sq_free: config.sq_depth(),
+            posted: VecDeque::new(),
+            next_wr: 0,
+            unsignaled: 0,
+            ready: VecDeque::new(),
+            recv_posted: config.recv_depth,
+            reserve_waiters: 0,
+            ended: None,
+            drained: false,
+            stats: LinkStats::default(),
+        };
+        let shared = Arc::new(Shared {
+            qp: self.qp,
+            cq: self.cq,
+            send_mrs: self.send_mrs,
+            recv_mrs: self.recv_mrs,
+            _pd: self.pd,
+            address: self.address,
+            epoch,
+            config,
+            state: Mutex::new(state),
+            wake_send: Notify::new(),
+            wake_recv: Notify::new(),
+            wake_end: Notify::new(),
+            wake_poller: Notify::new(),
+            detached: AtomicBool::new(false),
+            on_end: Mutex::new(Vec::new()),
+        });
+        tokio::spawn(poller::run(shared.clone()));
+        Ok(RdmaLink {
+            handle: Arc::new(Handle { shared }),
+        })
+    }
+}
+
+/// Both ends of a link in one process (one device twice is fine: two QPs),
+/// addresses exchanged directly. Each end's end is told to the other as
+/// [`EpochEnd::PeerClosed`], standing in for the bootstrap TCP connection's
+/// close.
+///
+/// # Panics
+/// Outside a tokio runtime, as [`PreparedEnd::connect`].
+pub fn pair<D: Device + 'static>(
+    a: &D,
+    b: &D,
+    epoch: Epoch,
+    config: RdmaConfig,
+) -> Result<(RdmaLink<D>, RdmaLink<D>), RdmaError> {
+    let end_a = PreparedEnd::new(a, config)?;
+    let end_b = PreparedEnd::new(b, config)?;
+    let (addr_a, addr_b) = (end_a.address(), end_b.address());
+    let link_a = end_a.connect(&addr_b, epoch)?;
+    let link_b = end_b.connect(&addr_a, epoch)?;
+    for (me, peer) in [(&link_a, &link_b), (&link_b, &link_a)] {
+        let peer = Arc::downgrade(peer.shared());
+        me.on_end(move |_| {
+            if let Some(peer) = peer.upgrade() {
+                peer.end(EpochEnd::PeerClosed);
+            }
+        });
+    }
+    debug_assert_eq!(link_a.epoch(), link_b.epoch());
+    Ok((link_a, link_b))
+}

@@ -1,0 +1,712 @@
+//! The RDMA link: one epoch of [`Link`] over one RC queue pair.
+//!
+//! ```text
+//!  mux ─ reserve() ─► credit + SQ slot + send MR (owned guard) ─ encode in place ─ post()
+//!        post() ─► SEND_WITH_IMM(imm = receives re-posted, 31 bits | starved)
+//!  poller (owns the CQ) ─► recv WC: imm ─► credit; data ─► ready; empty ─► re-post now
+//!                       ─► send WC (every k-th signaled) ─► recycle buffers + SQ slots
+//!  mux ◄─ recv() ◄─ ready ─ Batch (owned guard on a receive MR) ─ drop ─► re-post ─► owed
+//!  error WC, failed post, fail() ─► QP to ERR ─► ended; completed receives drain first
+//! ```
+//!
+//! Owner: `Shared::state` (one mutex) holds credit, free buffers, SQ slots and
+//! the ready queue; the poller task alone polls the CQ. Sends are posted under
+//! that mutex, so immediates leave in the order they were counted. Design,
+//! rulings and open hazards: docs/rdma-link.md.
+
+mod connect;
+pub mod credit;
+mod poller;
+
+use std::collections::VecDeque;
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use thiserror::Error;
+use tokio::sync::Notify;
+
+pub use self::connect::{PreparedEnd, pair};
+use self::credit::Credit;
+use super::{EpochEnd, Link, LinkError, LinkFault};
+use crate::mux::protocol::Epoch;
+use crate::verbs::{
+    Device, MemoryRegion, PostError, QpAddress, QueuePair, RecvWr, SendOpcode, SendWr, Sge,
+    VerbsError, WcStatus,
+};
+
+/// Receive WR ids carry this bit; send WR ids are a sequence number below it.
+const RECV_TAG: u64 = 1 << 63;
+
+/// Shape and RC attributes of an RDMA link. Both ends must agree on
+/// `recv_depth` and `max_batch` (the bootstrap hello carries them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RdmaConfig {
+    /// Receives each end posts (R): the link credit a sender starts with. Default 32.
+    pub recv_depth: usize,
+    /// Bytes per send and receive buffer, the largest batch. Default 64 KiB.
+    pub max_batch: usize,
+    /// Send buffers per end, each its own MR. Default 16.
+    pub send_buffers: usize,
+    /// Signal every k-th send WR (and any WR that takes the last buffer or
+    /// SQ slot). Default 8.
+    pub signal_every: usize,
+    /// RNR retries (7 = forever). Default 7; tests use 0 so a credit bug
+    /// fails loudly as RNR_RETRY_EXC_ERR.
+    pub rnr_retry: u8,
+    /// RNR NAK timer code this end asks senders to wait. Default 12 (0.64 ms).
+    pub min_rnr_timer: u8,
+    /// Local ACK timeout exponent. Default 14 (67 ms).
+    pub timeout: u8,
+    /// Retries after timeouts or sequence NAKs. Default 7.
+    pub retry_cnt: u8,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig {
+            recv_depth: 32,
+            max_batch: 64 * 1024,
+            send_buffers: 16,
+            signal_every: 8,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            timeout: 14,
+            retry_cnt: 7,
+        }
+    }
+}
+
+impl RdmaConfig {
+    /// The defaults with `rnr_retry = 0`: credits must make RNR unreachable,
+    /// and any RNR NAK ends the epoch with RNR_RETRY_EXC_ERR.
+    pub fn strict() -> RdmaConfig {
+        RdmaConfig {
+            rnr_retry: 0,
+            ..RdmaConfig::default()
+        }
+    }
+
+    /// Send queue depth: every credit, every buffer, and one unsignaled run.
+    pub fn sq_depth(&self) -> usize {
+        self.recv_depth + self.send_buffers + self.signal_every
+    }
+
+    /// CQ depth: a full flush of both queues fits.
+    pub fn cq_depth(&self) -> usize {
+        self.sq_depth() + self.recv_depth
+    }
+
+    fn validate(&self) -> Result<(), RdmaError> {
+        let checks = [
+            (
+                "recv_depth",
+                self.recv_depth,
+                self.recv_depth >= Credit::MIN_DEPTH as usize,
+            ),
+            ("max_batch", self.max_batch, self.max_batch >= 1),
+            ("send_buffers", self.send_buffers, self.send_buffers >= 1),
+            ("signal_every", self.signal_every, self.signal_every >= 1),
+        ];
+        for (field, value, ok) in checks {
+            if !ok {
+                return Err(RdmaError::InvalidConfig { field, value });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Errors building an RDMA link.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum RdmaError {
+    /// A configuration value out of range.
+    #[error("invalid link config: {field} = {value}")]
+    InvalidConfig {
+        /// Which field.
+        field: &'static str,
+        /// Its value.
+        value: usize,
+    },
+    /// A verbs call failed.
+    #[error(transparent)]
+    Verbs(#[from] VerbsError),
+    /// Posting the initial receives failed.
+    #[error(transparent)]
+    Post(#[from] PostError),
+}
+
+/// Traffic counters of one link end.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    /// Batches posted.
+    pub batches_sent: u64,
+    /// Zero-length credit-only SENDs posted.
+    pub credit_only_sent: u64,
+    /// Signaled send WRs posted.
+    pub signaled_sends: u64,
+    /// Batches received.
+    pub batches_received: u64,
+    /// Credit-only messages received.
+    pub credit_only_received: u64,
+}
+
+/// Where this end's credit stands (see [`credit::Credit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CreditSnapshot {
+    /// Credits free to reserve.
+    pub held: u32,
+    /// Credits inside unposted send buffers.
+    pub reserved: u32,
+    /// Our SENDs the peer has not reported re-posting a receive for.
+    pub unreturned: u32,
+    /// Receives we re-posted and have not reported to the peer.
+    pub owed: u32,
+    /// Our receives completed and not yet re-posted (queued or held as batches).
+    pub pending: u32,
+}
+
+struct State {
+    credit: Credit,
+    free_send: Vec<usize>,
+    sq_free: usize,
+    /// Send WRs posted and not yet known complete: (wr_id, send buffer).
+    posted: VecDeque<(u64, Option<usize>)>,
+    next_wr: u64,
+    unsignaled: usize,
+    /// Completed data receives not yet handed out: (buffer, length).
+    ready: VecDeque<(usize, usize)>,
+    recv_posted: usize,
+    /// `reserve` calls waiting for credit (their SENDs' starved bit).
+    reserve_waiters: usize,
+    ended: Option<EpochEnd>,
+    /// The poller is done: every completion the CQ will ever hold was handled.
+    drained: bool,
+    stats: LinkStats,
+}
+
+impl State {
+    /// Records the end; true when this call decided it.
+    fn set_end(&mut self, reason: EpochEnd) -> bool {
+        if self.ended.is_some() {
+            return false;
+        }
+        self.ended = Some(reason);
+        true
+    }
+}
+
+type EndHook = Box<dyn FnOnce(EpochEnd) + Send>;
+
+/// Everything one link end owns. Fields drop in declaration order, which is
+/// the verbs destroy order: QP, CQ, MRs, PD.
+struct Shared<D: Device> {
+    qp: D::Qp,
+    cq: D::Cq,
+    send_mrs: Vec<D::Mr>,
+    recv_mrs: Vec<D::Mr>,
+    _pd: D::Pd,
+    address: QpAddress,
+    epoch: Epoch,
+    config: RdmaConfig,
+    state: Mutex<State>,
+    wake_send: Notify,
+    wake_recv: Notify,
+    wake_end: Notify,
+    wake_poller: Notify,
+    detached: AtomicBool,
+    on_end: Mutex<Vec<EndHook>>,
+}
+
+/// The completion status as `ibv_wc_status` numbers it.
+pub fn ibv_status(status: WcStatus) -> u32 {
+    match status {
+        WcStatus::Success => 0,
+        WcStatus::LocLenErr => 1,
+        WcStatus::LocQpOpErr => 2,
+        WcStatus::LocProtErr => 4,
+        WcStatus::WrFlushErr => 5,
+        WcStatus::RemInvReqErr => 9,
+        WcStatus::RemAccessErr => 10,
+        WcStatus::RemOpErr => 11,
+        WcStatus::RetryExcErr => 12,
+        WcStatus::RnrRetryExcErr => 13,
+    }
+}
+
+fn fault_of(err: &VerbsError) -> LinkFault {
+    match err {
+        VerbsError::Io { kind, .. } => LinkFault::Io(*kind),
+        VerbsError::DeviceClosed => LinkFault::Io(std::io::ErrorKind::BrokenPipe),
+        VerbsError::CqOverrun => LinkFault::Io(std::io::ErrorKind::OutOfMemory),
+        VerbsError::NoSuchDevice { .. }
+        | VerbsError::InvalidState { .. }
+        | VerbsError::InvalidAttr { .. }
+        | VerbsError::SendQueueFull { .. }
+        | VerbsError::RecvQueueFull { .. }
+        | VerbsError::SgeOutOfBounds { .. }
+        | VerbsError::AccessDenied { .. }
+        | VerbsError::WrongPd { .. }
+        | VerbsError::TooLarge { .. }
+        | VerbsError::CapExceeded { .. } => LinkFault::PostFailed,
+    }
+}
+
+impl<D: Device + 'static> Shared<D> {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic under this lock is a bug in this module; surviving it would hide it.
+        self.state.lock().expect("rdma link state poisoned")
+    }
+
+    fn ended_error(&self, reason: EpochEnd) -> LinkError {
+        LinkError::Ended {
+            epoch: self.epoch,
+            reason,
+        }
+    }
+
+    /// Ends the epoch (first reason wins).
+    fn end(&self, reason: EpochEnd) {
+        if self.lock().set_end(reason) {
+            self.after_end(reason);
+        }
+    }
+
+    /// The work of an end, outside the state lock: QP to ERR (flushing every
+    /// WR), wake every waiter, tell the liveness hook.
+    fn after_end(&self, reason: EpochEnd) {
+        if let Err(err) = self.qp.modify_to_error() {
+            // No flush will come; do not let `recv` wait for one.
+            tracing::debug!(%err, "moving the QP to ERR failed; the device is gone");
+            self.mark_drained();
+        }
+        self.wake_send.notify_waiters();
+        self.wake_recv.notify_waiters();
+        self.wake_end.notify_waiters();
+        self.wake_poller.notify_one();
+        let hooks = std::mem::take(&mut *self.on_end.lock().expect("hook lock poisoned"));
+        for hook in hooks {
+            hook(reason);
+        }
+    }
+
+    /// No more completions will be handled; `recv` may report the end.
+    fn mark_drained(&self) {
+        self.lock().drained = true;
+        self.wake_recv.notify_waiters();
+    }
+
+    /// Posts one send WR (a batch from `buf`, or credit-only) whose credit and
+    /// SQ slot are already taken.
+    fn post_send_locked(
+        &self,
+        st: &mut State,
+        buf: Option<(usize, usize)>,
+        imm: u32,
+    ) -> Result<(), EpochEnd> {
+        let wr_id = st.next_wr;
+        st.next_wr += 1;
+        let signaled = st.unsignaled + 1 >= self.config.signal_every
+            || st.free_send.is_empty()
+            || st.sq_free == 0;
+        if signaled {
+            st.unsignaled = 0;
+            st.stats.signaled_sends += 1;
+        } else {
+            st.unsignaled += 1;
+        }
+        st.posted.push_back((wr_id, buf.map(|(idx, _)| idx)));
+        let sge;
+        let sg_list: &[Sge<'_, D::Mr>] = match buf {
+            Some((idx, len)) => {
+                sge = [Sge {
+                    mr: &self.send_mrs[idx],
+                    offset: 0,
+                    len,
+                }];
+                &sge
+            }
+            None => &[],
+        };
+        let wr = SendWr {
+            wr_id,
+            opcode: SendOpcode::SendWithImm(imm),
+            sg_list,
+            signaled,
+            inline: false,
+        };
+        self.qp.post_send(&[wr]).map_err(|err| {
+            tracing::warn!(%err, "post_send failed; ending the epoch");
+            EpochEnd::Fault(LinkFault::PostFailed)
+        })
+    }
+
+    /// Sends a credit-only message if one is due and an SQ slot is free.
+    fn maybe_credit_only(&self, st: &mut State) -> Result<(), EpochEnd> {
+        if st.ended.is_some() || st.sq_free == 0 {
+            return Ok(());
+        }
+        match st.credit.try_credit_only(st.reserve_waiters > 0) {
+            Some(imm) => {
+                st.sq_free -= 1;
+                st.stats.credit_only_sent += 1;
+                self.post_send_locked(st, None, imm)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Re-posts receive buffer `idx` (the peer's credit back), then returns
+    /// credit if enough is owed.
+    fn repost_locked(&self, st: &mut State, idx: usize) -> Result<(), EpochEnd> {
+        let wr = RecvWr {
+            wr_id: RECV_TAG | idx as u64,
+            sg_list: &[Sge {
+                mr: &self.recv_mrs[idx],
+                offset: 0,
+                len: self.config.max_batch,
+            }],
+        };
+        if let Err(err) = self.qp.post_recv(&[wr]) {
+            tracing::warn!(%err, "post_recv failed; ending the epoch");
+            return Err(EpochEnd::Fault(LinkFault::PostFailed));
+        }
+        st.recv_posted += 1;
+        st.credit.on_reposted();
+        self.maybe_credit_only(st)
+    }
+
+    fn snapshot(&self) -> CreditSnapshot {
+        let st = self.lock();
+        CreditSnapshot {
+            held: st.credit.held(),
+            reserved: st.credit.reserved(),
+            unreturned: st.credit.unreturned(),
+            owed: st.credit.owed(),
+            pending: st.credit.pending(),
+        }
+    }
+}
+
+/// A `reserve` counted in `reserve_waiters`; cancelling it uncounts it.
+struct Waiter<'a, D: Device + 'static> {
+    shared: &'a Shared<D>,
+    registered: bool,
+}
+
+impl<D: Device + 'static> Drop for Waiter<'_, D> {
+    fn drop(&mut self) {
+        if self.registered {
+            self.shared.lock().reserve_waiters -= 1;
+        }
+    }
+}
+
+/// The user handle: dropping the last one ends the epoch (`Closed`) and lets
+/// the poller go.
+struct Handle<D: Device + 'static> {
+    shared: Arc<Shared<D>>,
+}
+
+impl<D: Device + 'static> Drop for Handle<D> {
+    fn drop(&mut self) {
+        self.shared.detached.store(true, Ordering::Release);
+        self.shared.end(EpochEnd::Closed);
+        self.shared.wake_poller.notify_one();
+    }
+}
+
+/// One end of an RDMA link for one epoch. Cheap to clone; dropping every
+/// clone ends the epoch with [`EpochEnd::Closed`].
+pub struct RdmaLink<D: Device + 'static> {
+    handle: Arc<Handle<D>>,
+}
+
+impl<D: Device + 'static> Clone for RdmaLink<D> {
+    fn clone(&self) -> Self {
+        RdmaLink {
+            handle: self.handle.clone(),
+        }
+    }
+}
+
+impl<D: Device + 'static> std::fmt::Debug for RdmaLink<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaLink")
+            .field("epoch", &self.shared().epoch)
+            .field("qpn", &self.shared().address.qpn)
+            .finish()
+    }
+}
+
+impl<D: Device + 'static> RdmaLink<D> {
+    fn shared(&self) -> &Arc<Shared<D>> {
+        &self.handle.shared
+    }
+
+    /// Traffic counters.
+    pub fn stats(&self) -> LinkStats {
+        self.shared().lock().stats
+    }
+
+    /// Where this end's credit stands.
+    pub fn credit(&self) -> CreditSnapshot {
+        self.shared().snapshot()
+    }
+
+    /// Why the epoch ended, once it has.
+    pub fn end_reason(&self) -> Option<EpochEnd> {
+        self.shared().lock().ended
+    }
+
+    /// The configuration this end runs with.
+    pub fn config(&self) -> RdmaConfig {
+        self.shared().config
+    }
+
+    /// This end's QP address (what its peer connected to).
+    pub fn address(&self) -> QpAddress {
+        self.shared().address
+    }
+
+    /// Calls `hook` once with the reason when the epoch ends (at once if it
+    /// already has), after any hooks added before it. The bootstrap
+    /// connection uses it to close its liveness channel; the in-process
+    /// [`pair`] uses it to end the other side.
+    pub fn on_end(&self, hook: impl FnOnce(EpochEnd) + Send + 'static) {
+        let shared = self.shared();
+        let mut hooks = shared.on_end.lock().expect("hook lock poisoned");
+        match shared.lock().ended {
+            Some(reason) => {
+                drop(hooks);
+                hook(reason);
+            }
+            None => hooks.push(Box::new(hook)),
+        }
+    }
+
+    /// Fault hook for tests: moves the QP to ERR behind the link's back, as a
+    /// fatal device error would. The link learns it from the flushed
+    /// completions.
+    pub fn inject_qp_error(&self) -> Result<(), VerbsError> {
+        self.shared().qp.modify_to_error()
+    }
+}
+
+/// A send buffer: one registered MR held exclusively, one link credit and one
+/// SQ slot. Dropping it unposted gives all three back.
+pub struct RdmaSendBuf<D: Device + 'static> {
+    guard: Option<<D::Mr as MemoryRegion>::Guard>,
+    idx: usize,
+    shared: Arc<Shared<D>>,
+}
+
+impl<D: Device + 'static> Deref for RdmaSendBuf<D> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.guard.as_deref().unwrap_or(&[])
+    }
+}
+
+impl<D: Device + 'static> DerefMut for RdmaSendBuf<D> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.guard.as_deref_mut().unwrap_or(&mut [])
+    }
+}
+
+impl<D: Device + 'static> Drop for RdmaSendBuf<D> {
+    fn drop(&mut self) {
+        if self.guard.take().is_none() {
+            return; // posted
+        }
+        let shared = &self.shared;
+        let mut st = shared.lock();
+        st.free_send.push(self.idx);
+        st.sq_free += 1;
+        st.credit.unreserve();
+        let end = shared.maybe_credit_only(&mut st).err();
+        debug_assert!(st.credit.invariant_holds());
+        let ended_now = end.is_some_and(|reason| st.set_end(reason));
+        drop(st);
+        shared.wake_send.notify_waiters();
+        if let Some(reason) = end.filter(|_| ended_now) {
+            shared.after_end(reason);
+        }
+    }
+}
+
+/// A received batch: a registered receive MR held exclusively. Dropping it
+/// re-posts the receive, which is the credit the peer gets back.
+pub struct RdmaBatch<D: Device + 'static> {
+    guard: Option<<D::Mr as MemoryRegion>::Guard>,
+    idx: usize,
+    len: usize,
+    shared: Arc<Shared<D>>,
+}
+
+impl<D: Device + 'static> Deref for RdmaBatch<D> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.guard.as_deref().map_or(&[], |b| &b[..self.len])
+    }
+}
+
+impl<D: Device + 'static> Drop for RdmaBatch<D> {
+    fn drop(&mut self) {
+        // The guard must go before the receive is posted: the provider
+        // scatters into the region under the same lock.
+        drop(self.guard.take());
+        let shared = &self.shared;
+        let mut st = shared.lock();
+        if st.ended.is_some() {
+            return;
+        }
+        let end = shared.repost_locked(&mut st, self.idx).err();
+        debug_assert!(st.credit.invariant_holds());
+        let ended_now = end.is_some_and(|reason| st.set_end(reason));
+        drop(st);
+        if let Some(reason) = end.filter(|_| ended_now) {
+            shared.after_end(reason);
+        }
+    }
+}
+
+impl<D: Device + 'static> Link for RdmaLink<D> {
+    type SendBuf = RdmaSendBuf<D>;
+    type Batch = RdmaBatch<D>;
+
+    fn epoch(&self) -> Epoch {
+        self.shared().epoch
+    }
+
+    fn max_batch(&self) -> usize {
+        self.shared().config.max_batch
+    }
+
+    async fn reserve(&self) -> Result<RdmaSendBuf<D>, LinkError> {
+        let shared = self.shared();
+        let mut waiter = Waiter {
+            shared,
+            registered: false,
+        };
+        loop {
+            let notified = shared.wake_send.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut st = shared.lock();
+                if let Some(reason) = st.ended {
+                    return Err(shared.ended_error(reason));
+                }
+                if st.sq_free > 0 && !st.free_send.is_empty() && st.credit.try_reserve() {
+                    let idx = st.free_send.pop().expect("checked non-empty");
+                    st.sq_free -= 1;
+                    if std::mem::take(&mut waiter.registered) {
+                        st.reserve_waiters -= 1;
+                    }
+                    debug_assert!(st.credit.invariant_holds());
+                    // Not in flight, so nobody else holds this region's lock.
+                    let guard = shared.send_mrs[idx].lock_owned();
+                    return Ok(RdmaSendBuf {
+                        guard: Some(guard),
+                        idx,
+                        shared: shared.clone(),
+                    });
+                }
+                if !waiter.registered {
+                    waiter.registered = true;
+                    st.reserve_waiters += 1;
+                }
+            }
+            notified.await;
+        }
+    }
+
+    fn post(&self, mut buf: RdmaSendBuf<D>, len: usize) -> Result<(), LinkError> {
+        let shared = buf.shared.clone();
+        debug_assert!(
+            Arc::ptr_eq(&shared, self.shared()),
+            "a send buffer is posted on the link that reserved it"
+        );
+        let max = shared.config.max_batch;
+        if len > max {
+            return Err(LinkError::BatchTooLarge { len, max });
+        }
+        if len == 0 {
+            return Ok(()); // dropping `buf` gives its credit back
+        }
+        let Some(guard) = buf.guard.take() else {
+            return Ok(());
+        };
+        // Unlock the region before the WR names it (the provider gathers under that lock).
+        drop(guard);
+        let mut st = shared.lock();
+        if let Some(reason) = st.ended {
+            st.free_send.push(buf.idx);
+            st.sq_free += 1;
+            st.credit.unreserve();
+            return Err(shared.ended_error(reason));
+        }
+        let starved = st.reserve_waiters > 0;
+        let imm = st.credit.on_post(starved);
+        st.stats.batches_sent += 1;
+        let result = shared.post_send_locked(&mut st, Some((buf.idx, len)), imm);
+        debug_assert!(st.credit.invariant_holds());
+        match result {
+            Ok(()) => Ok(()),
+            Err(reason) => {
+                let ended_now = st.set_end(reason);
+                let reason = st.ended.unwrap_or(reason);
+                drop(st);
+                if ended_now {
+                    shared.after_end(reason);
+                }
+                Err(shared.ended_error(reason))
+            }
+        }
+    }
+
+    async fn recv(&self) -> Result<RdmaBatch<D>, LinkError> {
+        let shared = self.shared();
+        loop {
+            let notified = shared.wake_recv.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut st = shared.lock();
+                if let Some((idx, len)) = st.ready.pop_front() {
+                    // Completed, not re-posted: the provider is done with it.
+                    let guard = shared.recv_mrs[idx].lock_owned();
+                    return Ok(RdmaBatch {
+                        guard: Some(guard),
+                        idx,
+                        len,
+                        shared: shared.clone(),
+                    });
+                }
+                // Completions still in the CQ come before the end.
+                if let Some(reason) = st.ended.filter(|_| st.drained) {
+                    return Err(shared.ended_error(reason));
+                }
+            }
+            notified.await;
+        }
+    }
+
+    fn fail(&self, reason: EpochEnd) {
+        self.shared().end(reason);
+    }
+
+    async fn ended(&self) -> EpochEnd {
+        let shared = self.shared();
+        loop {
+            let notified = shared.wake_end.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(reason) = shared.lock().ended {
+                return reason;
+            }
+            notified.await;
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! The completion poller: the one task that owns a link end's CQ.
+//!
+//! ```text
+//!  loop { poll ─► on_completions ; empty? spin a few yields ;
+//!         req_notify ─► poll once more (arm before the final drain) ─► notified().await }
+//!  exits when the epoch has ended and every posted receive has completed,
+//!  or when every user handle is gone
+//! ```
+//!
+//! Owner: this task alone calls `poll`, `req_notify` and `notified` on the CQ;
+//! it changes link state only under `Shared::state`.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use super::{RECV_TAG, Shared, State, fault_of, ibv_status};
+use crate::link::{EpochEnd, LinkFault};
+use crate::verbs::{CompletionQueue, Device, Qpn, WcOpcode, WcStatus, WorkCompletion};
+
+/// Completions taken per `poll`.
+const POLL_BATCH: usize = 32;
+/// Empty polls (each after a `yield_now`) before arming the notification.
+const BUSY_POLLS: usize = 4;
+
+const EMPTY_WC: WorkCompletion = WorkCompletion {
+    wr_id: 0,
+    status: WcStatus::Success,
+    opcode: WcOpcode::Send,
+    byte_len: 0,
+    imm: None,
+    qp_num: Qpn::new(0),
+};
+
+enum Polled {
+    Some,
+    Empty,
+    Failed,
+}
+
+impl<D: Device + 'static> Shared<D> {
+    /// Done once the epoch has ended and every posted receive has completed
+    /// (receives always complete, so their flush is the last thing `recv`
+    /// waits for). Sends need no wait: an unsignaled send that succeeded
+    /// never completes, and after the end its buffer is never reused.
+    fn finished(&self) -> bool {
+        if self.detached.load(Ordering::Acquire) {
+            return true;
+        }
+        let st = self.lock();
+        st.ended.is_some() && st.recv_posted == 0
+    }
+
+    fn poll_once(&self, wcs: &mut [WorkCompletion]) -> Polled {
+        match self.cq.poll(wcs) {
+            Ok(0) => Polled::Empty,
+            Ok(n) => {
+                self.on_completions(&wcs[..n]);
+                Polled::Some
+            }
+            Err(err) => {
+                tracing::warn!(%err, "polling the CQ failed; ending the epoch");
+                self.end(EpochEnd::Fault(fault_of(&err)));
+                Polled::Failed
+            }
+        }
+    }
+
+    fn on_completions(&self, wcs: &[WorkCompletion]) {
+        let mut st = self.lock();
+        let mut end = None;
+        let mut reposts = Vec::new();
+        let mut received = false;
+        for wc in wcs {
+            let fault = if wc.wr_id & RECV_TAG != 0 {
+                // After a peer's violation nothing more from it is delivered.
+                let hostile = matches!(
+                    st.ended.or(end),
+                    Some(EpochEnd::Fault(LinkFault::CreditOverclaim { .. }))
+                );
+                self.on_recv_completion(&mut st, wc, hostile, &mut reposts, &mut received)
+            } else {
+                on_send_completion(&mut st, wc)
+            };
+            if let Some(fault) = fault {
+                end.get_or_insert(EpochEnd::Fault(fault));
+            }
+        }
+        if st.ended.is_none() && end.is_none() {
+            for idx in reposts {
+                if let Err(reason) = self.repost_locked(&mut st, idx) {
+                    end = Some(reason);
+                    break;
+                }
+            }
+        }
+        if st.ended.is_none() && end.is_none() {
+            end = self.maybe_credit_only(&mut st).err();
+        }
+        debug_assert!(st.credit.invariant_holds());
+        let ended_now = end.is_some_and(|reason| st.set_end(reason));
+        drop(st);
+        self.wake_send.notify_waiters();
+        if received {
+            self.wake_recv.notify_waiters();
+        }
+        if let Some(reason) = end.filter(|_| ended_now) {
+            self.after_end(reason);
+        }
+    }
+
+    /// One receive completion; returns the fault it ends the epoch with.
+    fn on_recv_completion(
+        &self,
+        st: &mut State,
+        wc: &WorkCompletion,
+        hostile: bool,
+        reposts: &mut Vec<usize>,
+        received: &mut bool,
+    ) -> Option<LinkFault> {
+        let idx = (wc.wr_id & !RECV_TAG) as usize;
+        st.recv_posted = st.recv_posted.saturating_sub(1);
+        if wc.status != WcStatus::Success {
+            return Some(LinkFault::Completion {
+                status: ibv_status(wc.status),
+            });
+        }
+        if hostile {
+            return None;
+        }
+        let len = wc.byte_len as usize;
+        if idx >= self.recv_mrs.len() || len > self.config.max_batch {
+            // The provider enforces both; a peer must never get past them.
+            return Some(LinkFault::Completion {
+                status: ibv_status(WcStatus::LocLenErr),
+            });
+        }
+        st.credit.on_receive();
+        if let Some(imm) = wc.imm {
+            if let Err(over) = st.credit.on_peer_imm(imm) {
+                return Some(LinkFault::CreditOverclaim {
+                    claimed: over.claimed,
+                    granted: over.granted,
+                });
+            }
+        }
+        if len == 0 {
+            st.stats.credit_only_received += 1;
+            reposts.push(idx);
+        } else {
+            st.stats.batches_received += 1;
+            st.ready.push_back((idx, len));
+            *received = true;
+        }
+        None
+    }
+}
+
+/// One send completion: it and every WR before it are done (RC completes in
+/// order), so their buffers and SQ slots come back.
+fn on_send_completion(st: &mut State, wc: &WorkCompletion) -> Option<LinkFault> {
+    while let Some(&(wr_id, buf)) = st.posted.front() {
+        if wr_id > wc.wr_id {
+            break;
+        }
+        st.posted.pop_front();
+        st.sq_free += 1;
+        if let Some(idx) = buf {
+            st.free_send.push(idx);
+        }
+    }
+    match wc.status {
+        WcStatus::Success => None,
+        status @ (WcStatus::LocLenErr
+        | WcStatus::LocQpOpErr
+        | WcStatus::LocProtErr
+        | WcStatus::WrFlushErr
+        | WcStatus::RemAccessErr
+        | WcStatus::RemInvReqErr
+        | WcStatus::RemOpErr
+        | WcStatus::RetryExcErr
+        | WcStatus::RnrRetryExcErr) => Some(LinkFault::Completion {
+            status: ibv_status(status),
+        }),
+    }
+}
+
+/// Runs until the epoch is over and drained, or the link is dropped.
+pub(super) async fn run<D: Device + 'static>(shared: Arc<Shared<D>>) {
+    poll_until_done(&shared).await;
+    shared.mark_drained();
+}
+
+async fn poll_until_done<D: Device + 'static>(shared: &Shared<D>) {
+    let mut wcs = [EMPTY_WC; POLL_BATCH];
+    let mut empty_polls = 0;
+    loop {
+        match shared.poll_once(&mut wcs) {
+            Polled::Some => {
+                empty_polls = 0;
+                continue;
+            }
+            Polled::Failed => return,
+            Polled::Empty => {}
+        }
+        if shared.finished() {
+            return;
+        }
+        if empty_polls < BUSY_POLLS {
+            empty_polls += 1;
+            tokio::task::yield_now().await;
+            continue;
+        }
+        empty_polls = 0;
+        if let Err(err) = shared.cq.req_notify() {
+            tracing::warn!(%err, "arming the CQ failed; ending the epoch");
+            shared.end(EpochEnd::Fault(fault_of(&err)));
+            return;
+        }
+        match shared.poll_once(&mut wcs) {
+            Polled::Some => continue,
+            Polled::Failed => return,
+            Polled::Empty => {}
+        }
+        tokio::select! {
+            biased;
+            _ = shared.wake_poller.notified() => {}
+            _ = shared.cq.notified() => {}
+        }
+    }
+}
