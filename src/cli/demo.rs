@@ -9,8 +9,13 @@ use serde::Serialize;
 use crate::demo::{self, Report, Workload};
 use crate::link::Node;
 use crate::link::mem::{MemConfig, MemFabric};
+use crate::link::rdma::{self, RdmaConfig};
 use crate::link::tcp::{TcpNodeConfig, TcpTransport};
+use crate::mux::protocol::Epoch;
+use crate::mux::{Dialer, Mux, MuxTransport};
 use crate::mux::{MuxConfig, PeerId};
+use crate::verbs::soft::SoftDevice;
+use crate::verbs::soft::udp::UdpConfig;
 
 /// Shape of the demo run.
 #[derive(Debug, Clone, ClapArgs)]
@@ -98,6 +103,30 @@ async fn tcp_row(workload: Workload) -> anyhow::Result<Report> {
     Ok(report)
 }
 
+/// The in-process RDMA row has its one link attached up front.
+struct Attached;
+
+impl Dialer for Attached {
+    fn want_link(&self, _peer: PeerId) {}
+}
+
+async fn rdma_row(workload: Workload) -> anyhow::Result<Report> {
+    let dev_a = SoftDevice::open_udp(UdpConfig::default()).await?;
+    let dev_b = SoftDevice::open_udp(UdpConfig::default()).await?;
+    let (link_a, link_b) = rdma::pair(&dev_a, &dev_b, Epoch(1), RdmaConfig::default())?;
+    let (a, b) = (PeerId(1), PeerId(2));
+    let mux_a = Mux::new(MuxConfig::default(), std::sync::Arc::new(Attached));
+    let mux_b = Mux::new(MuxConfig::default(), std::sync::Arc::new(Attached));
+    mux_a.attach(b, link_a);
+    mux_b.attach(a, link_b);
+    let report = demo::run(&mux_a, &mux_b, b, 1, workload).await;
+    let stats = dev_a.stats();
+    tracing::debug!(?stats, epoch = ?mux_a.epoch(b), "soft device after the rdma row");
+    mux_a.shutdown();
+    mux_b.shutdown();
+    Ok(report)
+}
+
 pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
     let workload = Workload {
         streams: args.streams,
@@ -105,7 +134,7 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
         record_size: args.record_size.max(16),
         pace: (args.pace_us > 0).then(|| Duration::from_micros(args.pace_us)),
     };
-    let paths: [&'static str; 2] = ["mem", "qpmux-tcp"];
+    let paths: [&'static str; 3] = ["qpmux-rdma", "qpmux-tcp", "mem"];
     let bar = if json {
         ProgressBar::hidden()
     } else {
@@ -125,6 +154,7 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
         ));
         let report = match path {
             "mem" => mem_row(workload).await,
+            "qpmux-rdma" => rdma_row(workload).await?,
             "qpmux-tcp" => tcp_row(workload).await?,
             other => anyhow::bail!("unknown path {other}"),
         };
@@ -140,7 +170,8 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
         "qpmux demo: {} streams to one peer, forward passes every {} µs, {} B records",
         args.streams, args.pace_us, args.record_size
     );
-    println!("(user-space numbers on loopback; the mem path is the mux with no wire)");
+    println!("(qpmux-rdma: the soft RoCEv2 provider, user space over loopback UDP, against");
+    println!(" kernel TCP on loopback; mem: the mux with no wire. Not hardware numbers.)");
     println!();
     println!(
         "{:<12} {:>12} {:>14} {:>10} {:>10} {:>10}",
