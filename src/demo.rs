@@ -46,6 +46,10 @@ pub struct Report {
     pub p50: Duration,
     /// 99th percentile one-way record latency.
     pub p99: Duration,
+    /// Peak resident set size during the run, bytes.
+    pub peak_rss: u64,
+    /// Open file descriptors at the end of the run.
+    pub fds: u64,
 }
 
 impl Report {
@@ -60,21 +64,47 @@ impl Report {
     }
 }
 
-/// Process CPU time so far (user + system), from `/proc/self/stat`.
+/// Process CPU time so far: the sum over its threads of the nanoseconds each
+/// spent on a CPU (`/proc/self/task/*/schedstat`, nanosecond resolution).
+/// Threads that already exited are not counted; the tokio workers live on.
 pub fn process_cpu() -> Duration {
-    let ticks = std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|stat| {
-            // Fields after the command name, which may contain spaces.
-            let rest = stat.rsplit_once(')')?.1;
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            let utime: u64 = fields.get(11)?.parse().ok()?;
-            let stime: u64 = fields.get(12)?.parse().ok()?;
-            Some(utime + stime)
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Duration::ZERO;
+    };
+    let nanos: u64 = tasks
+        .filter_map(|task| {
+            let path = task.ok()?.path().join("schedstat");
+            let text = std::fs::read_to_string(path).ok()?;
+            text.split_whitespace().next()?.parse::<u64>().ok()
         })
-        .unwrap_or(0);
-    // USER_HZ is 100 on every Linux this runs on.
-    Duration::from_millis(ticks * 10)
+        .sum();
+    Duration::from_nanos(nanos)
+}
+
+/// Peak resident set size of the process in bytes (`VmHWM`).
+pub fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or(0)
+}
+
+/// Resets the peak RSS to the current RSS, so the next cell's peak is its own.
+pub fn reset_peak_rss() {
+    // Linux: writing 5 to clear_refs resets VmHWM. Failure only means the
+    // next peak includes earlier ones.
+    if let Err(err) = std::fs::write("/proc/self/clear_refs", "5") {
+        tracing::debug!(%err, "cannot reset peak RSS");
+    }
+}
+
+/// Open file descriptors of the process.
+pub fn open_fds() -> u64 {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |dir| dir.count() as u64)
 }
 
 /// Runs `workload` from node `a` to node `b` (registering `b` with `a`).
@@ -82,46 +112,48 @@ pub async fn run_nodes<N: Node>(a: &N, b: &N, anchor: u64, workload: Workload) -
     let peer = a
         .register(&b.address())
         .expect("a node's own address parses");
-    run(a.mux(), b.mux(), peer, anchor, workload).await
+    run(a.mux(), &[(b.mux(), peer)], anchor, workload).await
 }
 
-/// Runs `workload` from `sender` to `receiver` (which knows the sender as
-/// any peer; the sender reaches the receiver as `peer`).
+/// Runs `workload` from `sender` to every target: each target's mux
+/// receives `workload.streams` streams, which the sender reaches as its
+/// `PeerId`. Every pass sends one record on every stream of every target.
 pub async fn run<L: Link>(
     sender: &Mux<L>,
-    receiver: &Mux<L>,
-    peer: PeerId,
+    targets: &[(&Mux<L>, PeerId)],
     anchor: u64,
     workload: Workload,
 ) -> Report {
     let origin = Instant::now();
     let received = Arc::new(AtomicU64::new(0));
     let progress = Arc::new(Notify::new());
-    let latencies = Arc::new(Mutex::new(Vec::with_capacity(
-        (workload.streams * workload.passes) as usize,
-    )));
+    let total = workload.streams * workload.passes * targets.len() as u64;
+    let latencies = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
     let mut consumers = Vec::new();
     let mut senders = Vec::new();
-    for s in 0..workload.streams {
-        let key = StreamKey::new(anchor, s);
-        let mut rx = receiver.bind(key).expect("fresh anchor ids are unbound");
-        let (received, progress, latencies) =
-            (received.clone(), progress.clone(), latencies.clone());
-        consumers.push(tokio::spawn(async move {
-            let mut local = Vec::new();
-            while let Some(frame) = rx.recv().await {
-                let Frame::Data(record) = frame else { break };
-                let stamp = u64::from_be_bytes(record[..8].try_into().expect("stamped"));
-                let now = origin.elapsed().as_nanos() as u64;
-                local.push(now.saturating_sub(stamp));
-                received.fetch_add(1, Ordering::Relaxed);
-                progress.notify_one();
-            }
-            latencies.lock().await.extend(local);
-        }));
-        senders.push(sender.open(peer, key).expect("open"));
+    for &(receiver, peer) in targets {
+        for s in 0..workload.streams {
+            let key = StreamKey::new(anchor, s);
+            let mut rx = receiver.bind(key).expect("fresh anchor ids are unbound");
+            let (received, progress, latencies) =
+                (received.clone(), progress.clone(), latencies.clone());
+            consumers.push(tokio::spawn(async move {
+                let mut local = Vec::new();
+                while let Some(frame) = rx.recv().await {
+                    let Frame::Data(record) = frame else { break };
+                    let stamp = u64::from_be_bytes(record[..8].try_into().expect("stamped"));
+                    let now = origin.elapsed().as_nanos() as u64;
+                    local.push(now.saturating_sub(stamp));
+                    received.fetch_add(1, Ordering::Relaxed);
+                    progress.notify_one();
+                }
+                latencies.lock().await.extend(local);
+            }));
+            senders.push(sender.open(peer, key).expect("open"));
+        }
     }
     let before = sender.stats();
+    reset_peak_rss();
     let cpu_before = process_cpu();
     let start = Instant::now();
     let mut record = vec![0u8; workload.record_size.max(16)];
@@ -137,12 +169,13 @@ pub async fn run<L: Link>(
             tokio::time::sleep(pace).await;
         }
     }
-    let target = workload.streams * workload.passes;
-    while received.load(Ordering::Relaxed) < target {
+    while received.load(Ordering::Relaxed) < total {
         progress.notified().await;
     }
     let elapsed = start.elapsed();
     let cpu = process_cpu().saturating_sub(cpu_before);
+    let fds = open_fds();
+    let rss = peak_rss();
     let after = sender.stats();
     for tx in senders {
         tx.finish(Terminal::Finalized).expect("finish");
@@ -159,7 +192,7 @@ pub async fn run<L: Link>(
     let batches = after.batches_sent - before.batches_sent;
     let records = after.records_sent - before.records_sent;
     Report {
-        records: target,
+        records: total,
         elapsed,
         cpu,
         records_per_batch: if batches == 0 {
@@ -169,5 +202,7 @@ pub async fn run<L: Link>(
         },
         p50: pick(0.50),
         p99: pick(0.99),
+        peak_rss: rss,
+        fds,
     }
 }

@@ -119,7 +119,7 @@ async fn rdma_row(workload: Workload) -> anyhow::Result<Report> {
     let mux_b = Mux::new(MuxConfig::default(), std::sync::Arc::new(Attached));
     mux_a.attach(b, link_a);
     mux_b.attach(a, link_b);
-    let report = demo::run(&mux_a, &mux_b, b, 1, workload).await;
+    let report = demo::run(&mux_a, &[(&mux_b, b)], 1, workload).await;
     let stats = dev_a.stats();
     tracing::debug!(?stats, epoch = ?mux_a.epoch(b), "soft device after the rdma row");
     mux_a.shutdown();

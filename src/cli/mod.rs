@@ -3,7 +3,8 @@
 //! ```text
 //!  bin/qpmux.rs ─► cli::main ─► demo     (default; streams over each node kind, one table)
 //!                            ├► devices  (providers, devices, ports, GIDs)
-//!                            └► pingpong (latency / bandwidth, perftest-shaped)
+//!                            ├► pingpong (latency / bandwidth, perftest-shaped)
+//!                            └► bench sweep (V5 grid: JSON + SVG plots)
 //! ```
 //!
 //! Every subcommand prints a human table, or JSON with `--json`.
@@ -11,6 +12,8 @@
 mod demo;
 mod devices;
 mod pingpong;
+mod plot;
+mod sweep;
 
 use clap::{Parser, Subcommand};
 
@@ -35,6 +38,16 @@ pub enum Command {
     Devices,
     /// Latency or bandwidth between two endpoints (perftest-style table).
     Pingpong(pingpong::PingpongArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// `qpmux bench` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// V5: X streams per peer × Y peers on each path; JSON and SVG plots.
+    Sweep(sweep::SweepArgs),
 }
 
 /// Parses the command line and runs it.
@@ -57,6 +70,9 @@ pub fn main() -> anyhow::Result<()> {
             Some(Command::Demo(demo_args)) => demo::run(demo_args, args.json).await,
             Some(Command::Devices) => devices::run(args.json).await,
             Some(Command::Pingpong(pingpong_args)) => pingpong::run(pingpong_args, args.json).await,
+            Some(Command::Bench(BenchCommand::Sweep(sweep_args))) => {
+                sweep::run(sweep_args, args.json).await
+            }
         }
     })
 }

@@ -1,0 +1,119 @@
+//! Minimal SVG line charts (log-2 x axis, linear y), no dependencies.
+
+/// One named line.
+pub struct Series {
+    /// Legend text.
+    pub name: String,
+    /// (x, y) points, x > 0.
+    pub points: Vec<(f64, f64)>,
+}
+
+const COLORS: [&str; 8] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+];
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// Renders `series` as an SVG document.
+pub fn lines(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> String {
+    let (w, h, left, right, top, bottom) = (820.0, 480.0, 70.0, 220.0, 40.0, 50.0);
+    let points = series.iter().flat_map(|s| s.points.iter());
+    let (mut x_min, mut x_max, mut y_max) = (f64::MAX, f64::MIN, 0.0f64);
+    for &(x, y) in points {
+        x_min = x_min.min(x.max(1.0).log2());
+        x_max = x_max.max(x.max(1.0).log2());
+        y_max = y_max.max(y);
+    }
+    if x_max <= x_min {
+        x_max = x_min + 1.0;
+    }
+    let y_max = if y_max > 0.0 { y_max * 1.1 } else { 1.0 };
+    let plot_w = w - left - right;
+    let plot_h = h - top - bottom;
+    let sx = |x: f64| left + (x.max(1.0).log2() - x_min) / (x_max - x_min) * plot_w;
+    let sy = |y: f64| top + plot_h - y / y_max * plot_h;
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{}\" y=\"22\" font-size=\"15\" text-anchor=\"middle\">{}</text>\n",
+        w / 2.0,
+        escape(title)
+    );
+    svg += &format!(
+        "<line x1=\"{left}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n\
+         <line x1=\"{left}\" y1=\"{top}\" x2=\"{left}\" y2=\"{}\" stroke=\"black\"/>\n",
+        top + plot_h,
+        left + plot_w,
+        top + plot_h,
+        top + plot_h
+    );
+    let mut exp = x_min.floor() as i32;
+    while f64::from(exp) <= x_max {
+        let x = 2f64.powi(exp);
+        svg += &format!(
+            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>\n",
+            sx(x),
+            top + plot_h + 16.0,
+            x
+        );
+        exp += 1;
+    }
+    for i in 0..=5 {
+        let y = y_max * f64::from(i) / 5.0;
+        svg += &format!(
+            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{:.1}</text>\n\
+             <line x1=\"{left}\" y1=\"{:.1}\" x2=\"{:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/>\n",
+            left - 6.0,
+            sy(y) + 4.0,
+            y,
+            sy(y),
+            left + plot_w,
+            sy(y)
+        );
+    }
+    svg += &format!(
+        "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>\n\
+         <text x=\"16\" y=\"{:.1}\" text-anchor=\"middle\" transform=\"rotate(-90 16 {:.1})\">{}</text>\n",
+        left + plot_w / 2.0,
+        h - 12.0,
+        escape(x_label),
+        top + plot_h / 2.0,
+        top + plot_h / 2.0,
+        escape(y_label)
+    );
+    for (i, s) in series.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let path: Vec<String> = s
+            .points
+            .iter()
+            .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
+            .collect();
+        svg += &format!(
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>\n",
+            path.join(" ")
+        );
+        for &(x, y) in &s.points {
+            svg += &format!(
+                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"{color}\"/>\n",
+                sx(x),
+                sy(y)
+            );
+        }
+        let ly = top + 14.0 + 18.0 * i as f64;
+        svg += &format!(
+            "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"12\" height=\"12\" fill=\"{color}\"/>\n\
+             <text x=\"{:.1}\" y=\"{:.1}\">{}</text>\n",
+            left + plot_w + 14.0,
+            ly - 10.0,
+            left + plot_w + 32.0,
+            ly,
+            escape(&s.name)
+        );
+    }
+    svg += "</svg>\n";
+    svg
+}
