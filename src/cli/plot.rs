@@ -1,4 +1,4 @@
-//! Minimal SVG line charts (log-2 x axis, linear y), no dependencies.
+//! Minimal SVG line charts (log-2 x axis; linear or log-10 y), no dependencies.
 
 /// One named line.
 pub struct Series {
@@ -18,24 +18,33 @@ fn escape(text: &str) -> String {
         .replace('>', "&gt;")
 }
 
-/// Renders `series` as an SVG document.
-pub fn lines(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> String {
+/// Renders `series` as an SVG document; `log_y` plots y on a log-10 scale.
+pub fn lines(title: &str, x_label: &str, y_label: &str, series: &[Series], log_y: bool) -> String {
     let (w, h, left, right, top, bottom) = (820.0, 480.0, 70.0, 220.0, 40.0, 50.0);
     let points = series.iter().flat_map(|s| s.points.iter());
-    let (mut x_min, mut x_max, mut y_max) = (f64::MAX, f64::MIN, 0.0f64);
+    let (mut x_min, mut x_max, mut y_min, mut y_max) = (f64::MAX, f64::MIN, f64::MAX, 0.0f64);
     for &(x, y) in points {
         x_min = x_min.min(x.max(1.0).log2());
         x_max = x_max.max(x.max(1.0).log2());
+        y_min = y_min.min(y);
         y_max = y_max.max(y);
     }
     if x_max <= x_min {
         x_max = x_min + 1.0;
     }
-    let y_max = if y_max > 0.0 { y_max * 1.1 } else { 1.0 };
+    // Log scale spans whole decades; linear starts at zero.
+    let (y_lo, y_hi) = if log_y {
+        let lo = y_min.max(1e-3).log10().floor();
+        let hi = y_max.max(1e-3).log10().ceil();
+        (lo, if hi > lo { hi } else { lo + 1.0 })
+    } else {
+        (0.0, if y_max > 0.0 { y_max * 1.1 } else { 1.0 })
+    };
+    let scale_y = |y: f64| if log_y { y.max(1e-3).log10() } else { y };
     let plot_w = w - left - right;
     let plot_h = h - top - bottom;
     let sx = |x: f64| left + (x.max(1.0).log2() - x_min) / (x_max - x_min) * plot_w;
-    let sy = |y: f64| top + plot_h - y / y_max * plot_h;
+    let sy = |y: f64| top + plot_h - (scale_y(y) - y_lo) / (y_hi - y_lo) * plot_h;
     let mut svg = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
          <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
@@ -62,14 +71,22 @@ pub fn lines(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> St
         );
         exp += 1;
     }
-    for i in 0..=5 {
-        let y = y_max * f64::from(i) / 5.0;
+    let ticks: Vec<f64> = if log_y {
+        (y_lo as i32..=y_hi as i32).map(|e| 10f64.powi(e)).collect()
+    } else {
+        (0..=5).map(|i| y_hi * f64::from(i) / 5.0).collect()
+    };
+    for y in ticks {
         svg += &format!(
-            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{:.1}</text>\n\
+            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n\
              <line x1=\"{left}\" y1=\"{:.1}\" x2=\"{:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/>\n",
             left - 6.0,
             sy(y) + 4.0,
-            y,
+            if y >= 10.0 {
+                format!("{y:.0}")
+            } else {
+                format!("{y}")
+            },
             sy(y),
             left + plot_w,
             sy(y)

@@ -209,6 +209,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         "streams per peer (X)",
         "CPU µs per record",
         &series(&cells, |c| c.cpu_us_per_record),
+        true,
     );
     std::fs::write(args.out.join("cpu_per_record.svg"), cpu)?;
     let p99 = plot::lines(
@@ -216,8 +217,10 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         "streams per peer (X)",
         "p99 latency µs",
         &series(&cells, |c| c.p99_us),
+        true,
     );
     std::fs::write(args.out.join("p99_latency.svg"), p99)?;
+    let pngs = rasterize(&args.out, &["cpu_per_record", "p99_latency"]);
     if json {
         println!("{}", serde_json::to_string_pretty(&cells)?);
         return Ok(());
@@ -242,7 +245,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         );
     }
     println!(
-        "wrote {} and the plots cpu_per_record.svg, p99_latency.svg beside it",
+        "wrote {} and the plots cpu_per_record.svg, p99_latency.svg beside it ({pngs})",
         json_path.display()
     );
     Ok(())
@@ -262,4 +265,24 @@ fn series(cells: &[Cell], metric: impl Fn(&Cell) -> f64) -> Vec<plot::Series> {
         }
     }
     out
+}
+
+/// Writes PNG copies of the SVG plots with `rsvg-convert` when it is
+/// installed (Debian: librsvg2-bin); says what happened.
+fn rasterize(dir: &std::path::Path, names: &[&str]) -> String {
+    for name in names {
+        let svg = dir.join(format!("{name}.svg"));
+        let png = dir.join(format!("{name}.png"));
+        match std::process::Command::new("rsvg-convert")
+            .arg(&svg)
+            .arg("-o")
+            .arg(&png)
+            .status()
+        {
+            Ok(status) if status.success() => {}
+            Ok(status) => return format!("no PNG: rsvg-convert exited with {status}"),
+            Err(_) => return "no PNG: install librsvg2-bin for rsvg-convert".to_string(),
+        }
+    }
+    "PNG copies too".to_string()
 }
