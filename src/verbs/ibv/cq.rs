@@ -168,6 +168,17 @@ impl IbvCq {
             qp.sq.lock().expect("sq lock").complete(seq)?
         };
         let status = map_status(raw.status);
+        if status != WcStatus::Success && trace_errors() {
+            eprintln!(
+                "qpmux ibv: qp {:#x} {} wr seq {}: ibv_wc_status {} vendor_err {:#x} opcode {}",
+                raw.qp_num,
+                if recv { "recv" } else { "send" },
+                seq,
+                raw.status,
+                raw.vendor_err,
+                raw.opcode
+            );
+        }
         let ok = status == WcStatus::Success;
         let opcode = if recv { WcOpcode::Recv } else { WcOpcode::Send };
         debug_assert!(!ok || recv == (raw.opcode & WC_RECV != 0));
@@ -185,6 +196,12 @@ impl IbvCq {
             qp_num: Qpn::new(raw.qp_num),
         })
     }
+}
+
+/// `QPMUX_IBV_TRACE=1`: print every error completion's raw status to stderr.
+fn trace_errors() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("QPMUX_IBV_TRACE").is_ok_and(|v| v == "1"))
 }
 
 /// `ibv_wc_status` to the seam's subset; the rest are logged and reported as

@@ -463,6 +463,16 @@ impl QueuePair for IbvQp {
     }
 
     fn modify_to_error(&self) -> Result<(), VerbsError> {
+        // The kernel's transition table has no RESET -> ERR (IBA allows it):
+        // pass through INIT, which holds no WRs either.
+        if self.query_state() == QpState::Reset {
+            let mut a = QueuePairAttribute::new();
+            a.setup_state(QueuePairState::Init)
+                .setup_pkey_index(self.dev.cfg.pkey_index)
+                .setup_port(self.dev.port)
+                .setup_access_flags(super::access_to(AccessFlags::LOCAL_WRITE));
+            self.modify(&a, QpState::Init)?;
+        }
         let mut a = QueuePairAttribute::new();
         a.setup_state(QueuePairState::Error);
         self.modify(&a, QpState::Err)
