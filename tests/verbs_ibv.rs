@@ -187,3 +187,37 @@ async fn gid_follows_source_address() {
             .all(|e| !matches!(e, ibv::AsyncEvent::DeviceFatal))
     );
 }
+
+/// RoCEv2 over IPv6: QPs addressed by the device's IPv6 GID (the rxe guest
+/// gives its netdev `fd00::15`) exchange messages like over IPv4-mapped GIDs.
+#[tokio::test]
+async fn ping_pong_over_ipv6_gid() {
+    let Some(h) = IbvHarness::new() else { return };
+    let dev = IbvDevice::open(h.cfg.clone()).expect("open");
+    let name = qpmux::verbs::Device::name(&dev).to_string();
+    let devs = ibv::list_devices().expect("list");
+    let v6 = devs
+        .iter()
+        .filter(|d| d.name == name)
+        .flat_map(|d| d.roce_v2_gids.iter())
+        .map(|(_, gid, _)| std::net::Ipv6Addr::from(gid.0))
+        .filter(|ip| ip.to_ipv4_mapped().is_none())
+        .min_by_key(|ip| ip.is_unicast_link_local());
+    let Some(v6) = v6 else {
+        eprintln!("skipping ping_pong_over_ipv6_gid: {name} has no IPv6 RoCEv2 GID");
+        return;
+    };
+    let mut h6 = IbvHarness {
+        cfg: IbvConfig {
+            source: Some(v6.into()),
+            ..h.cfg.clone()
+        },
+    };
+    let (a, _b) = h6.devices().await;
+    assert_eq!(
+        a.gid().0,
+        v6.octets(),
+        "the GID of the source address is used"
+    );
+    verbs_suite::ping_pong(&mut h6).await;
+}
