@@ -221,3 +221,35 @@ async fn ping_pong_over_ipv6_gid() {
     );
     verbs_suite::ping_pong(&mut h6).await;
 }
+
+/// Async events: taking the netdev under the device down and up again is
+/// reported as port error, then port active. Flaps a link, so it is ignored
+/// by default; the rxe guest runs it alone after the suite with
+/// `QPMUX_IBV_FLAP_NETDEV` set.
+#[tokio::test]
+#[ignore = "flaps a network link; run alone (the rxe guest does)"]
+async fn async_events_report_port_flap() {
+    let Some(h) = IbvHarness::new() else { return };
+    let Ok(netdev) = std::env::var("QPMUX_IBV_FLAP_NETDEV") else {
+        eprintln!("skipping: set QPMUX_IBV_FLAP_NETDEV to the device's netdev");
+        return;
+    };
+    let dev = IbvDevice::open(h.cfg.clone()).expect("open");
+    let mut seen = Vec::new();
+    let mut h = h;
+    for (state, want) in [("down", "PortError"), ("up", "PortActive")] {
+        let ok = std::process::Command::new("ip")
+            .args(["link", "set", &netdev, state])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "ip link set {netdev} {state}");
+        let got = h
+            .wait_until(|| {
+                seen.extend(dev.async_events());
+                seen.iter().any(|e| format!("{e:?}").starts_with(want))
+            })
+            .await;
+        assert!(got, "{want} after link {state}; events: {seen:?}");
+    }
+    eprintln!("async events: {seen:?}");
+}

@@ -671,3 +671,38 @@ impl QueuePair for IbvQp {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Ring;
+
+    fn ring_with(ids: &[u64]) -> Ring {
+        let mut r = Ring::new(8);
+        for &id in ids {
+            r.ids.push_back(id);
+        }
+        r
+    }
+
+    #[test]
+    fn a_signaled_completion_retires_earlier_unsignaled_wrs() {
+        let mut r = ring_with(&[10, 11, 12, 13]);
+        assert_eq!(r.complete(2), Some(12), "seq 2 carries user id 12");
+        assert_eq!(r.ids.len(), 1, "seqs 0 and 1 retired silently");
+        assert_eq!(r.next_seq(), 4);
+        assert_eq!(r.complete(1), None, "an already retired seq is ignored");
+        assert_eq!(r.complete(3), Some(13));
+        assert!(r.ids.is_empty());
+    }
+
+    #[test]
+    fn unknown_or_cleared_sequences_are_dropped() {
+        let mut r = ring_with(&[1, 2]);
+        assert_eq!(r.complete(5), None, "beyond what was posted");
+        r.clear();
+        assert_eq!(r.complete(0), None, "discarded by a reset");
+        assert_eq!(r.next_seq(), 2, "sequences keep counting after a reset");
+        r.ids.push_back(7);
+        assert_eq!(r.complete(2), Some(7));
+    }
+}
