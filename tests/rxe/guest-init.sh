@@ -60,7 +60,7 @@ log "running verbs_ibv $ARGS"
 /mnt/share/in/verbs_ibv --test-threads=2 $ARGS >/mnt/share/out/suite.log 2>&1
 RC=$?
 # Tests that disturb the device (a link flap) run alone, afterwards.
-QPMUX_IBV_FLAP_NETDEV=$DEV /mnt/share/in/verbs_ibv --ignored --exact async_events_report_port_flap \
+QPMUX_IBV_FLAP_NETDEV=$DEV /mnt/share/in/verbs_ibv --ignored --exact async_events_report_port_flap --nocapture \
     >>/mnt/share/out/suite.log 2>&1 || RC=1
 echo "rc=$RC" >>/mnt/share/out/suite.log
 grep -E '^test result' /mnt/share/out/suite.log

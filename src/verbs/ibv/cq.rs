@@ -350,43 +350,60 @@ pub(crate) fn spawn_async_events(dev: &Arc<DevInner>) {
     let (tx, mut rx) = tokio::sync::oneshot::channel();
     *dev.stop_events.lock().expect("stop lock") = Some(tx);
     let weak = Arc::downgrade(dev);
-    let ctx = Arc::clone(&dev.ctx);
+    let watch = EventWatch {
+        afd,
+        ctx: Arc::clone(&dev.ctx),
+    };
     let name = dev.name.clone();
     handle.spawn(async move {
         loop {
             tokio::select! {
                 _ = &mut rx => break,
-                ready = afd.readable() => {
+                ready = watch.afd.readable() => {
                     let Ok(mut guard) = ready else { break };
-                    let mut any = false;
-                    loop {
-                        // SAFETY: ibv_async_event is plain data; zero is valid.
-                        let mut ev: rdma_mummy_sys::ibv_async_event = unsafe { std::mem::zeroed() };
-                        // SAFETY: the context is alive (`ctx` is held by this
-                        // task); its async fd is nonblocking, so this returns -1
-                        // when the queue is empty.
-                        let rc = unsafe { rdma_mummy_sys::ibv_get_async_event(ctx.context().as_ptr(), &mut ev) };
-                        if rc != 0 {
-                            break;
-                        }
-                        any = true;
-                        let event = decode_event(&ev);
-                        // SAFETY: every event taken is acknowledged exactly once.
-                        unsafe { rdma_mummy_sys::ibv_ack_async_event(&mut ev) };
+                    while let Some(event) = watch.next_event() {
                         tracing::warn!("{name}: async event {event:?}");
                         if let Some(dev) = weak.upgrade() {
                             dev.events.lock().expect("events lock").push(event);
                         }
                     }
-                    if !any {
-                        guard.clear_ready();
-                    }
+                    // Drained to EAGAIN: wait for the next edge.
+                    guard.clear_ready();
                 }
             }
         }
-        drop(afd);
-        drop(ctx);
     });
+}
+
+/// The async-event fd under the reactor, and the context that owns the fd.
+///
+/// Destroy order (field order):
+/// 1. `afd` deregisters the fd from the reactor;
+/// 2. `ctx` drops its reference; the context (and its fd) closes with the last one.
+struct EventWatch {
+    afd: AsyncFd<EventFd>,
+    ctx: Arc<sideway::ibverbs::device_context::DeviceContext>,
+}
+
+impl EventWatch {
+    /// Take and acknowledge one queued async event, `None` when none is queued.
+    fn next_event(&self) -> Option<AsyncEvent> {
+        // SAFETY: ibv_async_event is plain data (a union of pointers/ints and
+        // an enum); all-zero is valid and the call overwrites it.
+        let mut ev: rdma_mummy_sys::ibv_async_event = unsafe { std::mem::zeroed() };
+        // SAFETY: the context is alive (`self.ctx`); its async fd is
+        // nonblocking, so this returns -1 instead of blocking when empty.
+        let rc =
+            unsafe { rdma_mummy_sys::ibv_get_async_event(self.ctx.context().as_ptr(), &mut ev) };
+        if rc != 0 {
+            return None;
+        }
+        let event = decode_event(&ev);
+        // SAFETY: `ev` was filled by ibv_get_async_event above and is
+        // acknowledged exactly once, after decoding.
+        unsafe { rdma_mummy_sys::ibv_ack_async_event(&mut ev) };
+        Some(event)
+    }
 }
 
 fn decode_event(ev: &rdma_mummy_sys::ibv_async_event) -> AsyncEvent {
