@@ -253,3 +253,273 @@ async fn async_events_report_port_flap() {
     }
     eprintln!("async events: {seen:?}");
 }
+
+/// Wire interop: qpmux's soft provider (userspace RoCEv2 on UDP 4791, in its
+/// own network namespace) and kernel rxe exchange SENDs both ways, single- and
+/// multi-packet, with immediates. Needs a guest setup (the rxe guest makes
+/// netns `QPMUX_INTEROP_NETNS` with a veth pair and rxe on the host end), so
+/// it is ignored by default. The soft side runs as a child process of this
+/// test inside that namespace; the two exchange QP addresses through files.
+#[tokio::test]
+#[ignore = "needs the rxe guest's netns + veth setup"]
+async fn interop_soft_provider_with_kernel_rxe() {
+    use qpmux::verbs::soft::SoftDevice;
+    use qpmux::verbs::soft::udp::UdpConfig;
+    let var = |k: &str| std::env::var(k).ok();
+    let (Some(dir), Some(netns), Some(rxe_ip), Some(soft_ip)) = (
+        var("QPMUX_INTEROP_DIR"),
+        var("QPMUX_INTEROP_NETNS"),
+        var("QPMUX_INTEROP_RXE_IP"),
+        var("QPMUX_INTEROP_SOFT_IP"),
+    ) else {
+        eprintln!("skipping: QPMUX_INTEROP_{{DIR,NETNS,RXE_IP,SOFT_IP}} not set");
+        return;
+    };
+    let dir = std::path::PathBuf::from(dir);
+    if var("QPMUX_INTEROP_ROLE").as_deref() == Some("soft") {
+        let dev = SoftDevice::open_udp(UdpConfig {
+            bind: std::net::SocketAddr::new(soft_ip.parse().expect("soft ip"), 4791),
+            link_mtu: Some(1500),
+            ..UdpConfig::default()
+        })
+        .await
+        .expect("open soft device on UDP 4791");
+        let stats = dev.clone();
+        let run = std::panic::AssertUnwindSafe(interop::side(dev, &dir, "soft", "rxe", true));
+        let outcome = futures_catch(run).await;
+        eprintln!("soft device stats: {:?}", stats.stats());
+        if let Err(p) = outcome {
+            std::panic::resume_unwind(p);
+        }
+        return;
+    }
+    std::fs::create_dir_all(&dir).expect("interop dir");
+    let exe = std::env::current_exe().expect("current exe");
+    let mut child = std::process::Command::new("ip")
+        .args(["netns", "exec", &netns])
+        .arg(exe)
+        .args([
+            "--ignored",
+            "--exact",
+            "interop_soft_provider_with_kernel_rxe",
+            "--nocapture",
+        ])
+        .env("QPMUX_INTEROP_ROLE", "soft")
+        .spawn()
+        .expect("start the soft side");
+    let dev = IbvDevice::open(IbvConfig {
+        device: var("QPMUX_IBV_DEVICE"),
+        source: Some(rxe_ip.parse().expect("rxe ip")),
+        ..IbvConfig::default()
+    })
+    .expect("open the rxe device");
+    let rxe = tokio::time::timeout(
+        Duration::from_secs(90),
+        interop::side(dev, &dir, "rxe", "soft", false),
+    )
+    .await;
+    let status = child.wait().expect("soft side exits");
+    assert!(rxe.is_ok(), "rxe side timed out; soft side: {status}");
+    assert!(status.success(), "soft side failed: {status}");
+}
+
+/// Run a future, catching a panic (std only: poll it under catch_unwind).
+async fn futures_catch<F: std::future::Future>(
+    fut: std::panic::AssertUnwindSafe<F>,
+) -> std::thread::Result<F::Output> {
+    let mut fut = std::pin::pin!(fut.0);
+    std::future::poll_fn(|cx| {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fut.as_mut().poll(cx))) {
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Ok(std::task::Poll::Ready(v)) => std::task::Poll::Ready(Ok(v)),
+            Err(p) => std::task::Poll::Ready(Err(p)),
+        }
+    })
+    .await
+}
+
+mod interop {
+    use std::path::Path;
+    use std::time::Duration;
+
+    use qpmux::verbs::*;
+
+    const MESSAGES: u64 = 24;
+    const SLOT: usize = 4096;
+
+    fn size(k: u64) -> usize {
+        // 0, 1 and multi-packet (First/Middle/Last at MTU 1024) sizes.
+        [0, 1, 100, 1024, 1025, 3000, 4096][k as usize % 7]
+    }
+
+    fn byte(k: u64, i: usize) -> u8 {
+        (k as usize * 31 + i * 7) as u8
+    }
+
+    fn write_addr(path: &Path, a: &QpAddress) {
+        let text = format!(
+            "{} {} {} {} {}",
+            a.qpn.value(),
+            a.psn.value(),
+            std::net::Ipv6Addr::from(a.gid.0),
+            a.udp_port,
+            a.mtu.bytes()
+        );
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, text).expect("write address");
+        std::fs::rename(&tmp, path).expect("publish address");
+    }
+
+    async fn read_addr(path: &Path) -> QpAddress {
+        for _ in 0..6000 {
+            if let Ok(text) = std::fs::read_to_string(path) {
+                let f: Vec<&str> = text.split_whitespace().collect();
+                let mtu = match f[4] {
+                    "256" => Mtu::Mtu256,
+                    "512" => Mtu::Mtu512,
+                    "1024" => Mtu::Mtu1024,
+                    "2048" => Mtu::Mtu2048,
+                    _ => Mtu::Mtu4096,
+                };
+                let ip: std::net::Ipv6Addr = f[2].parse().expect("gid");
+                return QpAddress {
+                    qpn: Qpn::new(f[0].parse().expect("qpn")),
+                    psn: Psn::new(f[1].parse().expect("psn")),
+                    gid: Gid(ip.octets()),
+                    udp_port: f[3].parse().expect("port"),
+                    mtu,
+                };
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no peer address at {}", path.display());
+    }
+
+    async fn wait_wc<C: CompletionQueue>(cq: &C, who: &str) -> WorkCompletion {
+        let mut wc = [WorkCompletion {
+            wr_id: 0,
+            status: WcStatus::Success,
+            opcode: WcOpcode::Send,
+            byte_len: 0,
+            imm: None,
+            qp_num: Qpn::new(0),
+        }];
+        let give_up = std::time::Instant::now() + Duration::from_secs(20);
+        while std::time::Instant::now() < give_up {
+            if cq.poll(&mut wc).expect("poll") == 1 {
+                return wc[0];
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        panic!("{who}: no completion within 20 s");
+    }
+
+    /// One side: receive `MESSAGES` and send `MESSAGES`, in the order `first` says.
+    pub async fn side<D: Device>(dev: D, dir: &Path, me: &str, peer: &str, first: bool) {
+        let pd = dev.alloc_pd().expect("pd");
+        let scq = dev.create_cq(256).expect("send cq");
+        let rcq = dev.create_cq(256).expect("recv cq");
+        let qp = dev
+            .create_qp(&pd, &scq, &rcq, QpCaps::default())
+            .expect("qp");
+        let mr = dev
+            .reg_mr(&pd, 2 * MESSAGES as usize * SLOT, AccessFlags::LOCAL_WRITE)
+            .expect("mr");
+        qp.modify_to_init(InitAttr {
+            access: AccessFlags::LOCAL_WRITE,
+        })
+        .expect("init");
+        for k in 0..MESSAGES {
+            let sge = [Sge {
+                mr: &mr,
+                offset: k as usize * SLOT,
+                len: SLOT,
+            }];
+            qp.post_recv(&[RecvWr {
+                wr_id: k,
+                sg_list: &sge,
+            }])
+            .expect("post_recv");
+        }
+        write_addr(&dir.join(format!("{me}.addr")), &QpAddress::of(&dev, &qp));
+        let theirs = read_addr(&dir.join(format!("{peer}.addr"))).await;
+        let mine = dev.query_port();
+        eprintln!("{me}: {} -> peer {theirs:?}", dev.name());
+        qp.modify_to_rtr(RtrAttr::for_peer(&theirs, mine.active_mtu, 1))
+            .expect("rtr");
+        qp.modify_to_rts(RtsAttr {
+            sq_psn: qp.initial_psn(),
+            timeout: 14,
+            retry_cnt: 6,
+            rnr_retry: 7,
+        })
+        .expect("rts");
+        // Nobody sends before both QPs can receive (as the bootstrap's "ready").
+        std::fs::write(dir.join(format!("{me}.ready")), b"").expect("ready");
+        let peer_ready = dir.join(format!("{peer}.ready"));
+        for _ in 0..6000 {
+            if peer_ready.exists() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(peer_ready.exists(), "{me}: {peer} never became ready");
+        let send_all = async || {
+            for k in 0..MESSAGES {
+                let off = (MESSAGES + k) as usize * SLOT;
+                let len = size(k);
+                mr.with_mut(off, len, |b| {
+                    for (i, x) in b.iter_mut().enumerate() {
+                        *x = byte(k, i);
+                    }
+                })
+                .expect("fill");
+                let sge = [Sge {
+                    mr: &mr,
+                    offset: off,
+                    len,
+                }];
+                qp.post_send(&[SendWr {
+                    wr_id: 100 + k,
+                    opcode: SendOpcode::SendWithImm(k as u32 ^ 0xabcd_0000),
+                    sg_list: &sge,
+                    signaled: true,
+                    inline: false,
+                }])
+                .expect("post_send");
+                let wc = wait_wc(&scq, me).await;
+                assert_eq!(
+                    (wc.wr_id, wc.status),
+                    (100 + k, WcStatus::Success),
+                    "{me} send {k}"
+                );
+            }
+        };
+        let recv_all = async || {
+            for k in 0..MESSAGES {
+                let wc = wait_wc(&rcq, me).await;
+                assert_eq!(
+                    (wc.wr_id, wc.status),
+                    (k, WcStatus::Success),
+                    "{me} recv {k}"
+                );
+                assert_eq!(wc.byte_len as usize, size(k), "{me} length of {k}");
+                assert_eq!(wc.imm, Some(k as u32 ^ 0xabcd_0000), "{me} imm of {k}");
+                let ok = mr
+                    .with(k as usize * SLOT, size(k), |b| {
+                        b.iter().enumerate().all(|(i, x)| *x == byte(k, i))
+                    })
+                    .expect("read");
+                assert!(ok, "{me}: payload of {k} intact");
+            }
+        };
+        if first {
+            send_all().await;
+            recv_all().await;
+        } else {
+            recv_all().await;
+            send_all().await;
+        }
+        eprintln!("{me}: {MESSAGES} messages each way verified");
+    }
+}

@@ -102,7 +102,7 @@ add_elf() {
     local l
     for l in $(ldd "$1" | awk '$2=="=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}'); do add_file "$l"; done
 }
-for b in /usr/bin/rdma /usr/sbin/ip; do add_elf "$b"; done
+for b in /usr/bin/rdma /usr/sbin/ip /usr/sbin/tc; do add_elf "$b"; done
 for b in /usr/bin/ibv_devinfo; do [ -x "$b" ] && add_elf "$b"; done
 add_elf /usr/lib/x86_64-linux-gnu/libibverbs.so.1
 add_file /etc/libibverbs.d/rxe.driver
@@ -120,7 +120,7 @@ printf 'root:x:0:\n' >"$S/etc/group"
 printf '127.0.0.1 localhost\n' >"$S/etc/hosts"
 # Modules in dependency order. rdma_rxe asks for "crc32" through the crypto
 # API at run time (not a modules.dep edge), so crc32_generic is named.
-MODS="virtio_pci 9pnet_virtio 9p dummy crc32_generic rdma_rxe"
+MODS="virtio_pci 9pnet_virtio 9p dummy veth sch_ingress cls_matchall act_csum crc32_generic rdma_rxe"
 [ "$NET" = virtio ] && MODS="virtio_net $MODS"
 : >"$S/etc/modules.list"
 for m in $MODS; do
@@ -157,6 +157,7 @@ say "qemu exited rc=$QRC (console: $W/console.log, guest output: $SH/out)"
 if [ -f "$SH/out/suite.log" ]; then
     grep -E '^(test |test result|failures:|---- |thread .* panicked)' "$SH/out/suite.log" >&2 || true
 fi
+grep -E '^(test interop|interop rc|soft device stats)' "$SH/out/interop.log" >&2 2>/dev/null || true
 VERDICT=$(cat "$SH/out/verdict" 2>/dev/null || echo "none")
 case $VERDICT in
     PASS) say "PASS"; exit 0 ;;
