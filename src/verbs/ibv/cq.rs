@@ -41,7 +41,7 @@ pub(crate) const RECV_BIT: u64 = 1 << 63;
 /// - every CQ event taken with `ibv_get_cq_event` is acknowledged at once,
 ///   so `ibv_destroy_cq` never waits for unacknowledged events.
 ///
-/// Destroy order, by field order of [`CqInner`]:
+/// Destroy order, by field order of the shared `CqInner`:
 /// 1. the `AsyncFd` deregisters the channel fd from the reactor;
 /// 2. the sideway CQ is destroyed (`ibv_destroy_cq`) once no QP holds it;
 /// 3. the channel (`ibv_destroy_comp_channel`), which the CQ also holds.

@@ -468,6 +468,19 @@ pub(crate) struct DevInner {
 }
 
 /// An opened libibverbs device, one port, one GID. Cheap to clone.
+///
+/// # Safety
+///
+/// Lifetime invariants: every PD, CQ, channel and QP holds an `Arc` of the
+/// sideway `DeviceContext`, so `ibv_close_device` runs after the last of
+/// them; the async-event task holds one too (see `cq::EventWatch`).
+///
+/// Destroy order when the last `IbvDevice` clone goes:
+/// 1. the async-event task is told to stop; it deregisters the context's
+///    async fd from the reactor, then drops its context `Arc`;
+/// 2. QPs, then CQs and PDs, go as their owners drop them (each keeps what
+///    it was created from);
+/// 3. the context closes with its last `Arc`.
 #[derive(Clone)]
 pub struct IbvDevice {
     pub(crate) inner: Arc<DevInner>,
