@@ -69,6 +69,10 @@ use std::time::Duration;
 
 pub mod soft;
 
+#[cfg(feature = "ibverbs")]
+#[allow(unsafe_code)]
+pub mod ibv;
+
 /// A 24-bit packet sequence number with modular comparison.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Psn(u32);

@@ -31,6 +31,12 @@ pub trait Harness {
     fn rnr_naks_sent(dev: &Self::Dev) -> Option<u64>;
     /// Largest message and total bytes of `many_messages` (debug builds keep it small).
     fn bulk_plan(&self) -> BulkPlan;
+    /// Kernel rxe before Linux 6.2-ish reports a too-long SEND as an operational
+    /// error (receiver LOC_QP_OP_ERR, sender REM_OP_ERR) instead of the spec's
+    /// length error; a harness over rxe may accept that pair (docs/rxe.md).
+    fn tolerates_rxe_length_error(&self) -> bool {
+        false
+    }
 }
 
 /// Sizes of the bulk message test.
@@ -490,10 +496,16 @@ pub async fn message_too_long<H: Harness>(h: &mut H) {
     assert!(wait_wcs(h, &mut b, 0, 3).await);
     assert!(wait_wcs(h, &mut a, 3, 0).await);
     let recv: Vec<_> = b.recvs.iter().map(|w| (w.wr_id, w.status)).collect();
+    // The spec's verdict: LOC_LEN_ERR at the receiver, NAK invalid request.
+    let (mut loc, mut rem) = (WcStatus::LocLenErr, WcStatus::RemInvReqErr);
+    if h.tolerates_rxe_length_error() && recv[0].1 == WcStatus::LocQpOpErr {
+        eprintln!("rxe deviation: a too-long SEND completes as LOC_QP_OP_ERR / REM_OP_ERR");
+        (loc, rem) = (WcStatus::LocQpOpErr, WcStatus::RemOpErr);
+    }
     assert_eq!(
         recv,
         [
-            (1, WcStatus::LocLenErr),
+            (1, loc),
             (2, WcStatus::WrFlushErr),
             (3, WcStatus::WrFlushErr)
         ]
@@ -502,7 +514,7 @@ pub async fn message_too_long<H: Harness>(h: &mut H) {
     assert_eq!(
         send,
         [
-            (10, WcStatus::RemInvReqErr),
+            (10, rem),
             (11, WcStatus::WrFlushErr),
             (12, WcStatus::WrFlushErr)
         ]

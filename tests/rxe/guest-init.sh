@@ -1,0 +1,112 @@
+#!/bin/sh
+# PID 1 of the rxe test guest (copied into the initramfs by tests/rxe/run.sh).
+# Loads rdma_rxe, creates rxe0, runs /mnt/share/in/verbs_ibv against it and
+# writes the verdict (PASS / FAIL / SETUP-FAIL) to /mnt/share/out/verdict.
+export PATH=/usr/sbin:/usr/bin
+# Debian's busybox-static prefers its own applets to $PATH: use iproute2's ip.
+ip() { /usr/sbin/ip "$@"; }
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+mount -t tmpfs tmpfs /tmp
+log() { echo "RXE[$(cut -d' ' -f1 /proc/uptime)s]: $*"; }
+VERDICT=SETUP-FAIL
+finish() {
+    log "verdict: $VERDICT"
+    if [ -d /mnt/share/out ]; then
+        echo "$VERDICT" >/mnt/share/out/verdict
+        dmesg >/mnt/share/out/dmesg.log 2>/dev/null
+        sync; umount /mnt/share
+    fi
+    poweroff -f; echo o >/proc/sysrq-trigger; sleep 5
+}
+NET=dummy
+for a in $(cat /proc/cmdline); do case $a in rxe.net=*) NET=${a#*=};; esac; done
+
+for m in $(cat /etc/modules.list); do
+    case $m in */dummy.ko*) insmod "$m" numdummies=0 ;; *) insmod "$m" ;; esac || log "insmod $m failed"
+done
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 share /mnt/share || { log "9p mount failed"; finish; }
+mkdir -p /mnt/share/out
+
+ip link set lo up
+IP=10.0.2.15
+if [ "$NET" = dummy ]; then
+    ip link add dummy0 type dummy; DEV=dummy0
+else
+    DEV=
+    for i in $(seq 50); do
+        for n in /sys/class/net/*; do case ${n##*/} in lo|dummy*) ;; *) DEV=${n##*/};; esac; done
+        [ -n "$DEV" ] && break; sleep 0.1
+    done
+fi
+[ -n "$DEV" ] || { log "no netdev"; finish; }
+ip addr add $IP/24 dev $DEV
+ip -6 addr add fd00::15/64 dev $DEV nodad 2>/dev/null
+ip link set $DEV up
+rdma link add rxe0 type rxe netdev $DEV || { log "rdma link add failed"; finish; }
+# The GID table fills from netdev events: wait for the IPv4-mapped RoCEv2 GID.
+for i in $(seq 100); do
+    grep -qs "0000:0000:0000:0000:0000:ffff:0a00:020f" /sys/class/infiniband/rxe0/ports/1/gids/* && break
+    sleep 0.1
+done
+log "rxe0 on $DEV, kernel $(uname -r), ulimit -l $(ulimit -l)"
+ibv_devinfo -d rxe0 2>&1 | grep -E 'state|active_mtu|link_layer' | sed 's/^/    /'
+
+cd /tmp
+export QPMUX_IBV_DEVICE=rxe0 QPMUX_IBV_REQUIRE=1 QPMUX_IBV_TRACE=1 RUST_BACKTRACE=0
+ARGS=$(cat /mnt/share/in/args 2>/dev/null)
+log "running verbs_ibv $ARGS"
+/mnt/share/in/verbs_ibv --test-threads=2 $ARGS >/mnt/share/out/suite.log 2>&1
+RC=$?
+# Tests that disturb the device (a link flap) run alone, afterwards.
+QPMUX_IBV_FLAP_NETDEV=$DEV /mnt/share/in/verbs_ibv --ignored --exact async_events_report_port_flap --nocapture \
+    >>/mnt/share/out/suite.log 2>&1 || RC=1
+# Wire interop: the soft provider in netns qpmux-soft (veth1, UDP 4791) and
+# kernel rxe on the root end (veth0, rxe1), over IPv6 GIDs.
+IRC=1
+if ip link add veth0 type veth peer name veth1 && ip netns add qpmux-soft \
+    && ip link set veth1 netns qpmux-soft; then
+    # IPv6: the ICRC covers no IPv6 field a UDP socket cannot see (over IPv4
+    # it covers the Identification field; see docs/soft-provider.md).
+    ip -6 addr add fd01::1/64 dev veth0 nodad; ip link set veth0 up
+    ip netns exec qpmux-soft /usr/sbin/ip -6 addr add fd01::2/64 dev veth1 nodad
+    ip netns exec qpmux-soft /usr/sbin/ip link set veth1 up
+    ip netns exec qpmux-soft /usr/sbin/ip link set lo up
+    # rxe (like RoCE NICs) sends UDP checksum 0; over IPv6 a normal UDP socket
+    # drops that unless it sets UDP_NO_CHECK6_RX, which the soft provider does
+    # not (yet). Recompute the checksum on the soft side's ingress instead.
+    ip netns exec qpmux-soft /usr/sbin/tc qdisc add dev veth1 clsact
+    ip netns exec qpmux-soft /usr/sbin/tc filter add dev veth1 ingress matchall action csum udp
+    rdma link add rxe1 type rxe netdev veth0
+    for i in $(seq 100); do
+        grep -qs "fd01:0000:0000:0000:0000:0000:0000:0001" /sys/class/infiniband/rxe1/ports/1/gids/* && break
+        sleep 0.1
+    done
+    rm -rf /tmp/interop
+    QPMUX_IBV_DEVICE=rxe1 QPMUX_INTEROP_DIR=/tmp/interop QPMUX_INTEROP_NETNS=qpmux-soft \
+    QPMUX_INTEROP_RXE_IP=fd01::1 QPMUX_INTEROP_SOFT_IP=fd01::2 \
+        /mnt/share/in/verbs_ibv --ignored --exact interop_soft_provider_with_kernel_rxe --nocapture \
+        >/mnt/share/out/interop.log 2>&1
+    IRC=$?
+else
+    echo "veth/netns setup failed" >/mnt/share/out/interop.log
+fi
+echo "interop rc=$IRC" >>/mnt/share/out/interop.log
+for c in /sys/class/infiniband/rxe1/ports/1/hw_counters/*; do
+    echo "rxe1 ${c##*/} $(cat "$c")"
+done >>/mnt/share/out/interop.log 2>/dev/null
+log "interop rc=$IRC"
+echo "rc=$RC" >>/mnt/share/out/suite.log
+grep -E '^test result' /mnt/share/out/suite.log
+log "suite rc=$RC"
+for c in /sys/class/infiniband/rxe0/ports/1/hw_counters/*; do
+    echo "${c##*/} $(cat "$c")"
+done >/mnt/share/out/hw_counters.txt 2>/dev/null
+# A binary built without --features ibverbs has no tests: that is no pass.
+if [ $RC = 0 ] && [ $IRC = 0 ] && grep -qE '^test result: ok\. [1-9]' /mnt/share/out/suite.log; then
+    VERDICT=PASS
+else
+    VERDICT=FAIL
+fi
+finish
