@@ -20,4 +20,6 @@
 pub mod demo;
 pub mod link;
 pub mod mux;
+#[cfg(feature = "velo")]
+pub mod velo;
 pub mod verbs;
