@@ -350,3 +350,117 @@ async fn shutdown_reports_queued_frames_and_closed_returns() {
     assert!(send(&a, ghost_id, MessageType::Message, b"late", &errors).is_admitted());
     assert_eq!(errors.count(), 11);
 }
+
+#[derive(Default)]
+struct Counts {
+    inbound: AtomicUsize,
+    outbound: AtomicUsize,
+    rejected: Mutex<Vec<velo_ext::TransportRejection>>,
+    backpressure: AtomicUsize,
+    registered: AtomicUsize,
+}
+
+impl velo_ext::TransportObservability for Counts {
+    fn record_frame(&self, direction: velo_ext::Direction, _ty: &str, _bytes: usize) {
+        match direction {
+            velo_ext::Direction::Inbound => self.inbound.fetch_add(1, Ordering::SeqCst),
+            velo_ext::Direction::Outbound => self.outbound.fetch_add(1, Ordering::SeqCst),
+        };
+    }
+    fn record_rejection(&self, reason: velo_ext::TransportRejection) {
+        self.rejected.lock().expect("lock").push(reason);
+    }
+    fn set_registered_peers(&self, count: usize) {
+        self.registered.store(count, Ordering::SeqCst);
+    }
+    fn set_active_connections(&self, _count: usize) {}
+    fn record_send_backpressure(&self) {
+        self.backpressure.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observability_counts_admitted_frames_and_names_rejections() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a_counts = Arc::new(Counts::default());
+    let b_counts = Arc::new(Counts::default());
+    let a = {
+        let transport = QpmuxTransport::new(
+            Arc::new(fabric.node(PeerId(1), MuxConfig::default())),
+            VeloConfig::default(),
+        );
+        transport.set_observability(a_counts.clone());
+        let (adapter, streams) = make_channels();
+        let id = InstanceId::new_v4();
+        transport
+            .start(id, adapter, tokio::runtime::Handle::current())
+            .await
+            .expect("starts");
+        End {
+            transport,
+            streams,
+            id,
+        }
+    };
+    let b = end(&fabric, 2, VeloConfig::default()).await;
+    b.transport.set_observability(b_counts.clone());
+    a.transport.register(info(&b)).expect("registers");
+    assert_eq!(a_counts.registered.load(Ordering::SeqCst), 1);
+    let errors = Arc::new(Errors::default());
+    assert!(send(&a, b.id, MessageType::Message, b"one", &errors).is_admitted());
+    drop(
+        b.streams
+            .message_stream
+            .recv_async()
+            .await
+            .expect("delivered"),
+    );
+    assert_eq!(a_counts.outbound.load(Ordering::SeqCst), 1);
+    assert_eq!(b_counts.inbound.load(Ordering::SeqCst), 1);
+    // Drain-rejected: a rejection, not inbound traffic.
+    b.streams.shutdown_state.begin_drain();
+    assert!(send(&a, b.id, MessageType::Message, b"two", &errors).is_admitted());
+    drop(a.streams.shutdown_stream.recv_async().await.expect("echo"));
+    assert_eq!(b_counts.inbound.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        *b_counts.rejected.lock().expect("lock"),
+        [velo_ext::TransportRejection::DrainRejected]
+    );
+    // The echo arrived at A as inbound traffic; both sends were outbound.
+    assert_eq!(a_counts.inbound.load(Ordering::SeqCst), 1);
+    assert_eq!(a_counts.outbound.load(Ordering::SeqCst), 2);
+    // A pre-wire failure is a send error, not outbound traffic.
+    a.transport.unregister(b.id);
+    assert_eq!(a_counts.registered.load(Ordering::SeqCst), 0);
+    assert!(send(&a, b.id, MessageType::Message, b"three", &errors).is_admitted());
+    assert_eq!(a_counts.outbound.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        *a_counts.rejected.lock().expect("lock"),
+        [velo_ext::TransportRejection::SendError]
+    );
+    assert_eq!(a_counts.backpressure.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_peer_survives_the_old_instance_being_unregistered() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = end(&fabric, 1, VeloConfig::default()).await;
+    let b = end(&fabric, 2, VeloConfig::default()).await;
+    let old = PeerInfo::new(InstanceId::new_v4(), b.transport.address());
+    let old_id = old.instance_id();
+    a.transport.register(old).expect("old instance");
+    a.transport
+        .register(info(&b))
+        .expect("new instance, same address");
+    a.transport.unregister(old_id);
+    let errors = Arc::new(Errors::default());
+    assert!(send(&a, b.id, MessageType::Message, b"still here", &errors).is_admitted());
+    let got = b
+        .streams
+        .message_stream
+        .recv_async()
+        .await
+        .expect("delivered");
+    assert_eq!(&got.payload[..], b"still here");
+    assert_eq!(errors.count(), 0);
+}

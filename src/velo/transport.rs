@@ -383,9 +383,20 @@ impl<N: Node> Transport for QpmuxTransport<N> {
         Ok(())
     }
 
+    /// A peer restarted at the same address is a new instance on the same
+    /// `PeerId`: forgetting the old instance leaves the node's peer alone.
     fn unregister(&self, instance_id: InstanceId) {
-        let Some(peer) = lock(&self.inner.peers).remove(&instance_id) else {
-            return;
+        let peer = {
+            let mut peers = lock(&self.inner.peers);
+            let Some(peer) = peers.remove(&instance_id) else {
+                return;
+            };
+            if peers.values().any(|other| *other == peer) {
+                drop(peers);
+                self.inner.registered_gauge();
+                return;
+            }
+            peer
         };
         let lane = lock(&self.inner.lanes).remove(&peer);
         lock(&self.inner.connected).remove(&peer);
