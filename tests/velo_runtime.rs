@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::StreamExt;
 use qpmux::link::mem::{MemConfig, MemFabric, MemNode};
-use qpmux::link::{EpochEnd, LinkFault};
+use qpmux::link::{EpochEnd, LinkFault, Node};
 use qpmux::mux::{MuxConfig, PeerId};
 use qpmux::velo::{QpmuxTransport, VeloConfig};
 use velo::streaming::StreamFrame;
@@ -246,7 +246,7 @@ async fn a_killed_link_leaves_the_survivor_working_with_a_third_instance() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn draining_refuses_new_messages_and_finishes_the_ones_in_flight() {
     let fabric = MemFabric::new(MemConfig::default());
-    let (server, _) = instance(&fabric, 1, VeloConfig::default()).await;
+    let (server, server_qp) = instance(&fabric, 1, VeloConfig::default()).await;
     let (client, _) = instance(&fabric, 2, VeloConfig::default()).await;
     join(&client, &server);
     let (started_tx, started_rx) = flume::unbounded::<()>();
@@ -300,6 +300,15 @@ async fn draining_refuses_new_messages_and_finishes_the_ones_in_flight() {
         .expect("task")
         .expect("the in-flight request completes");
     assert_eq!(done, Bytes::from_static(b"in flight"));
+    // velo's graceful shutdown runs our shutdown hook and awaits `closed`.
+    server
+        .graceful_shutdown(velo::ShutdownPolicy::Timeout(Duration::from_secs(5)))
+        .await;
+    assert_eq!(
+        server_qp.node().mux().peer_count(),
+        0,
+        "every peer task retired"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -112,6 +112,10 @@ pub enum AdapterError {
     Mux(#[from] crate::mux::MuxError),
 }
 
+/// The one mapping into velo's error type. Only `register` returns a
+/// `TransportError`; send-path errors reach velo as `on_error` text and
+/// FrameTransport errors as `anyhow`, so the last arm is a catch-up for
+/// variants velo has no word for.
 impl From<AdapterError> for TransportError {
     fn from(error: AdapterError) -> TransportError {
         match error {
