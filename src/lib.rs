@@ -21,4 +21,6 @@ pub mod cli;
 pub mod demo;
 pub mod link;
 pub mod mux;
+#[cfg(feature = "velo")]
+pub mod velo;
 pub mod verbs;

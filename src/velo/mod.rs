@@ -1,0 +1,168 @@
+//! The velo plug-in: qpmux under velo's runtime, over any [`Node`].
+//!
+//! ```text
+//!  velo Messenger ── Transport ──► QpmuxTransport ──► Node::mux() message class (active messages)
+//!  velo AnchorManager ── FrameTransport ──► QpmuxFrameTransport ──► Node::mux() slots (streams)
+//!  velo WorkerAddress { "qpmux-rc": Node::address() } ──► Node::register ──► PeerId
+//! ```
+//!
+//! Adapters with no logic of their own: [`QpmuxTransport`] implements
+//! `velo_ext::Transport`, [`QpmuxFrameTransport`] implements
+//! `velo_ext::FrameTransport`; both implement [`AsMux`](crate::mux::AsMux).
+//! Every failure is an [`AdapterError`], and it becomes velo's
+//! `TransportError` in one `From` impl. Wiring and rulings: docs/velo.md.
+//!
+//! [`Node`]: crate::link::Node
+
+mod stream;
+mod transport;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use thiserror::Error;
+use velo_ext::{InstanceId, TransportError, WorkerAddress};
+
+pub use stream::{QpmuxFrameTransport, velo_frames};
+pub use transport::QpmuxTransport;
+
+use crate::link::RegisterError;
+
+/// The key qpmux publishes its node address under in velo's `WorkerAddress`
+/// (does not collide with `tcp`, `tcp-stream`, `ucx`, `messenger-mux-v2`).
+pub const TRANSPORT_KEY: &str = "qpmux-rc";
+
+/// Knobs of the velo adapters. Defaults are documented per field.
+#[derive(Clone, Debug)]
+pub struct VeloConfig {
+    /// Capacity of one peer's outbound message channel (per epoch), in
+    /// messages; past it, sends queue in velo's admission gate. Default 256.
+    pub message_channel: usize,
+    /// Largest `header + payload` of one active message. Must be at most the
+    /// node's `MuxConfig::max_record` minus [`wire::OVERHEAD`]. Default
+    /// 16 MiB − 6, the mux default's limit.
+    pub max_message_size: usize,
+    /// Longest `Transport::closed` waits for the mux's peer tasks. Default 1 s.
+    pub close_wait: Duration,
+    /// Capacity of the channel between a stream's slot and velo, in frames.
+    /// Default 64.
+    pub stream_channel: usize,
+    /// How often dead lanes (epochs that ended with no send since) are
+    /// retired, which reports any frame left in their channel. Default 20 ms.
+    pub lane_sweep: Duration,
+}
+
+impl Default for VeloConfig {
+    fn default() -> Self {
+        VeloConfig {
+            message_channel: 256,
+            max_message_size: 16 * 1024 * 1024 - wire::OVERHEAD,
+            close_wait: Duration::from_secs(1),
+            stream_channel: 64,
+            lane_sweep: Duration::from_millis(20),
+        }
+    }
+}
+
+/// Why an adapter operation failed.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum AdapterError {
+    /// The peer's `WorkerAddress` has no `qpmux-rc` entry (velo falls back
+    /// to its next transport).
+    #[error("peer has no {TRANSPORT_KEY} endpoint")]
+    NoEndpoint,
+    /// The peer's `WorkerAddress` does not decode.
+    #[error("peer's worker address does not decode")]
+    BadAddress,
+    /// The node refused the endpoint.
+    #[error(transparent)]
+    Register(RegisterError),
+    /// The instance was never registered (or was unregistered).
+    #[error("peer {0} is not registered with qpmux")]
+    UnknownPeer(InstanceId),
+    /// A velo worker id that no registered peer has.
+    #[error("worker {0} is not registered with qpmux")]
+    UnknownWorker(u64),
+    /// `header + payload` exceeds `max_message_size`.
+    #[error("frame of {len} bytes exceeds qpmux's {max}-byte maximum")]
+    TooLarge {
+        /// `header.len() + payload.len()`.
+        len: usize,
+        /// The configured maximum.
+        max: usize,
+    },
+    /// Sent before `start`.
+    #[error("qpmux transport not started")]
+    NotStarted,
+    /// `start` ran twice.
+    #[error("qpmux transport already started")]
+    AlreadyStarted,
+    /// The node's mux already has a message sink (one transport per node).
+    #[error("the node's message sink is taken by another transport")]
+    SinkTaken,
+    /// Sent after `shutdown`.
+    #[error("qpmux transport is shut down")]
+    ShutDown,
+    /// The epoch ended before the message was written.
+    #[error("qpmux epoch ended before the message was written")]
+    NotWritten,
+    /// The mux refused the stream.
+    #[error(transparent)]
+    Mux(#[from] crate::mux::MuxError),
+}
+
+/// The one mapping into velo's error type. Only `register` returns a
+/// `TransportError`; send-path errors reach velo as `on_error` text and
+/// FrameTransport errors as `anyhow`, so the last arm is a catch-up for
+/// variants velo has no word for.
+impl From<AdapterError> for TransportError {
+    fn from(error: AdapterError) -> TransportError {
+        match error {
+            AdapterError::NoEndpoint => TransportError::NoEndpoint,
+            AdapterError::BadAddress | AdapterError::Register(_) => TransportError::InvalidEndpoint,
+            AdapterError::UnknownPeer(instance) => TransportError::PeerNotRegistered(instance),
+            AdapterError::NotStarted
+            | AdapterError::AlreadyStarted
+            | AdapterError::SinkTaken
+            | AdapterError::ShutDown => TransportError::NotStarted,
+            AdapterError::UnknownWorker(_)
+            | AdapterError::TooLarge { .. }
+            | AdapterError::NotWritten
+            | AdapterError::Mux(_) => TransportError::NoResponders,
+        }
+    }
+}
+
+/// `{ "qpmux-rc": address }` as velo's MessagePack map.
+fn encode_address(address: &[u8]) -> WorkerAddress {
+    let map: HashMap<String, Vec<u8>> =
+        HashMap::from([(TRANSPORT_KEY.to_owned(), address.to_vec())]);
+    let encoded = rmp_serde::to_vec(&map).expect("a string-to-bytes map always encodes");
+    WorkerAddress::from_encoded(encoded)
+}
+
+/// The node address a peer published under our key.
+fn decode_endpoint(address: &WorkerAddress) -> Result<bytes::Bytes, AdapterError> {
+    address
+        .get_entry(TRANSPORT_KEY)
+        .map_err(|_| AdapterError::BadAddress)?
+        .ok_or(AdapterError::NoEndpoint)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn address_round_trips_under_our_key_only() {
+        let address = encode_address(&[0, 0, 0, 0, 0, 0, 0, 7]);
+        assert_eq!(
+            decode_endpoint(&address).expect("our key"),
+            bytes::Bytes::from_static(&[0, 0, 0, 0, 0, 0, 0, 7])
+        );
+        let other: HashMap<String, Vec<u8>> = HashMap::from([("tcp".to_owned(), vec![1, 2])]);
+        let other = WorkerAddress::from_encoded(rmp_serde::to_vec(&other).expect("encodes"));
+        assert_eq!(decode_endpoint(&other), Err(AdapterError::NoEndpoint));
+    }
+}

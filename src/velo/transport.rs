@@ -1,0 +1,546 @@
+//! [`QpmuxTransport`] implements `velo_ext::Transport`: velo's active
+//! messages ride a [`Node`]'s mux message class.
+//!
+//! ```text
+//!  send_message ─► Envelope ─► AdmissionGate (per peer, per epoch) ─► bounded flume ─► mux peer task
+//!  mux peer task ─► Inbound (MessageSink) ─► Envelope::decode ─► admit_message / response / event / shutdown
+//!                                              └─ Draining ─► ShuttingDown echo on the sender's lane
+//! ```
+//!
+//! A lane is one epoch's channel and the gate over it. When the mux ends the
+//! epoch it drops the receiver; the next send sees `is_disconnected` and
+//! builds a fresh lane, failing the stale gate. Every frame that never
+//! reaches the wire comes back through its `on_error` from the
+//! `OutboundMessage` drop hook: in the channel, in the gate, or in the mux.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use velo_ext::{
+    AdmissionError, AdmissionGate, AdmitOutcome, Direction, HealthCheckError, InstanceId,
+    MessageType, PeerInfo, SendOutcome, Transport, TransportAdapter, TransportErrorHandler,
+    TransportKey, TransportObservability, TransportRejection, WorkerAddress,
+};
+
+use super::wire::Envelope;
+use super::{AdapterError, TRANSPORT_KEY, VeloConfig, decode_endpoint, encode_address};
+use crate::link::Node;
+use crate::mux::{AsMux, MessageSink, MuxTransport, OutboundMessage, PeerId};
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().expect("velo transport state poisoned")
+}
+
+/// How often `closed` looks for the mux's peer tasks to be gone.
+const CLOSE_POLL: Duration = Duration::from_millis(5);
+
+/// Retires dead lanes every `lane_sweep` until the transport is gone or shut down.
+async fn sweep_lanes<N: Node>(inner: Weak<Inner<N>>, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        if inner.shut_down.load(Ordering::Acquire) {
+            return;
+        }
+        inner.retire_dead_lanes();
+    }
+}
+
+/// One epoch's outbound channel and the admission gate over it.
+struct Lane {
+    tx: flume::Sender<OutboundMessage>,
+    gate: AdmissionGate<OutboundMessage>,
+}
+
+/// What `start` hands us.
+struct Started {
+    adapter: TransportAdapter,
+    rt: tokio::runtime::Handle,
+}
+
+struct Inner<N: Node> {
+    node: Arc<N>,
+    config: VeloConfig,
+    key: TransportKey,
+    /// velo's instances as the node knows them.
+    peers: Mutex<HashMap<InstanceId, PeerId>>,
+    /// Peers that have had an epoch up at least once (for `NeverConnected`).
+    connected: Mutex<HashMap<PeerId, bool>>,
+    lanes: Mutex<HashMap<PeerId, Lane>>,
+    started: OnceLock<Started>,
+    observability: OnceLock<Arc<dyn TransportObservability>>,
+    shut_down: AtomicBool,
+}
+
+/// velo's active-message transport over a qpmux [`Node`]. Cheap to share
+/// (`Arc`); add it with `Velo::builder().add_transport(Arc::new(..))`.
+pub struct QpmuxTransport<N: Node> {
+    inner: Arc<Inner<N>>,
+}
+
+impl<N: Node> QpmuxTransport<N> {
+    /// A transport over `node` with `config`.
+    pub fn new(node: Arc<N>, config: VeloConfig) -> QpmuxTransport<N> {
+        QpmuxTransport {
+            inner: Arc::new(Inner {
+                node,
+                config,
+                key: TransportKey::new(TRANSPORT_KEY),
+                peers: Mutex::new(HashMap::new()),
+                connected: Mutex::new(HashMap::new()),
+                lanes: Mutex::new(HashMap::new()),
+                started: OnceLock::new(),
+                observability: OnceLock::new(),
+                shut_down: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// The node this transport rides.
+    pub fn node(&self) -> &Arc<N> {
+        &self.inner.node
+    }
+
+    /// The qpmux peer of a registered instance whose worker id is `worker`.
+    pub fn peer_of_worker(&self, worker: velo_ext::WorkerId) -> Option<PeerId> {
+        lock(&self.inner.peers)
+            .iter()
+            .find(|(instance, _)| instance.worker_id() == worker)
+            .map(|(_, peer)| *peer)
+    }
+
+    /// The qpmux peer a registered velo instance maps to.
+    pub fn peer_id(&self, instance: InstanceId) -> Option<PeerId> {
+        lock(&self.inner.peers).get(&instance).copied()
+    }
+}
+
+impl<N: Node> AsMux for QpmuxTransport<N> {
+    fn as_mux(&self) -> Option<&dyn MuxTransport> {
+        Some(self.inner.node.mux())
+    }
+}
+
+/// A frame's way back to velo when it never reaches the wire.
+fn report(
+    on_error: Arc<dyn TransportErrorHandler>,
+    header: Bytes,
+    payload: Bytes,
+) -> crate::mux::OnFail {
+    Box::new(move |_body| {
+        on_error.on_error(header, payload, AdapterError::NotWritten.to_string());
+    })
+}
+
+fn label(message_type: MessageType) -> &'static str {
+    match message_type {
+        MessageType::Message => "message",
+        MessageType::Response => "response",
+        MessageType::Ack => "ack",
+        MessageType::Event => "event",
+        MessageType::ShuttingDown => "shutting_down",
+    }
+}
+
+impl<N: Node> Inner<N> {
+    fn metrics(&self) -> Option<&Arc<dyn TransportObservability>> {
+        self.observability.get()
+    }
+
+    /// The live lane to `peer`, building a fresh one if the last epoch's
+    /// channel is gone. `None` before `start`.
+    fn gate(&self, peer: PeerId) -> Option<AdmissionGate<OutboundMessage>> {
+        let rt = &self.started.get()?.rt;
+        let mut lanes = lock(&self.lanes);
+        if let Some(lane) = lanes.get(&peer)
+            && !lane.tx.is_disconnected()
+        {
+            return Some(lane.gate.clone());
+        }
+        let (tx, rx) = flume::bounded(self.config.message_channel);
+        self.node.mux().install_messages(peer, rx);
+        let gate = AdmissionGate::new(tx.clone(), rt.clone());
+        let stale = lanes.insert(
+            peer,
+            Lane {
+                tx,
+                gate: gate.clone(),
+            },
+        );
+        drop(lanes);
+        if let Some(stale) = stale {
+            // Dropped frames report through their own hook (OutboundMessage::drop).
+            stale.gate.fail_all(AdmissionError::ConnectionReplaced);
+        }
+        Some(gate)
+    }
+
+    /// Retires every lane whose epoch ended. The mux drains the channel and
+    /// drops its receiver, but a frame the gate's driver slips in between the
+    /// two stays in the buffer until the last sender goes: dropping the lane
+    /// frees it, and the frame reports itself.
+    fn retire_dead_lanes(&self) {
+        let dead: Vec<Lane> = {
+            let mut lanes = lock(&self.lanes);
+            let peers: Vec<PeerId> = lanes
+                .iter()
+                .filter(|(_, lane)| lane.tx.is_disconnected())
+                .map(|(peer, _)| *peer)
+                .collect();
+            peers.iter().filter_map(|peer| lanes.remove(peer)).collect()
+        };
+        for lane in dead {
+            lane.gate.fail_all(AdmissionError::ChannelClosed);
+        }
+    }
+
+    fn note_connected(&self, peer: PeerId) {
+        if self.node.mux().epoch(peer).is_some() {
+            lock(&self.connected).insert(peer, true);
+        }
+    }
+
+    /// Sends one frame to `peer` through its gate. Pre-wire failures report
+    /// through `on_error` and return `Admitted`.
+    fn send(
+        &self,
+        peer: Result<PeerId, AdapterError>,
+        header: Bytes,
+        payload: Bytes,
+        message_type: MessageType,
+        on_error: Arc<dyn TransportErrorHandler>,
+    ) -> SendOutcome {
+        let len = header.len() + payload.len();
+        let checked = peer.and_then(|peer| {
+            if self.shut_down.load(Ordering::Acquire) {
+                return Err(AdapterError::ShutDown);
+            }
+            if len > self.config.max_message_size {
+                return Err(AdapterError::TooLarge {
+                    len,
+                    max: self.config.max_message_size,
+                });
+            }
+            self.gate(peer).ok_or(AdapterError::NotStarted)
+        });
+        let gate = match checked {
+            Ok(gate) => gate,
+            Err(error) => {
+                if let Some(metrics) = self.metrics() {
+                    metrics.record_rejection(TransportRejection::SendError);
+                }
+                on_error.on_error(header, payload, error.to_string());
+                return SendOutcome::Admitted;
+            }
+        };
+        let body = Envelope::encode(message_type, &header, &payload);
+        let message = OutboundMessage {
+            body,
+            on_fail: Some(report(on_error, header, payload)),
+        };
+        let outcome = gate.send(message);
+        if let Some(metrics) = self.metrics() {
+            if outcome.is_admitted() {
+                metrics.record_frame(Direction::Outbound, label(message_type), len);
+            } else {
+                metrics.record_send_backpressure();
+            }
+        }
+        outcome
+    }
+
+    fn fail_lanes(&self, error: AdmissionError) {
+        let lanes: Vec<Lane> = lock(&self.lanes).drain().map(|(_, lane)| lane).collect();
+        for lane in lanes {
+            lane.gate.fail_all(error.clone());
+        }
+    }
+
+    fn registered_gauge(&self) {
+        if let Some(metrics) = self.metrics() {
+            metrics.set_registered_peers(lock(&self.peers).len());
+        }
+    }
+}
+
+/// Logs the failure of a reply nobody waits on (the ShuttingDown echo).
+struct LogOnly;
+
+impl TransportErrorHandler for LogOnly {
+    fn on_error(&self, _header: Bytes, _payload: Bytes, error: String) {
+        tracing::debug!(%error, "ShuttingDown echo not sent");
+    }
+}
+
+/// The mux's message sink: decodes and routes inbound active messages.
+struct Inbound<N: Node> {
+    inner: Weak<Inner<N>>,
+}
+
+impl<N: Node> MessageSink for Inbound<N> {
+    fn deliver(&self, peer: PeerId, message: Bytes) {
+        let Some(inner) = self.inner.upgrade() else {
+            return;
+        };
+        let Some(started) = inner.started.get() else {
+            return;
+        };
+        lock(&inner.connected).insert(peer, true);
+        let metrics = inner.metrics();
+        let envelope = match Envelope::decode(message) {
+            Ok(envelope) => envelope,
+            Err(error) => {
+                tracing::warn!(?peer, %error, "dropping a malformed active message");
+                if let Some(metrics) = metrics {
+                    metrics.record_rejection(TransportRejection::DecodeError);
+                }
+                return;
+            }
+        };
+        let Envelope {
+            message_type,
+            header,
+            payload,
+        } = envelope;
+        let len = header.len() + payload.len();
+        let adapter = &started.adapter;
+        let stream = match message_type {
+            MessageType::Message => {
+                match adapter.admit_message(header, payload) {
+                    AdmitOutcome::Admitted => {
+                        if let Some(metrics) = metrics {
+                            metrics.record_frame(Direction::Inbound, label(message_type), len);
+                        }
+                    }
+                    AdmitOutcome::Draining { header, .. } => {
+                        if let Some(metrics) = metrics {
+                            metrics.record_rejection(TransportRejection::DrainRejected);
+                        }
+                        let outcome = inner.send(
+                            Ok(peer),
+                            header,
+                            Bytes::new(),
+                            MessageType::ShuttingDown,
+                            Arc::new(LogOnly),
+                        );
+                        // The echo is fire-and-forget: a Pending ticket needs no polling.
+                        drop(outcome);
+                    }
+                    AdmitOutcome::Disconnected { .. } => {
+                        if let Some(metrics) = metrics {
+                            metrics.record_rejection(TransportRejection::RouteFailed);
+                        }
+                        tracing::debug!(?peer, "velo's inbound queue is gone; message dropped");
+                    }
+                }
+                return;
+            }
+            MessageType::Response => &adapter.response_stream,
+            MessageType::Ack | MessageType::Event => &adapter.event_stream,
+            MessageType::ShuttingDown => &adapter.shutdown_stream,
+        };
+        // velo's inbound streams are unbounded: this send never blocks.
+        match stream.send((header, payload)) {
+            Ok(()) => {
+                if let Some(metrics) = metrics {
+                    metrics.record_frame(Direction::Inbound, label(message_type), len);
+                }
+            }
+            Err(_) => {
+                if let Some(metrics) = metrics {
+                    metrics.record_rejection(TransportRejection::RouteFailed);
+                }
+                tracing::debug!(?peer, ?message_type, "velo's inbound stream is gone");
+            }
+        }
+    }
+}
+
+impl<N: Node> Transport for QpmuxTransport<N> {
+    fn key(&self) -> TransportKey {
+        self.inner.key.clone()
+    }
+
+    fn address(&self) -> WorkerAddress {
+        encode_address(&self.inner.node.address())
+    }
+
+    fn register(&self, peer_info: PeerInfo) -> Result<(), velo_ext::TransportError> {
+        let endpoint = decode_endpoint(peer_info.worker_address())?;
+        let peer = self
+            .inner
+            .node
+            .register(&endpoint)
+            .map_err(AdapterError::Register)?;
+        lock(&self.inner.peers).insert(peer_info.instance_id(), peer);
+        self.inner.registered_gauge();
+        Ok(())
+    }
+
+    /// A peer restarted at the same address is a new instance on the same
+    /// `PeerId`: forgetting the old instance leaves the node's peer alone.
+    fn unregister(&self, instance_id: InstanceId) {
+        let peer = {
+            let mut peers = lock(&self.inner.peers);
+            let Some(peer) = peers.remove(&instance_id) else {
+                return;
+            };
+            if peers.values().any(|other| *other == peer) {
+                drop(peers);
+                self.inner.registered_gauge();
+                return;
+            }
+            peer
+        };
+        let lane = lock(&self.inner.lanes).remove(&peer);
+        lock(&self.inner.connected).remove(&peer);
+        if let Some(lane) = lane {
+            lane.gate.fail_all(AdmissionError::ChannelClosed);
+            // Replacing the mux's receiver frees the old channel now (its
+            // sender went with the lane), so what sat in it reports too.
+            let (closed_tx, closed_rx) = flume::bounded(1);
+            drop(closed_tx);
+            self.inner.node.mux().install_messages(peer, closed_rx);
+        }
+        self.inner.node.unregister(peer);
+        self.inner.registered_gauge();
+    }
+
+    fn send_message(
+        &self,
+        instance_id: InstanceId,
+        header: Bytes,
+        payload: Bytes,
+        message_type: MessageType,
+        on_error: Arc<dyn TransportErrorHandler>,
+    ) -> SendOutcome {
+        let peer = self
+            .peer_id(instance_id)
+            .ok_or(AdapterError::UnknownPeer(instance_id));
+        self.inner
+            .send(peer, header, payload, message_type, on_error)
+    }
+
+    fn max_message_size(&self, _target: InstanceId) -> Option<usize> {
+        Some(self.inner.config.max_message_size)
+    }
+
+    fn start(
+        &self,
+        _instance_id: InstanceId,
+        channels: TransportAdapter,
+        rt: tokio::runtime::Handle,
+    ) -> BoxFuture<'_, anyhow::Result<()>> {
+        let result = (|| {
+            let sink = Arc::new(Inbound {
+                inner: Arc::downgrade(&self.inner),
+            });
+            if self
+                .inner
+                .started
+                .set(Started {
+                    adapter: channels,
+                    rt,
+                })
+                .is_err()
+            {
+                return Err(AdapterError::AlreadyStarted);
+            }
+            if !self.inner.node.mux().set_message_sink(sink) {
+                return Err(AdapterError::SinkTaken);
+            }
+            let started = self.inner.started.get().expect("set just above");
+            started.rt.spawn(sweep_lanes(
+                Arc::downgrade(&self.inner),
+                self.inner.config.lane_sweep,
+            ));
+            Ok(())
+        })();
+        Box::pin(async move { result.map_err(anyhow::Error::from) })
+    }
+
+    fn shutdown(&self) {
+        self.inner.shut_down.store(true, Ordering::Release);
+        self.inner.fail_lanes(AdmissionError::ChannelClosed);
+        self.inner.node.shutdown();
+    }
+
+    fn closed(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if !self.inner.shut_down.load(Ordering::Acquire) {
+                return;
+            }
+            let mux = self.inner.node.mux();
+            let waited = tokio::time::timeout(self.inner.config.close_wait, async {
+                while mux.peer_count() > 0 {
+                    tokio::time::sleep(CLOSE_POLL).await;
+                }
+            })
+            .await;
+            if waited.is_err() {
+                tracing::debug!(
+                    peers = mux.peer_count(),
+                    "qpmux peer tasks still running after close_wait"
+                );
+            }
+        })
+    }
+
+    fn set_observability(&self, observability: Arc<dyn TransportObservability>) {
+        if self.inner.observability.set(observability).is_err() {
+            tracing::debug!("observability handle already installed; keeping the first");
+        }
+        self.inner.registered_gauge();
+    }
+
+    fn begin_drain(&self) {
+        // The drain gate is per frame, in `admit_message` on the inbound path.
+    }
+
+    fn check_health(
+        &self,
+        instance_id: InstanceId,
+        timeout: Duration,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<(), HealthCheckError>> + Send + '_>> {
+        Box::pin(async move {
+            let Some(peer) = self.peer_id(instance_id) else {
+                return Err(HealthCheckError::NeverConnected);
+            };
+            self.inner.note_connected(peer);
+            let ever = lock(&self.inner.connected)
+                .get(&peer)
+                .copied()
+                .unwrap_or(false);
+            if !ever {
+                return Err(HealthCheckError::NeverConnected);
+            }
+            match tokio::time::timeout(timeout, self.inner.node.mux().ping(peer)).await {
+                Ok(Ok(_rtt)) => Ok(()),
+                Ok(Err(error)) => {
+                    tracing::debug!(?peer, %error, "health ping failed");
+                    Err(HealthCheckError::ConnectionFailed)
+                }
+                Err(_elapsed) => Err(HealthCheckError::Timeout),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overhead_is_what_the_default_leaves_room_for() {
+        assert_eq!(
+            VeloConfig::default().max_message_size + super::super::wire::OVERHEAD,
+            crate::mux::MuxConfig::default().max_record
+        );
+    }
+}

@@ -1,0 +1,166 @@
+//! QpmuxFrameTransport: velo streams as native mux slots.
+#![cfg(feature = "velo")]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use qpmux::link::mem::{MemConfig, MemFabric, MemNode};
+use qpmux::link::{EpochEnd, LinkFault};
+use qpmux::mux::{AsMux, MuxConfig, PeerId};
+use qpmux::velo::{QpmuxFrameTransport, QpmuxTransport, VeloConfig, velo_frames};
+use velo::messenger::Messenger;
+use velo::streaming::{AnchorManager, AnchorManagerBuilder, FrameTransport, StreamFrame};
+use velo_ext::Transport;
+
+struct Worker {
+    messenger: Arc<Messenger>,
+    transport: Arc<QpmuxTransport<MemNode>>,
+    frames: Arc<QpmuxFrameTransport<MemNode>>,
+}
+
+async fn worker(fabric: &Arc<MemFabric>, id: u64) -> Worker {
+    let node = Arc::new(fabric.node(PeerId(id), MuxConfig::default()));
+    let transport = Arc::new(QpmuxTransport::new(node, VeloConfig::default()));
+    let frames = Arc::new(transport.frame_transport(VeloConfig::default()));
+    let messenger = Messenger::builder()
+        .add_transport(transport.clone() as Arc<dyn Transport>)
+        .build()
+        .await
+        .expect("messenger over qpmux");
+    Worker {
+        messenger,
+        transport,
+        frames,
+    }
+}
+
+fn join(a: &Worker, b: &Worker) {
+    a.messenger
+        .register_peer(b.messenger.peer_info())
+        .expect("a registers b");
+    b.messenger
+        .register_peer(a.messenger.peer_info())
+        .expect("b registers a");
+}
+
+fn anchors(w: &Worker) -> Arc<AnchorManager> {
+    let manager = Arc::new(
+        AnchorManagerBuilder::default()
+            .worker_id(w.messenger.instance_id().worker_id())
+            .transport(w.frames.clone() as Arc<dyn FrameTransport>)
+            .build()
+            .expect("anchor manager"),
+    );
+    manager
+        .register_handlers(w.messenger.clone())
+        .expect("control-plane handlers");
+    manager
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_items_through_the_native_mux_frame_transport() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = worker(&fabric, 1).await;
+    let b = worker(&fabric, 2).await;
+    join(&a, &b);
+    let (am_a, am_b) = (anchors(&a), anchors(&b));
+    let mut anchor = am_a.create_anchor::<u32>();
+    let sender = am_b
+        .attach_stream_anchor::<u32>(anchor.handle())
+        .await
+        .expect("remote attach over qpmux slots");
+    let produce = tokio::spawn(async move {
+        for i in 0..10_000u32 {
+            sender.send(i).await.expect("send item");
+        }
+        sender.finalize().expect("finalize");
+    });
+    let mut items = Vec::with_capacity(10_000);
+    while let Some(frame) = anchor.next().await {
+        match frame.expect("no stream error") {
+            StreamFrame::Item(v) => items.push(v),
+            StreamFrame::Finalized => break,
+            other => panic!("unexpected frame {other:?}"),
+        }
+    }
+    produce.await.expect("producer");
+    assert_eq!(items, (0..10_000).collect::<Vec<_>>());
+    // The items rode native slots, not velo's messenger mux.
+    let stats = a.transport.as_mux().expect("mux").stats();
+    assert!(stats.records_received >= 10_000, "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_channels_keep_fifo_and_epoch_death_is_velos_dropped() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = worker(&fabric, 1).await;
+    let b = worker(&fabric, 2).await;
+    join(&a, &b);
+    let worker_a = a.messenger.instance_id().worker_id();
+
+    // A finalized stream: items and the sentinel in order, velo's own bytes.
+    let rx = a.frames.bind(7, 1).await.expect("bind");
+    let tx = b.frames.connect(worker_a, 7, 1).await.expect("connect");
+    let items: Vec<Vec<u8>> = (0..100u32)
+        .map(|i| rmp_serde::to_vec(&StreamFrame::Item(i)).expect("encodes"))
+        .collect();
+    for item in &items {
+        tx.send_async(item.clone()).await.expect("open");
+    }
+    tx.send_async(velo_frames::heartbeat().to_vec())
+        .await
+        .expect("open");
+    tx.send_async(velo_frames::finalized().to_vec())
+        .await
+        .expect("open");
+    for item in &items {
+        assert_eq!(&rx.recv_async().await.expect("item"), item);
+    }
+    assert_eq!(
+        rx.recv_async().await.expect("heartbeat"),
+        velo_frames::heartbeat()
+    );
+    assert_eq!(
+        rx.recv_async().await.expect("terminal"),
+        velo_frames::finalized()
+    );
+    assert!(rx.recv_async().await.is_err(), "nothing after the terminal");
+
+    // A stream whose epoch dies: the consumer gets velo's Dropped.
+    let rx = a.frames.bind(7, 2).await.expect("bind");
+    let tx = b.frames.connect(worker_a, 7, 2).await.expect("connect");
+    tx.send_async(items[0].clone()).await.expect("open");
+    assert_eq!(rx.recv_async().await.expect("first item"), items[0]);
+    assert!(fabric.kill(PeerId(1), PeerId(2), EpochEnd::Fault(LinkFault::Injected)));
+    let last = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let frame = rx.recv_async().await.expect("a terminal comes");
+            if frame != velo_frames::heartbeat() {
+                return frame;
+            }
+        }
+    })
+    .await
+    .expect("terminal arrives");
+    assert_eq!(last, velo_frames::dropped());
+    let decoded: StreamFrame<u32> = rmp_serde::from_slice(&last).expect("velo decodes it");
+    assert!(matches!(decoded, StreamFrame::Dropped));
+
+    // A sender velo drops without a terminal also ends as Dropped.
+    let rx = a.frames.bind(7, 3).await.expect("bind");
+    let tx = b.frames.connect(worker_a, 7, 3).await.expect("connect");
+    drop(tx);
+    assert_eq!(
+        rx.recv_async().await.expect("terminal"),
+        velo_frames::dropped()
+    );
+
+    // An unknown worker is an error, not a panic.
+    assert!(
+        b.frames
+            .connect(velo_ext::InstanceId::new_v4().worker_id(), 7, 4)
+            .await
+            .is_err()
+    );
+}

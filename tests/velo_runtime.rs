@@ -1,0 +1,357 @@
+//! Real velo instances over qpmux mem nodes in one process.
+#![cfg(feature = "velo")]
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use qpmux::link::mem::{MemConfig, MemFabric, MemNode};
+use qpmux::link::{EpochEnd, LinkFault, Node};
+use qpmux::mux::{MuxConfig, PeerId};
+use qpmux::velo::{QpmuxTransport, VeloConfig};
+use velo::streaming::StreamFrame;
+use velo::{Handler, Velo};
+
+type Qp = Arc<QpmuxTransport<MemNode>>;
+
+async fn instance(fabric: &Arc<MemFabric>, id: u64, config: VeloConfig) -> (Velo, Qp) {
+    let node = Arc::new(fabric.node(PeerId(id), MuxConfig::default()));
+    let transport = Arc::new(QpmuxTransport::new(node, config));
+    let velo = Velo::builder()
+        .add_transport(transport.clone())
+        .build()
+        .await
+        .expect("velo builds over qpmux");
+    (velo, transport)
+}
+
+fn join(a: &Velo, b: &Velo) {
+    a.register_peer(b.peer_info()).expect("a registers b");
+    b.register_peer(a.peer_info()).expect("b registers a");
+}
+
+/// Waits for `cond`, failing (not hanging) after a generous bound.
+async fn until(label: &str, mut cond: impl FnMut() -> bool) {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while !cond() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("never reached: {label}"));
+}
+
+fn echo(name: &str) -> Handler {
+    Handler::unary_handler(name, |ctx| Ok(Some(ctx.payload))).build()
+}
+
+async fn unary(client: &Velo, server: &Velo, name: &str, payload: Bytes) -> anyhow::Result<Bytes> {
+    client
+        .unary(name)?
+        .raw_payload(payload)
+        .instance(server.instance_id())
+        .send()
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn active_message_unary_echo_and_a_600k_unary_through_rendezvous() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let (server, _) = instance(&fabric, 1, VeloConfig::default()).await;
+    let (client, qp) = instance(&fabric, 2, VeloConfig::default()).await;
+    join(&client, &server);
+    assert_eq!(
+        client
+            .primary_transport_key(server.instance_id())
+            .as_deref(),
+        Some("qpmux-rc")
+    );
+
+    let (seen_tx, seen_rx) = flume::unbounded();
+    server
+        .register_handler(
+            Handler::am_handler("note", move |ctx| {
+                seen_tx.send(ctx.payload).expect("test holds the receiver");
+                Ok(())
+            })
+            .build(),
+        )
+        .expect("register note");
+    server
+        .register_handler(echo("echo"))
+        .expect("register echo");
+    client
+        .wait_for_handler(server.instance_id(), "note")
+        .await
+        .expect("note visible");
+
+    client
+        .am_send("note")
+        .expect("am builder")
+        .raw_payload(Bytes::from_static(b"hello qpmux"))
+        .instance(server.instance_id())
+        .send()
+        .await
+        .expect("am admitted");
+    assert_eq!(
+        seen_rx.recv_async().await.expect("delivered"),
+        Bytes::from_static(b"hello qpmux")
+    );
+
+    let small = unary(&client, &server, "echo", Bytes::from_static(b"ping")).await;
+    assert_eq!(small.expect("echo"), Bytes::from_static(b"ping"));
+
+    let big: Bytes = (0..600 * 1024)
+        .map(|i| (i % 251) as u8)
+        .collect::<Vec<u8>>()
+        .into();
+    let back = unary(&client, &server, "echo", big.clone())
+        .await
+        .expect("600 KiB echo");
+    assert_eq!(back, big);
+    // Both directions rode the mux message class.
+    use qpmux::mux::AsMux;
+    assert!(qp.as_mux().expect("mux surface").epoch(PeerId(1)).is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eleven_hundred_messages_arrive_in_order_through_a_saturated_gate() {
+    const N: u32 = 1_100;
+    let fabric = MemFabric::new(MemConfig {
+        credits: 2,
+        max_batch: 4 * 1024,
+        send_buffers: 2,
+    });
+    let tiny = VeloConfig {
+        message_channel: 2,
+        ..VeloConfig::default()
+    };
+    let (server, _) = instance(&fabric, 1, VeloConfig::default()).await;
+    let (client, _) = instance(&fabric, 2, tiny).await;
+    join(&client, &server);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    server
+        .register_handler(
+            Handler::am_handler("seq", move |ctx| {
+                let raw: [u8; 4] = ctx.payload.as_ref().try_into().expect("4-byte payload");
+                sink.lock().expect("lock").push(u32::from_le_bytes(raw));
+                Ok(())
+            })
+            .ordered()
+            .build(),
+        )
+        .expect("register seq");
+    client
+        .wait_for_handler(server.instance_id(), "seq")
+        .await
+        .expect("seq visible");
+    for seq in 0..N {
+        client
+            .am_send("seq")
+            .expect("am builder")
+            .raw_payload(Bytes::copy_from_slice(&seq.to_le_bytes()))
+            .instance(server.instance_id())
+            .send()
+            .await
+            .expect("admitted");
+    }
+    until("all messages handled", || {
+        seen.lock().expect("lock").len() == N as usize
+    })
+    .await;
+    assert_eq!(*seen.lock().expect("lock"), (0..N).collect::<Vec<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_item_anchor_stream_over_velos_messenger_mux_on_qpmux() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let (consumer, _) = instance(&fabric, 1, VeloConfig::default()).await;
+    let (producer, _) = instance(&fabric, 2, VeloConfig::default()).await;
+    join(&producer, &consumer);
+    let mut anchor = consumer.create_anchor::<u32>();
+    let sender = producer
+        .attach_anchor::<u32>(anchor.handle())
+        .await
+        .expect("remote attach over qpmux");
+    let produce = tokio::spawn(async move {
+        for i in 0..10_000u32 {
+            sender.send(i).await.expect("send item");
+        }
+        sender.finalize().expect("finalize");
+    });
+    let mut items = Vec::with_capacity(10_000);
+    while let Some(frame) = anchor.next().await {
+        match frame.expect("no stream error") {
+            StreamFrame::Item(v) => items.push(v),
+            StreamFrame::Finalized => break,
+            other => panic!("unexpected frame {other:?}"),
+        }
+    }
+    produce.await.expect("producer");
+    assert_eq!(items, (0..10_000).collect::<Vec<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_link_leaves_the_survivor_working_with_a_third_instance() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let (a, _) = instance(&fabric, 1, VeloConfig::default()).await;
+    let (b, _) = instance(&fabric, 2, VeloConfig::default()).await;
+    join(&a, &b);
+    b.register_handler(echo("echo")).expect("register echo");
+    a.wait_for_handler(b.instance_id(), "echo")
+        .await
+        .expect("echo visible");
+    // Keep a stream of requests in flight, kill the link under it.
+    let mut inflight = Vec::new();
+    for i in 0..64u32 {
+        let fut = a
+            .unary("echo")
+            .expect("builder")
+            .raw_payload(Bytes::from(vec![(i % 256) as u8; 64 * 1024]))
+            .instance(b.instance_id())
+            // A request written before the kill is "maybe delivered": only
+            // velo's own timeout ends it. Queued ones fail through on_error.
+            .timeout(Duration::from_secs(2))
+            .send();
+        inflight.push(tokio::spawn(fut));
+    }
+    assert!(fabric.kill(PeerId(1), PeerId(2), EpochEnd::Fault(LinkFault::Injected)));
+    for request in inflight {
+        // Each resolves: answered before the kill, or failed by velo (no hang).
+        let outcome = tokio::time::timeout(Duration::from_secs(30), request).await;
+        let answered = outcome.expect("every request resolves").expect("task");
+        if let Err(error) = answered {
+            tracing::debug!(%error, "request lost with the link");
+        }
+    }
+    let (c, _) = instance(&fabric, 3, VeloConfig::default()).await;
+    join(&a, &c);
+    c.register_handler(echo("echo"))
+        .expect("register echo on c");
+    a.wait_for_handler(c.instance_id(), "echo")
+        .await
+        .expect("echo visible on c");
+    let reply = unary(&a, &c, "echo", Bytes::from_static(b"survivor")).await;
+    assert_eq!(reply.expect("a reaches c"), Bytes::from_static(b"survivor"));
+    // The mem fabric redials: a new epoch to b serves later requests too.
+    let again = unary(&a, &b, "echo", Bytes::from_static(b"again")).await;
+    assert_eq!(
+        again.expect("a reaches b on a new epoch"),
+        Bytes::from_static(b"again")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_refuses_new_messages_and_finishes_the_ones_in_flight() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let (server, server_qp) = instance(&fabric, 1, VeloConfig::default()).await;
+    let (client, _) = instance(&fabric, 2, VeloConfig::default()).await;
+    join(&client, &server);
+    let (started_tx, started_rx) = flume::unbounded::<()>();
+    let (release_tx, release_rx) = flume::unbounded::<()>();
+    server
+        .register_handler(
+            Handler::unary_handler_async("slow", move |ctx| {
+                let started = started_tx.clone();
+                let release = release_rx.clone();
+                async move {
+                    started.send(()).expect("test holds the receiver");
+                    release.recv_async().await.expect("test releases");
+                    Ok(Some(ctx.payload))
+                }
+            })
+            .build(),
+        )
+        .expect("register slow");
+    server
+        .register_handler(echo("echo"))
+        .expect("register echo");
+    client
+        .wait_for_handler(server.instance_id(), "slow")
+        .await
+        .expect("slow visible");
+    client
+        .wait_for_handler(server.instance_id(), "echo")
+        .await
+        .expect("echo visible");
+
+    let slow = tokio::spawn(
+        client
+            .unary("slow")
+            .expect("builder")
+            .raw_payload(Bytes::from_static(b"in flight"))
+            .instance(server.instance_id())
+            .send(),
+    );
+    started_rx
+        .recv_async()
+        .await
+        .expect("the slow request is in its handler");
+    server.begin_drain();
+    let refused = unary(&client, &server, "echo", Bytes::from_static(b"new")).await;
+    let refusal = refused.expect_err("a draining instance refuses new messages");
+    // velo's words for a ShuttingDown echo (not a timeout, not a send failure).
+    assert!(refusal.to_string().contains("shutting down"), "{refusal:#}");
+    release_tx.send(()).expect("handler waits");
+    let done = slow
+        .await
+        .expect("task")
+        .expect("the in-flight request completes");
+    assert_eq!(done, Bytes::from_static(b"in flight"));
+    // velo's graceful shutdown runs our shutdown hook and awaits `closed`.
+    server
+        .graceful_shutdown(velo::ShutdownPolicy::Timeout(Duration::from_secs(5)))
+        .await;
+    assert_eq!(
+        server_qp.node().mux().peer_count(),
+        0,
+        "every peer task retired"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_with_only_tcp_is_reached_through_the_fallback() {
+    use velo::transports::tcp::TcpTransportBuilder;
+    let tcp = || {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        Arc::new(
+            TcpTransportBuilder::new()
+                .from_listener(listener)
+                .expect("listener")
+                .build()
+                .expect("tcp transport"),
+        )
+    };
+    let fabric = MemFabric::new(MemConfig::default());
+    let node = Arc::new(fabric.node(PeerId(1), MuxConfig::default()));
+    let both = Velo::builder()
+        .add_transport(Arc::new(QpmuxTransport::new(node, VeloConfig::default())))
+        .add_transport(tcp())
+        .build()
+        .await
+        .expect("qpmux first, tcp second");
+    let tcp_only = Velo::builder()
+        .add_transport(tcp())
+        .build()
+        .await
+        .expect("tcp only");
+    join(&both, &tcp_only);
+    assert_eq!(
+        both.primary_transport_key(tcp_only.instance_id())
+            .as_deref(),
+        Some("tcp")
+    );
+    tcp_only
+        .register_handler(echo("echo"))
+        .expect("register echo");
+    both.wait_for_handler(tcp_only.instance_id(), "echo")
+        .await
+        .expect("echo visible");
+    let reply = unary(&both, &tcp_only, "echo", Bytes::from_static(b"fallback")).await;
+    assert_eq!(
+        reply.expect("reached over tcp"),
+        Bytes::from_static(b"fallback")
+    );
+}

@@ -1,0 +1,466 @@
+//! QpmuxTransport driven by hand (velo_ext's `make_channels`), over mem nodes.
+#![cfg(feature = "velo")]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use qpmux::link::Node;
+use qpmux::link::mem::{MemConfig, MemFabric, MemNode};
+use qpmux::link::{EpochEnd, LinkFault};
+use qpmux::mux::{MuxConfig, OutboundMessage, PeerId};
+use qpmux::velo::wire::Envelope;
+use qpmux::velo::{QpmuxTransport, VeloConfig};
+use velo_ext::{
+    DataStreams, HealthCheckError, InstanceId, MessageType, PeerInfo, SendOutcome, Transport,
+    TransportErrorHandler, make_channels,
+};
+
+#[derive(Default)]
+struct Errors {
+    count: AtomicUsize,
+    last: Mutex<Option<String>>,
+}
+
+impl TransportErrorHandler for Errors {
+    fn on_error(&self, _header: Bytes, _payload: Bytes, error: String) {
+        *self.last.lock().expect("lock") = Some(error);
+        self.count.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl Errors {
+    fn count(&self) -> usize {
+        self.count.load(Ordering::SeqCst)
+    }
+}
+
+struct End {
+    transport: QpmuxTransport<MemNode>,
+    streams: DataStreams,
+    id: InstanceId,
+}
+
+async fn end(fabric: &Arc<MemFabric>, node: u64, config: VeloConfig) -> End {
+    let transport = QpmuxTransport::new(
+        Arc::new(fabric.node(PeerId(node), MuxConfig::default())),
+        config,
+    );
+    let (adapter, streams) = make_channels();
+    let id = InstanceId::new_v4();
+    transport
+        .start(id, adapter, tokio::runtime::Handle::current())
+        .await
+        .expect("starts");
+    End {
+        transport,
+        streams,
+        id,
+    }
+}
+
+fn info(end: &End) -> PeerInfo {
+    PeerInfo::new(end.id, end.transport.address())
+}
+
+async fn until(label: &str, mut cond: impl FnMut() -> bool) {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while !cond() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("never reached: {label}"));
+}
+
+fn send(
+    from: &End,
+    to: InstanceId,
+    ty: MessageType,
+    body: &[u8],
+    errors: &Arc<Errors>,
+) -> SendOutcome {
+    from.transport.send_message(
+        to,
+        Bytes::from_static(b"hdr"),
+        Bytes::copy_from_slice(body),
+        ty,
+        errors.clone(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_type_reaches_its_stream_with_header_and_payload_intact() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = end(&fabric, 1, VeloConfig::default()).await;
+    let b = end(&fabric, 2, VeloConfig::default()).await;
+    a.transport.register(info(&b)).expect("a registers b");
+    let errors = Arc::new(Errors::default());
+    for ty in [
+        MessageType::Message,
+        MessageType::Response,
+        MessageType::Ack,
+        MessageType::Event,
+        MessageType::ShuttingDown,
+    ] {
+        assert!(send(&a, b.id, ty, &[ty.as_u8(); 3], &errors).is_admitted());
+    }
+    let message = b
+        .streams
+        .message_stream
+        .recv_async()
+        .await
+        .expect("message");
+    assert_eq!(
+        (&message.header[..], &message.payload[..]),
+        (&b"hdr"[..], &[0u8; 3][..])
+    );
+    let response = b
+        .streams
+        .response_stream
+        .recv_async()
+        .await
+        .expect("response");
+    assert_eq!(
+        response,
+        (Bytes::from_static(b"hdr"), Bytes::from_static(&[1; 3]))
+    );
+    let ack = b.streams.event_stream.recv_async().await.expect("ack");
+    let event = b.streams.event_stream.recv_async().await.expect("event");
+    assert_eq!((ack.1[0], event.1[0]), (2, 3));
+    let shutting = b
+        .streams
+        .shutdown_stream
+        .recv_async()
+        .await
+        .expect("shutting down");
+    assert_eq!(shutting.1[0], 4);
+    assert_eq!(errors.count(), 0);
+    assert_eq!(
+        a.transport.max_message_size(b.id),
+        Some(16 * 1024 * 1024 - 6)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pre_wire_failures_report_through_on_error_and_return_admitted() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let small = VeloConfig {
+        max_message_size: 1024,
+        ..VeloConfig::default()
+    };
+    let a = end(&fabric, 1, small).await;
+    let b = end(&fabric, 2, VeloConfig::default()).await;
+    let errors = Arc::new(Errors::default());
+    // Never registered.
+    assert!(send(&a, b.id, MessageType::Message, b"x", &errors).is_admitted());
+    assert_eq!(errors.count(), 1);
+    a.transport.register(info(&b)).expect("registers");
+    // Over max_message_size (header 3 + payload 1022 > 1024).
+    assert!(send(&a, b.id, MessageType::Message, &[0; 1022], &errors).is_admitted());
+    assert_eq!(errors.count(), 2);
+    assert!(
+        errors
+            .last
+            .lock()
+            .expect("lock")
+            .as_deref()
+            .is_some_and(|e| e.contains("1025"))
+    );
+    // A peer without our key is refused, so velo tries its next transport.
+    let bare = PeerInfo::new(InstanceId::new_v4(), velo_ext::WorkerAddress::empty());
+    assert!(a.transport.register(bare).is_err());
+    // Unregistered again: sends fail as for a peer never registered.
+    a.transport.unregister(b.id);
+    a.transport.unregister(b.id);
+    assert!(send(&a, b.id, MessageType::Message, b"x", &errors).is_admitted());
+    assert_eq!(errors.count(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unregistering_a_dead_peer_reports_every_queued_frame() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let tiny = VeloConfig {
+        message_channel: 2,
+        ..VeloConfig::default()
+    };
+    let a = end(&fabric, 1, tiny).await;
+    // Node 9 is on no fabric: no link ever comes up, so frames queue.
+    let ghost = PeerInfo::new(InstanceId::new_v4(), {
+        let ghost_node = MemFabric::new(MemConfig::default()).node(PeerId(9), MuxConfig::default());
+        let transport = QpmuxTransport::new(Arc::new(ghost_node), VeloConfig::default());
+        transport.address()
+    });
+    let ghost_id = ghost.instance_id();
+    a.transport.register(ghost).expect("registers");
+    let errors = Arc::new(Errors::default());
+    let mut pending = 0;
+    for i in 0..50u8 {
+        if !send(&a, ghost_id, MessageType::Message, &[i], &errors).is_admitted() {
+            pending += 1;
+        }
+    }
+    assert!(pending > 0, "a saturated channel turns sends into Pending");
+    assert_eq!(errors.count(), 0);
+    assert_eq!(
+        a.transport
+            .check_health(ghost_id, Duration::from_millis(50))
+            .await,
+        Err(HealthCheckError::NeverConnected)
+    );
+    a.transport.unregister(ghost_id);
+    until("all 50 reported", || errors.count() == 50).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn epoch_death_reports_what_was_not_written_and_the_next_epoch_works() {
+    const N: usize = 48;
+    let fabric = MemFabric::new(MemConfig {
+        credits: 2,
+        max_batch: 16 * 1024,
+        send_buffers: 2,
+    });
+    let config = VeloConfig {
+        message_channel: 4,
+        ..VeloConfig::default()
+    };
+    let a = end(&fabric, 1, config).await;
+    let b = end(&fabric, 2, VeloConfig::default()).await;
+    a.transport.register(info(&b)).expect("registers");
+    let errors = Arc::new(Errors::default());
+    let big = vec![7u8; 1024 * 1024];
+    for _ in 0..N {
+        drop(send(&a, b.id, MessageType::Message, &big, &errors));
+    }
+    assert!(fabric.kill(PeerId(1), PeerId(2), EpochEnd::Fault(LinkFault::Injected)));
+    let mut delivered = 0;
+    until("every frame delivered or reported", || {
+        delivered += b.streams.message_stream.drain().count();
+        delivered + errors.count() == N
+    })
+    .await;
+    assert!(
+        errors.count() > 0,
+        "frames still queued when the link died were reported"
+    );
+    // A later send builds a fresh lane on a new epoch. (One racing the old
+    // epoch's last moment may itself be reported, so keep sending until one lands.)
+    until("a send after the kill is delivered", || {
+        drop(send(&a, b.id, MessageType::Message, b"after", &errors));
+        b.streams
+            .message_stream
+            .drain()
+            .any(|m| &m.payload[..] == b"after")
+    })
+    .await;
+    assert_eq!(
+        a.transport
+            .check_health(b.id, Duration::from_secs(10))
+            .await,
+        Ok(())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_receiver_echoes_shutting_down_to_the_sender() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = end(&fabric, 1, VeloConfig::default()).await;
+    let b = end(&fabric, 2, VeloConfig::default()).await;
+    a.transport.register(info(&b)).expect("a registers b");
+    let errors = Arc::new(Errors::default());
+    b.streams.shutdown_state.begin_drain();
+    b.transport.begin_drain();
+    assert!(send(&a, b.id, MessageType::Message, b"refused", &errors).is_admitted());
+    let echo = a.streams.shutdown_stream.recv_async().await.expect("echo");
+    assert_eq!(echo, (Bytes::from_static(b"hdr"), Bytes::new()));
+    assert!(b.streams.message_stream.is_empty());
+    // Responses still flow while draining.
+    assert!(send(&a, b.id, MessageType::Response, b"reply", &errors).is_admitted());
+    assert_eq!(
+        b.streams
+            .response_stream
+            .recv_async()
+            .await
+            .expect("response")
+            .1,
+        Bytes::from_static(b"reply")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_bodies_are_dropped_and_the_peer_keeps_working() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let raw = fabric.node(PeerId(1), MuxConfig::default());
+    let b = end(&fabric, 2, VeloConfig::default()).await;
+    let (tx, rx) = flume::bounded(16);
+    raw.mux().install_messages(PeerId(2), rx);
+    for body in [
+        Bytes::new(),
+        Bytes::from_static(&[1, 0, 0]),
+        Bytes::from_static(&[2, 0, 0, 0, 0, 0]),
+        Bytes::from_static(&[1, 9, 0, 0, 0, 0]),
+        Bytes::from_static(&[1, 0, 0xff, 0xff, 0xff, 0xff, 1, 2]),
+        Envelope::encode(MessageType::Message, b"good", b"body"),
+    ] {
+        tx.send_async(OutboundMessage::new(body))
+            .await
+            .expect("open");
+    }
+    let good = b
+        .streams
+        .message_stream
+        .recv_async()
+        .await
+        .expect("the valid one");
+    assert_eq!(
+        (&good.header[..], &good.payload[..]),
+        (&b"good"[..], &b"body"[..])
+    );
+    assert!(b.streams.message_stream.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_reports_queued_frames_and_closed_returns() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = end(
+        &fabric,
+        1,
+        VeloConfig {
+            message_channel: 1,
+            ..VeloConfig::default()
+        },
+    )
+    .await;
+    let ghost_node = MemFabric::new(MemConfig::default()).node(PeerId(9), MuxConfig::default());
+    let ghost = PeerInfo::new(
+        InstanceId::new_v4(),
+        QpmuxTransport::new(Arc::new(ghost_node), VeloConfig::default()).address(),
+    );
+    let ghost_id = ghost.instance_id();
+    a.transport.register(ghost).expect("registers");
+    let errors = Arc::new(Errors::default());
+    for i in 0..10u8 {
+        drop(send(&a, ghost_id, MessageType::Message, &[i], &errors));
+    }
+    a.transport.closed().await; // before shutdown: returns at once
+    a.transport.shutdown();
+    a.transport.closed().await;
+    until("all 10 reported", || errors.count() == 10).await;
+    assert!(send(&a, ghost_id, MessageType::Message, b"late", &errors).is_admitted());
+    assert_eq!(errors.count(), 11);
+}
+
+#[derive(Default)]
+struct Counts {
+    inbound: AtomicUsize,
+    outbound: AtomicUsize,
+    rejected: Mutex<Vec<velo_ext::TransportRejection>>,
+    backpressure: AtomicUsize,
+    registered: AtomicUsize,
+}
+
+impl velo_ext::TransportObservability for Counts {
+    fn record_frame(&self, direction: velo_ext::Direction, _ty: &str, _bytes: usize) {
+        match direction {
+            velo_ext::Direction::Inbound => self.inbound.fetch_add(1, Ordering::SeqCst),
+            velo_ext::Direction::Outbound => self.outbound.fetch_add(1, Ordering::SeqCst),
+        };
+    }
+    fn record_rejection(&self, reason: velo_ext::TransportRejection) {
+        self.rejected.lock().expect("lock").push(reason);
+    }
+    fn set_registered_peers(&self, count: usize) {
+        self.registered.store(count, Ordering::SeqCst);
+    }
+    fn set_active_connections(&self, _count: usize) {}
+    fn record_send_backpressure(&self) {
+        self.backpressure.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observability_counts_admitted_frames_and_names_rejections() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a_counts = Arc::new(Counts::default());
+    let b_counts = Arc::new(Counts::default());
+    let a = {
+        let transport = QpmuxTransport::new(
+            Arc::new(fabric.node(PeerId(1), MuxConfig::default())),
+            VeloConfig::default(),
+        );
+        transport.set_observability(a_counts.clone());
+        let (adapter, streams) = make_channels();
+        let id = InstanceId::new_v4();
+        transport
+            .start(id, adapter, tokio::runtime::Handle::current())
+            .await
+            .expect("starts");
+        End {
+            transport,
+            streams,
+            id,
+        }
+    };
+    let b = end(&fabric, 2, VeloConfig::default()).await;
+    b.transport.set_observability(b_counts.clone());
+    a.transport.register(info(&b)).expect("registers");
+    assert_eq!(a_counts.registered.load(Ordering::SeqCst), 1);
+    let errors = Arc::new(Errors::default());
+    assert!(send(&a, b.id, MessageType::Message, b"one", &errors).is_admitted());
+    drop(
+        b.streams
+            .message_stream
+            .recv_async()
+            .await
+            .expect("delivered"),
+    );
+    assert_eq!(a_counts.outbound.load(Ordering::SeqCst), 1);
+    assert_eq!(b_counts.inbound.load(Ordering::SeqCst), 1);
+    // Drain-rejected: a rejection, not inbound traffic.
+    b.streams.shutdown_state.begin_drain();
+    assert!(send(&a, b.id, MessageType::Message, b"two", &errors).is_admitted());
+    drop(a.streams.shutdown_stream.recv_async().await.expect("echo"));
+    assert_eq!(b_counts.inbound.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        *b_counts.rejected.lock().expect("lock"),
+        [velo_ext::TransportRejection::DrainRejected]
+    );
+    // The echo arrived at A as inbound traffic; both sends were outbound.
+    assert_eq!(a_counts.inbound.load(Ordering::SeqCst), 1);
+    assert_eq!(a_counts.outbound.load(Ordering::SeqCst), 2);
+    // A pre-wire failure is a send error, not outbound traffic.
+    a.transport.unregister(b.id);
+    assert_eq!(a_counts.registered.load(Ordering::SeqCst), 0);
+    assert!(send(&a, b.id, MessageType::Message, b"three", &errors).is_admitted());
+    assert_eq!(a_counts.outbound.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        *a_counts.rejected.lock().expect("lock"),
+        [velo_ext::TransportRejection::SendError]
+    );
+    assert_eq!(a_counts.backpressure.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_peer_survives_the_old_instance_being_unregistered() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = end(&fabric, 1, VeloConfig::default()).await;
+    let b = end(&fabric, 2, VeloConfig::default()).await;
+    let old = PeerInfo::new(InstanceId::new_v4(), b.transport.address());
+    let old_id = old.instance_id();
+    a.transport.register(old).expect("old instance");
+    a.transport
+        .register(info(&b))
+        .expect("new instance, same address");
+    a.transport.unregister(old_id);
+    let errors = Arc::new(Errors::default());
+    assert!(send(&a, b.id, MessageType::Message, b"still here", &errors).is_admitted());
+    let got = b
+        .streams
+        .message_stream
+        .recv_async()
+        .await
+        .expect("delivered");
+    assert_eq!(&got.payload[..], b"still here");
+    assert_eq!(errors.count(), 0);
+}
