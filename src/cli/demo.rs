@@ -134,7 +134,10 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
         record_size: args.record_size.max(16),
         pace: (args.pace_us > 0).then(|| Duration::from_micros(args.pace_us)),
     };
-    let paths: [&'static str; 3] = ["qpmux-rdma", "qpmux-tcp", "mem"];
+    let mut paths = vec!["qpmux-rdma", "qpmux-tcp", "mem"];
+    if cfg!(feature = "velo") {
+        paths.push("velo-tcp-mux");
+    }
     let bar = if json {
         ProgressBar::hidden()
     } else {
@@ -147,7 +150,7 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
     );
     bar.enable_steady_tick(Duration::from_millis(100));
     let mut rows = Vec::new();
-    for path in paths {
+    for path in paths.iter().copied() {
         bar.set_message(format!(
             "{path}: {} streams × {} passes",
             args.streams, args.passes
@@ -155,6 +158,8 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
         let report = match path {
             "mem" => mem_row(workload).await,
             "qpmux-rdma" => rdma_row(workload).await?,
+            #[cfg(feature = "velo")]
+            "velo-tcp-mux" => super::velo_rows::velo_tcp(workload).await?,
             "qpmux-tcp" => tcp_row(workload).await?,
             other => anyhow::bail!("unknown path {other}"),
         };
@@ -171,7 +176,8 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
         args.streams, args.pace_us, args.record_size
     );
     println!("(qpmux-rdma: the soft RoCEv2 provider, user space over loopback UDP, against");
-    println!(" kernel TCP on loopback; mem: the mux with no wire. Not hardware numbers.)");
+    println!(" kernel TCP on loopback; mem: the mux with no wire; velo-tcp-mux: velo's own");
+    println!(" anchor streams over its TCP transport and messenger mux. Not hardware numbers.)");
     println!();
     println!(
         "{:<12} {:>12} {:>14} {:>10} {:>10} {:>10}",

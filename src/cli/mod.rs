@@ -14,6 +14,8 @@ mod devices;
 mod pingpong;
 mod plot;
 mod sweep;
+#[cfg(feature = "velo")]
+mod velo_rows;
 
 use clap::{Parser, Subcommand};
 
