@@ -24,10 +24,10 @@ async fn tcp_instance() -> anyhow::Result<Velo> {
     let transport = TcpTransportBuilder::new()
         .from_listener(listener)?
         .build()?;
-    Ok(Velo::builder()
+    Velo::builder()
         .add_transport(Arc::new(transport))
         .build()
-        .await?)
+        .await
 }
 
 /// Runs `workload` between two velo instances over velo's TCP transport.
