@@ -630,6 +630,17 @@ async fn ping_is_answered_ahead_of_a_congested_slot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_writes_what_was_queued_then_says_goodbye() {
+    shutdown_drains().await;
+}
+
+/// On one thread nothing runs until the test yields: the shutdown lands
+/// before the peer task has even asked for its link.
+#[tokio::test]
+async fn shutdown_before_the_link_is_up_still_writes_what_was_queued() {
+    shutdown_drains().await;
+}
+
+async fn shutdown_drains() {
     let (_fabric, muxes) = fabric(&[A, B], MuxConfig::default(), MemConfig::default());
     let key = StreamKey::new(13, 0);
     let mut rx = muxes[1].bind(key).expect("bind");

@@ -113,11 +113,18 @@ impl<L: Link> Mux<L> {
     /// Hands the mux the link for a new epoch with `peer`. A link already
     /// running for that peer ends with [`EpochEnd::Replaced`].
     pub fn attach(&self, peer: PeerId, link: L) {
-        if self.shared.shutdown.load(Ordering::Acquire) {
-            link.fail(EpochEnd::Shutdown);
-            return;
-        }
-        let entry = self.entry(peer);
+        let entry = if self.shared.shutdown.load(Ordering::Acquire) {
+            // A peer still draining its queue may take a link; nobody else.
+            match lock(&self.shared.peers).get(&peer).cloned() {
+                Some(entry) => entry,
+                None => {
+                    link.fail(EpochEnd::Shutdown);
+                    return;
+                }
+            }
+        } else {
+            self.entry(peer)
+        };
         let previous = lock(&entry.incoming).replace(link);
         if let Some(stale) = previous {
             stale.fail(EpochEnd::Replaced);
@@ -296,34 +303,42 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
 async fn wait_for_link<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>) -> Option<L> {
     let peer = entry.control.peer;
     let mut idle_since = Instant::now();
+    let mut drain_until: Option<Instant> = None;
     loop {
         let shutdown = shared.shutdown_notify.notified();
         tokio::pin!(shutdown);
         shutdown.as_mut().enable();
-        if shared.shutdown.load(Ordering::Acquire) {
-            retire(shared, entry, true);
-            return None;
-        }
-        if let Some(link) = lock(&entry.incoming).take() {
-            return Some(link);
-        }
+        let now = Instant::now();
         let wants_link = !entry.control.state().dirty_inlets.is_empty()
             || lock(&entry.messages)
                 .as_ref()
                 .is_some_and(|rx| !rx.is_empty());
+        if shared.shutdown.load(Ordering::Acquire) {
+            // Work queued before the shutdown still goes out if a link comes
+            // within the linger; the epoch then drains and says goodbye.
+            let until = *drain_until.get_or_insert(now + shared.config.shutdown_linger);
+            if !wants_link || now >= until {
+                retire(shared, entry, true);
+                return None;
+            }
+        }
+        if let Some(link) = lock(&entry.incoming).take() {
+            return Some(link);
+        }
         if wants_link {
-            idle_since = Instant::now();
+            idle_since = now;
             shared.dialer.want_link(peer);
-        } else if Instant::now() >= idle_since + shared.config.idle_retire
-            && retire(shared, entry, false)
-        {
+        } else if now >= idle_since + shared.config.idle_retire && retire(shared, entry, false) {
             return None;
         }
-        let next_check = if wants_link {
-            Instant::now() + REDIAL_INTERVAL
+        let mut next_check = if wants_link {
+            now + REDIAL_INTERVAL
         } else {
             idle_since + shared.config.idle_retire
         };
+        if let Some(until) = drain_until {
+            next_check = next_check.min(until);
+        }
         tokio::select! {
             _ = entry.link_arrived.notified() => {}
             _ = entry.control.wake.notified() => {}
