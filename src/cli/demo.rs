@@ -159,7 +159,7 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
             "mem" => mem_row(workload).await,
             "qpmux-rdma" => rdma_row(workload).await?,
             #[cfg(feature = "velo")]
-            "velo-tcp-mux" => super::velo_rows::velo_tcp(workload).await?,
+            "velo-tcp-mux" => super::velo_rows::velo_tcp(1, workload).await?,
             "qpmux-tcp" => tcp_row(workload).await?,
             other => anyhow::bail!("unknown path {other}"),
         };

@@ -1,4 +1,5 @@
-//! `qpmux bench sweep` (V5): X streams per peer × Y peers on each path, in
+//! `qpmux bench sweep` (V5): X streams per peer × Y peers on each path
+//! (qpmux over RDMA and TCP, and velo's own TCP messenger mux), in
 //! one process, one cell after the other; JSON plus SVG plots.
 //!
 //! ```text
@@ -159,7 +160,10 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
     } else {
         (&[1, 8, 64, 256, 1024, 4096], &[1, 2, 8, 32])
     };
-    let paths: [&'static str; 2] = ["qpmux-rdma", "qpmux-tcp"];
+    let mut paths = vec!["qpmux-rdma", "qpmux-tcp"];
+    if cfg!(feature = "velo") {
+        paths.push("velo-tcp-mux");
+    }
     let mut grid = Vec::new();
     for &path in &paths {
         for &y in ys {
@@ -195,6 +199,8 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         let report = match path {
             "qpmux-rdma" => rdma_cell(y, workload).await?,
             "qpmux-tcp" => tcp_cell(y, workload).await?,
+            #[cfg(feature = "velo")]
+            "velo-tcp-mux" => super::velo_rows::velo_tcp(y, workload).await?,
             other => anyhow::bail!("unknown path {other}"),
         };
         cells.push(Cell::new(path, x, y, &report));

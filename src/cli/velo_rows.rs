@@ -30,28 +30,38 @@ async fn tcp_instance() -> anyhow::Result<Velo> {
         .await
 }
 
-/// Runs `workload` between two velo instances over velo's TCP transport.
-pub async fn velo_tcp(workload: Workload) -> anyhow::Result<Report> {
-    let consumer = tcp_instance().await?;
+/// Runs `workload` from one velo instance to `peers` others over velo's TCP
+/// transport (`workload.streams` anchors on each).
+pub async fn velo_tcp(peers: u64, workload: Workload) -> anyhow::Result<Report> {
     let producer = tcp_instance().await?;
-    consumer.register_peer(producer.peer_info())?;
-    producer.register_peer(consumer.peer_info())?;
-    let report = run(&producer, &consumer, workload).await;
+    let mut consumers = Vec::new();
+    for _ in 0..peers {
+        let consumer = tcp_instance().await?;
+        consumer.register_peer(producer.peer_info())?;
+        producer.register_peer(consumer.peer_info())?;
+        consumers.push(consumer);
+    }
+    let report = run(&producer, &consumers, workload).await;
     let policy = || velo_ext::ShutdownPolicy::Timeout(std::time::Duration::from_secs(1));
     producer.graceful_shutdown(policy()).await;
-    consumer.graceful_shutdown(policy()).await;
+    for consumer in &consumers {
+        consumer.graceful_shutdown(policy()).await;
+    }
     report
 }
 
-async fn run(producer: &Velo, consumer: &Velo, workload: Workload) -> anyhow::Result<Report> {
+async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::Result<Report> {
     let origin = Instant::now();
     let received = Arc::new(AtomicU64::new(0));
     let progress = Arc::new(Notify::new());
-    let total = workload.streams * workload.passes;
+    let total = workload.streams * workload.passes * targets.len() as u64;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
     let mut senders = Vec::new();
     let mut consumers = Vec::new();
-    for _ in 0..workload.streams {
+    for consumer in targets
+        .iter()
+        .flat_map(|t| std::iter::repeat_n(t, workload.streams as usize))
+    {
         let mut anchor = consumer.create_anchor::<Vec<u8>>();
         senders.push(producer.attach_anchor::<Vec<u8>>(anchor.handle()).await?);
         let (received, progress, latencies) =
