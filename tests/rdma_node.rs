@@ -479,3 +479,35 @@ async fn bad_hellos_are_refused_before_any_qp_exists_and_the_listener_keeps_serv
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_with_another_receive_depth_is_refused_without_a_qp_and_not_hammered() {
+    bounded(async {
+        let a = transport(A, None).await;
+        let mut b_config = config(B, None);
+        b_config.rdma.recv_depth = 32;
+        let b = RdmaTransport::start(device().await, b_config)
+            .await
+            .expect("bind");
+        mesh(&[&a, &b]);
+        let key = StreamKey::new(3, 1);
+        let _rx = b.mux().bind(key).expect("bind");
+        let mut tx = a.mux().open(B, key).expect("open");
+        tx.send(Bytes::from_static(b"x")).await.expect("queued");
+        until(|| b.node().stats().refused >= 1 && a.node().stats().declined >= 1).await;
+        assert_eq!(
+            b.node().last_refusal(),
+            Some(ConnectError::Incompatible("recv_depth"))
+        );
+        assert_eq!(
+            b.device().stats().qps_created,
+            0,
+            "checked before resources"
+        );
+        // The decline backs the dialer off (50 ms doubling) instead of spinning.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(a.node().stats().declined < 20, "{:?}", a.node().stats());
+        assert_eq!(a.mux().epoch(B), None);
+    })
+    .await;
+}

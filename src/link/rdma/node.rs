@@ -127,6 +127,37 @@ impl<D: Device + 'static> RdmaEpochs<D> {
     }
 }
 
+impl<D: Device + 'static> RdmaEpochs<D> {
+    /// The peer's QP address, if a link toward its endpoint can work.
+    fn peer_address(&self, peer: &Endpoint) -> Result<QpAddress, ConnectError> {
+        let Endpoint::Rdma(peer) = peer else {
+            return Err(BootstrapError::WrongTransport {
+                expected: EndpointKind::Rdma,
+                got: peer.kind(),
+            }
+            .into());
+        };
+        // Credit is receive posts: both ends must post the same R buffers
+        // of the same size (docs/rdma-link.md).
+        if peer.recv_depth as usize != self.config.recv_depth {
+            return Err(ConnectError::Incompatible("recv_depth"));
+        }
+        if peer.recv_buf_size as usize != self.config.max_batch {
+            return Err(ConnectError::Incompatible("recv_buf_size"));
+        }
+        if peer.lanes != 1 {
+            return Err(ConnectError::Incompatible("lanes"));
+        }
+        Ok(QpAddress {
+            qpn: Qpn::new(peer.qpn),
+            psn: Psn::new(peer.psn),
+            gid: Gid(peer.gid),
+            udp_port: peer.udp_port,
+            mtu: mtu_of(peer.mtu).ok_or(ConnectError::Incompatible("mtu"))?,
+        })
+    }
+}
+
 fn mtu_of(bytes: u16) -> Option<Mtu> {
     [
         Mtu::Mtu256,
@@ -146,6 +177,10 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
 
     fn kind(&self) -> EndpointKind {
         EndpointKind::Rdma
+    }
+
+    fn accepts(&self, peer: &Endpoint) -> Result<(), ConnectError> {
+        self.peer_address(peer).map(|_| ())
     }
 
     fn prepare(&self) -> Result<(PreparedEnd<D>, Endpoint), ConnectError> {
@@ -180,32 +215,7 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
         peer: &Endpoint,
         epoch: Epoch,
     ) -> Result<RdmaLink<D>, ConnectError> {
-        let Endpoint::Rdma(peer) = peer else {
-            return Err(BootstrapError::WrongTransport {
-                expected: EndpointKind::Rdma,
-                got: peer.kind(),
-            }
-            .into());
-        };
-        // Credit is receive posts: both ends must post the same R buffers
-        // of the same size (docs/rdma-link.md).
-        if peer.recv_depth as usize != self.config.recv_depth {
-            return Err(ConnectError::Incompatible("recv_depth"));
-        }
-        if peer.recv_buf_size as usize != self.config.max_batch {
-            return Err(ConnectError::Incompatible("recv_buf_size"));
-        }
-        if peer.lanes != 1 {
-            return Err(ConnectError::Incompatible("lanes"));
-        }
-        let mtu = mtu_of(peer.mtu).ok_or(ConnectError::Incompatible("mtu"))?;
-        let address = QpAddress {
-            qpn: Qpn::new(peer.qpn),
-            psn: Psn::new(peer.psn),
-            gid: Gid(peer.gid),
-            udp_port: peer.udp_port,
-            mtu,
-        };
+        let address = self.peer_address(peer)?;
         prepared.connect(&address, epoch).map_err(|err| {
             tracing::warn!(%err, "moving the link's QP to RTR/RTS failed");
             ConnectError::Resources

@@ -222,6 +222,11 @@ pub trait EpochMaker: Send + Sync + 'static {
     /// The endpoint kind this maker speaks (the listener refuses others).
     fn kind(&self) -> EndpointKind;
 
+    /// Whether a link can be made toward the peer's `endpoint` at all
+    /// (kind, sizes). The listener asks before `prepare`, so an incompatible
+    /// dialer costs no resources; `arm` must check it again.
+    fn accepts(&self, peer: &Endpoint) -> Result<(), ConnectError>;
+
     /// Creates this side's resources; returns them and the endpoint for our hello.
     fn prepare(&self) -> Result<(Self::Prepared, Endpoint), ConnectError>;
 
@@ -264,6 +269,17 @@ impl EpochMaker for TcpEpochs {
 
     fn kind(&self) -> EndpointKind {
         EndpointKind::Tcp
+    }
+
+    fn accepts(&self, peer: &Endpoint) -> Result<(), ConnectError> {
+        match peer {
+            Endpoint::Tcp(_) => Ok(()),
+            Endpoint::Rdma(_) => Err(BootstrapError::WrongTransport {
+                expected: EndpointKind::Tcp,
+                got: EndpointKind::Rdma,
+            }
+            .into()),
+        }
     }
 
     fn prepare(&self) -> Result<((), Endpoint), ConnectError> {
@@ -590,8 +606,16 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId) {
     match result {
         Ok(epoch) => tracing::debug!(?peer, %epoch, "dialed"),
         Err(err) if err.is_benign() => {
-            if let ConnectError::DeclinedByPeer(_) = err {
+            if let ConnectError::DeclinedByPeer(reason) = err {
                 bump(&inner.counters.declined);
+                if reason == DeclineReason::Unavailable {
+                    // Not a fault, but asking again at once would spin
+                    // (shutting down, no mux, or no resources for us).
+                    let config = &inner.config;
+                    state.backoff =
+                        (state.backoff * 2).clamp(config.backoff_min, config.backoff_max);
+                    state.retry_at = Some(Instant::now() + state.backoff);
+                }
             }
             tracing::debug!(?peer, %err, "dial settled elsewhere");
         }
@@ -844,7 +868,8 @@ async fn accept_once<E: EpochMaker>(
             // Only now, for an authenticated and wanted dialer, are resources
             // made, and connected (RDMA: RTR) before we answer.
             let epoch = agreed_epoch(hello.proposed, proposed);
-            let made = inner.epochs.prepare().and_then(|(prepared, endpoint)| {
+            let made = inner.epochs.accepts(&hello.endpoint).and_then(|()| {
+                let (prepared, endpoint) = inner.epochs.prepare()?;
                 let a = inner.epochs.arm(prepared, &hello.endpoint, epoch)?;
                 Ok((a, endpoint))
             });
