@@ -31,6 +31,7 @@ fn rdma() -> RdmaEndpoint {
         recv_depth: 256,
         recv_buf_size: 65536,
         lanes: 4,
+        udp_port: 4791,
     }
 }
 

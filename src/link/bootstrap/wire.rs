@@ -139,6 +139,9 @@ pub struct RdmaEndpoint {
     pub recv_buf_size: u32,
     /// Lanes (independent credit streams) the sender offers.
     pub lanes: u16,
+    /// The device's RoCEv2 UDP port (4791 on hardware; soft devices may use
+    /// any, so the peer must be told).
+    pub udp_port: u16,
 }
 
 impl RdmaEndpoint {
@@ -146,7 +149,7 @@ impl RdmaEndpoint {
     pub const MAX_RECV_DEPTH: u32 = 1 << 16;
     /// Largest lane count accepted.
     pub const MAX_LANES: u16 = 256;
-    const LEN: usize = 4 + 4 + 16 + 1 + 2 + 4 + 4 + 2;
+    const LEN: usize = 4 + 4 + 16 + 1 + 2 + 4 + 4 + 2 + 2;
 }
 
 /// A transport-specific endpoint description carried in a hello.
@@ -184,6 +187,7 @@ impl Endpoint {
                 out.extend_from_slice(&r.recv_depth.to_be_bytes());
                 out.extend_from_slice(&r.recv_buf_size.to_be_bytes());
                 out.extend_from_slice(&r.lanes.to_be_bytes());
+                out.extend_from_slice(&r.udp_port.to_be_bytes());
             }
         }
     }
@@ -216,6 +220,7 @@ impl Endpoint {
                     recv_depth: blob.u32()?,
                     recv_buf_size: blob.u32()?,
                     lanes: blob.u16()?,
+                    udp_port: blob.u16()?,
                 };
                 if !(2..=0x00ff_ffff).contains(&e.qpn) {
                     return Err(BootstrapError::BadField("rdma qpn"));
@@ -234,6 +239,9 @@ impl Endpoint {
                 }
                 if !(1..=RdmaEndpoint::MAX_LANES).contains(&e.lanes) {
                     return Err(BootstrapError::BadField("rdma lanes"));
+                }
+                if e.udp_port == 0 {
+                    return Err(BootstrapError::BadField("rdma udp_port"));
                 }
                 Endpoint::Rdma(e)
             }

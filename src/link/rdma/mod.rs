@@ -16,6 +16,7 @@
 
 mod connect;
 pub mod credit;
+mod node;
 mod poller;
 
 use std::collections::VecDeque;
@@ -28,6 +29,7 @@ use tokio::sync::Notify;
 
 pub use self::connect::{PreparedEnd, pair};
 use self::credit::Credit;
+pub use self::node::{RdmaEpochs, RdmaNodeConfig, RdmaTransport};
 use super::{EpochEnd, Link, LinkError, LinkFault};
 use crate::mux::protocol::Epoch;
 use crate::verbs::{

@@ -16,6 +16,10 @@ mod link;
 mod node;
 mod transport;
 
+pub(crate) use link::configure;
 pub use link::{TcpBatch, TcpLink, TcpLinkConfig, TcpLinkStats, TcpSendBuf};
-pub use node::{ConnectError, NodeStats, TcpNode, TcpNodeConfig};
+pub use node::{
+    ConnectError, Connector, ConnectorConfig, EpochMaker, NodeStats, TcpEpochs, TcpNode,
+    TcpNodeConfig,
+};
 pub use transport::TcpTransport;

@@ -1,10 +1,15 @@
-//! [`TcpNode`]: the TCP connector. Listens, dials, runs the bootstrap
-//! handshake, and hands each new epoch's [`TcpLink`] to the mux.
+//! [`Connector`]: the connection manager shared by the TCP and RDMA
+//! transports. Listens, dials, runs the bootstrap handshake over TCP, and
+//! hands each new epoch's link (made by an [`EpochMaker`]) to the mux.
+//! [`TcpNode`] is the connector whose epochs are the TCP streams themselves.
 //!
 //! ```text
 //!  mux ─ want_link(peer) ─► dial task (backoff) ─ connect ─ handshake(dialer) ─┐
 //!  accept loop ─ accept ─► handshake task (bounded) ─ handshake(listener) ─────┼─► install ─► mux.attach(peer, link)
 //!                              PeerHello ─► decide: respond / decline (crossed, stale)
+//!  EpochMaker: prepare (dialer: before its hello; listener: after PeerHello passed)
+//!              ─► arm (peer's endpoint known: listener before respond, dialer before ready)
+//!              ─► finish (stream + epoch ─► link; under the table lock)
 //! ```
 //!
 //! One table (`peers`, one mutex) says per peer: address, dial in progress,
@@ -30,7 +35,7 @@ use tokio::time::{Instant, sleep_until, timeout};
 use super::link::{TcpLink, TcpLinkConfig};
 use crate::link::bootstrap::{
     BootstrapError, ClusterKey, DeclineReason, Endpoint, EndpointKind, Established, Event,
-    Handshake, HelloFields, TcpEndpoint, fresh_nonce,
+    Handshake, HelloFields, TcpEndpoint, agreed_epoch, fresh_nonce,
 };
 use crate::link::{EpochEnd, Link};
 use crate::mux::protocol::Epoch;
@@ -55,7 +60,45 @@ pub struct TcpNodeConfig {
     pub max_pending_handshakes: usize,
 }
 
+/// What every connector needs, whatever its epochs are made of.
+#[derive(Clone, Debug)]
+pub struct ConnectorConfig {
+    /// This node's id (sent in every hello).
+    pub id: PeerId,
+    /// The cluster key; `None` runs the handshake unauthenticated.
+    pub key: Option<ClusterKey>,
+    /// Longest a connect plus handshake may take.
+    pub handshake_timeout: Duration,
+    /// First backoff after a failed dial.
+    pub backoff_min: Duration,
+    /// Largest backoff.
+    pub backoff_max: Duration,
+    /// Handshakes accepted concurrently; more connections are closed at once.
+    pub max_pending_handshakes: usize,
+}
+
+impl ConnectorConfig {
+    /// The defaults of [`TcpNodeConfig::new`] for node `id`.
+    pub fn new(id: PeerId) -> ConnectorConfig {
+        TcpNodeConfig::new(id).split().0
+    }
+}
+
 impl TcpNodeConfig {
+    fn split(self) -> (ConnectorConfig, TcpLinkConfig) {
+        (
+            ConnectorConfig {
+                id: self.id,
+                key: self.key,
+                handshake_timeout: self.handshake_timeout,
+                backoff_min: self.backoff_min,
+                backoff_max: self.backoff_max,
+                max_pending_handshakes: self.max_pending_handshakes,
+            },
+            self.link,
+        )
+    }
+
     /// Defaults for node `id`, without a cluster key.
     pub fn new(id: PeerId) -> TcpNodeConfig {
         TcpNodeConfig {
@@ -97,6 +140,13 @@ pub enum ConnectError {
     /// The node is shut down or has no mux yet.
     #[error("node is not serving")]
     NotServing,
+    /// The peer's endpoint cannot work with ours (e.g. different receive
+    /// depth or buffer size); the named field disagrees.
+    #[error("incompatible endpoint: {0}")]
+    Incompatible(&'static str),
+    /// Creating or connecting the epoch's local resources failed (logged).
+    #[error("local transport resources failed")]
+    Resources,
 }
 
 impl From<io::Error> for ConnectError {
@@ -116,7 +166,9 @@ impl ConnectError {
             | ConnectError::Timeout
             | ConnectError::Handshake(_)
             | ConnectError::UnknownPeer(_)
-            | ConnectError::NotServing => false,
+            | ConnectError::NotServing
+            | ConnectError::Incompatible(_)
+            | ConnectError::Resources => false,
         }
     }
 }
@@ -149,30 +201,158 @@ fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
 
-#[derive(Default)]
-struct PeerState {
+/// What an epoch's link is made from: the transport half of the connection
+/// manager. The [`Connector`] drives the handshake and the peer table; an
+/// `EpochMaker` creates the local resources at the moments the handshake
+/// allows, and turns the established connection into a link.
+///
+/// Order, per connection: `prepare` (dialer: before its hello, which carries
+/// the endpoint; listener: only after the dialer's hello authenticated and
+/// passed `decide`), then `arm` once the peer's endpoint and the epoch are
+/// known (listener: before it answers; dialer: before it sends ready), then
+/// `finish` under the peer-table lock, right before the mux gets the link.
+pub trait EpochMaker: Send + Sync + 'static {
+    /// The link each epoch runs on.
+    type Link: Link + Clone;
+    /// Local resources made for one handshake, before the peer is known.
+    type Prepared: Send + 'static;
+    /// Resources connected toward the peer, waiting for the handshake to end.
+    type Armed: Send + 'static;
+
+    /// The endpoint kind this maker speaks (the listener refuses others).
+    fn kind(&self) -> EndpointKind;
+
+    /// Whether a link can be made toward the peer's `endpoint` at all
+    /// (kind, sizes). The listener asks before `prepare`, so an incompatible
+    /// dialer costs no resources; `arm` must check it again.
+    fn accepts(&self, peer: &Endpoint) -> Result<(), ConnectError>;
+
+    /// Creates this side's resources; returns them and the endpoint for our hello.
+    fn prepare(&self) -> Result<(Self::Prepared, Endpoint), ConnectError>;
+
+    /// Connects `prepared` toward the peer's `endpoint` for `epoch`. After
+    /// this returns the peer may send to us.
+    fn arm(
+        &self,
+        prepared: Self::Prepared,
+        peer: &Endpoint,
+        epoch: Epoch,
+    ) -> Result<Self::Armed, ConnectError>;
+
+    /// Makes the link from the armed resources and the bootstrap connection
+    /// (`prefix`: bytes read past the handshake). Called under the peer
+    /// table's lock: must not block.
+    fn finish(
+        &self,
+        armed: Self::Armed,
+        stream: TcpStream,
+        prefix: Vec<u8>,
+        epoch: Epoch,
+    ) -> Result<Self::Link, ConnectError>;
+
+    /// True once `link`'s epoch has ended.
+    fn is_ended(link: &Self::Link) -> bool;
+
+    /// True if `link` carried any batch (its failure is fresh: no backoff).
+    fn carried_traffic(link: &Self::Link) -> bool;
+}
+
+/// The TCP transport's epochs: the bootstrap stream itself becomes the link.
+pub struct TcpEpochs {
+    link: TcpLinkConfig,
+}
+
+impl EpochMaker for TcpEpochs {
+    type Link = TcpLink;
+    type Prepared = ();
+    type Armed = usize;
+
+    fn kind(&self) -> EndpointKind {
+        EndpointKind::Tcp
+    }
+
+    fn accepts(&self, peer: &Endpoint) -> Result<(), ConnectError> {
+        match peer {
+            Endpoint::Tcp(_) => Ok(()),
+            Endpoint::Rdma(_) => Err(BootstrapError::WrongTransport {
+                expected: EndpointKind::Tcp,
+                got: EndpointKind::Rdma,
+            }
+            .into()),
+        }
+    }
+
+    fn prepare(&self) -> Result<((), Endpoint), ConnectError> {
+        let max_batch = u32::try_from(self.link.max_batch).unwrap_or(TcpEndpoint::MAX_BATCH);
+        Ok(((), Endpoint::Tcp(TcpEndpoint { max_batch })))
+    }
+
+    fn arm(&self, (): (), peer: &Endpoint, _epoch: Epoch) -> Result<usize, ConnectError> {
+        match peer {
+            Endpoint::Tcp(t) => Ok(t.max_batch as usize),
+            Endpoint::Rdma(_) => Err(BootstrapError::WrongTransport {
+                expected: EndpointKind::Tcp,
+                got: EndpointKind::Rdma,
+            }
+            .into()),
+        }
+    }
+
+    fn finish(
+        &self,
+        peer_max: usize,
+        stream: TcpStream,
+        prefix: Vec<u8>,
+        epoch: Epoch,
+    ) -> Result<TcpLink, ConnectError> {
+        Ok(TcpLink::new(stream, prefix, epoch, &self.link, peer_max)?)
+    }
+
+    fn is_ended(link: &TcpLink) -> bool {
+        link.is_ended()
+    }
+
+    fn carried_traffic(link: &TcpLink) -> bool {
+        let stats = link.stats();
+        stats.batches_received > 0 || stats.batches_sent > 0
+    }
+}
+
+struct PeerState<L> {
     addr: Option<SocketAddr>,
     dialing: bool,
     accepting: usize,
     last_epoch: Epoch,
     incarnation: Option<u64>,
-    current: Option<TcpLink>,
+    current: Option<L>,
     backoff: Duration,
     retry_at: Option<Instant>,
 }
 
-impl PeerState {
-    fn live(&self) -> bool {
-        self.current.as_ref().is_some_and(|l| !l.is_ended())
+impl<L> Default for PeerState<L> {
+    fn default() -> Self {
+        PeerState {
+            addr: None,
+            dialing: false,
+            accepting: 0,
+            last_epoch: Epoch::default(),
+            incarnation: None,
+            current: None,
+            backoff: Duration::ZERO,
+            retry_at: None,
+        }
     }
 }
 
-struct NodeInner {
-    config: TcpNodeConfig,
+type Peers<E> = HashMap<PeerId, PeerState<<E as EpochMaker>::Link>>;
+
+struct NodeInner<E: EpochMaker> {
+    config: ConnectorConfig,
+    epochs: E,
     incarnation: u64,
     local_addr: SocketAddr,
-    peers: Mutex<HashMap<PeerId, PeerState>>,
-    mux: OnceLock<Mux<TcpLink>>,
+    peers: Mutex<Peers<E>>,
+    mux: OnceLock<Mux<E::Link>>,
     counters: Counters,
     last_refusal: Mutex<Option<ConnectError>>,
     shutdown: AtomicBool,
@@ -180,40 +360,78 @@ struct NodeInner {
     handshakes: Arc<Semaphore>,
 }
 
-impl NodeInner {
-    fn peers(&self) -> MutexGuard<'_, HashMap<PeerId, PeerState>> {
-        self.peers.lock().expect("tcp node state poisoned")
+impl<E: EpochMaker> NodeInner<E> {
+    fn peers(&self) -> MutexGuard<'_, Peers<E>> {
+        self.peers.lock().expect("node state poisoned")
     }
 
-    fn hello(&self, proposed: Epoch) -> HelloFields {
+    fn live(state: &PeerState<E::Link>) -> bool {
+        state.current.as_ref().is_some_and(|l| !E::is_ended(l))
+    }
+
+    fn hello(&self, proposed: Epoch, endpoint: Endpoint) -> HelloFields {
         HelloFields {
             node: self.config.id,
             incarnation: self.incarnation,
             proposed,
-            endpoint: Endpoint::Tcp(TcpEndpoint {
-                max_batch: u32::try_from(self.config.link.max_batch)
-                    .unwrap_or(TcpEndpoint::MAX_BATCH),
-            }),
+            endpoint,
+        }
+    }
+}
+
+/// A connection manager: a listener, a peer table and a mux [`Dialer`],
+/// with epochs made by `E`. Cheap to clone.
+pub struct Connector<E: EpochMaker> {
+    inner: Arc<NodeInner<E>>,
+}
+
+impl<E: EpochMaker> Clone for Connector<E> {
+    fn clone(&self) -> Self {
+        Connector {
+            inner: self.inner.clone(),
         }
     }
 }
 
 /// A node of the TCP transport: a listener, a peer table and a mux [`Dialer`].
 /// Cheap to clone.
-#[derive(Clone)]
-pub struct TcpNode {
-    inner: Arc<NodeInner>,
-}
+pub type TcpNode = Connector<TcpEpochs>;
 
-impl TcpNode {
+impl Connector<TcpEpochs> {
     /// Binds the listener on `addr` (port 0 picks one) and starts accepting.
-    /// Connections are declined until [`TcpNode::set_mux`] is called.
-    pub async fn bind(mut config: TcpNodeConfig, addr: SocketAddr) -> io::Result<TcpNode> {
+    /// Connections are declined until [`Connector::set_mux`] is called.
+    pub async fn bind(config: TcpNodeConfig, addr: SocketAddr) -> io::Result<TcpNode> {
+        let (config, mut link) = config.split();
         // What we advertise must pass the peer's validation.
-        config.link.max_batch = config.link.max_batch.clamp(
+        link.max_batch = link.max_batch.clamp(
             TcpEndpoint::MIN_BATCH as usize,
             TcpEndpoint::MAX_BATCH as usize,
         );
+        Connector::bind_with(config, TcpEpochs { link }, addr).await
+    }
+
+    /// Binds a node and creates its mux, wired both ways.
+    pub async fn start(
+        config: TcpNodeConfig,
+        addr: SocketAddr,
+        mux_config: MuxConfig,
+    ) -> io::Result<(TcpNode, Mux<TcpLink>)> {
+        let node = TcpNode::bind(config, addr).await?;
+        let mux = Mux::new(mux_config, node.dialer());
+        node.set_mux(mux.clone());
+        Ok((node, mux))
+    }
+}
+
+impl<E: EpochMaker> Connector<E> {
+    /// Binds the listener on `addr` (port 0 picks one) with epochs made by
+    /// `epochs`, and starts accepting. Connections are declined until
+    /// [`Connector::set_mux`] is called.
+    pub async fn bind_with(
+        config: ConnectorConfig,
+        epochs: E,
+        addr: SocketAddr,
+    ) -> io::Result<Connector<E>> {
         let socket = socket2::Socket::new(
             socket2::Domain::for_address(addr),
             socket2::Type::STREAM,
@@ -228,6 +446,7 @@ impl TcpNode {
         let max_pending = config.max_pending_handshakes.max(1);
         let inner = Arc::new(NodeInner {
             config,
+            epochs,
             incarnation: rand::random(),
             local_addr,
             peers: Mutex::new(HashMap::new()),
@@ -239,19 +458,12 @@ impl TcpNode {
             handshakes: Arc::new(Semaphore::new(max_pending)),
         });
         tokio::spawn(accept_loop(inner.clone(), listener));
-        Ok(TcpNode { inner })
+        Ok(Connector { inner })
     }
 
-    /// Binds a node and creates its mux, wired both ways.
-    pub async fn start(
-        config: TcpNodeConfig,
-        addr: SocketAddr,
-        mux_config: MuxConfig,
-    ) -> io::Result<(TcpNode, Mux<TcpLink>)> {
-        let node = TcpNode::bind(config, addr).await?;
-        let mux = Mux::new(mux_config, node.dialer());
-        node.set_mux(mux.clone());
-        Ok((node, mux))
+    /// The epoch maker this connector runs with.
+    pub fn epochs(&self) -> &E {
+        &self.inner.epochs
     }
 
     /// The dialer to give this node's mux (holds the node weakly).
@@ -262,7 +474,7 @@ impl TcpNode {
     }
 
     /// Sets the mux new links are attached to. Returns false if one was set already.
-    pub fn set_mux(&self, mux: Mux<TcpLink>) -> bool {
+    pub fn set_mux(&self, mux: Mux<E::Link>) -> bool {
         self.inner.mux.set(mux).is_ok()
     }
 
@@ -287,7 +499,7 @@ impl TcpNode {
     }
 
     /// The current link to `peer`, if any (ended or not): a test hook to fail it.
-    pub fn link(&self, peer: PeerId) -> Option<TcpLink> {
+    pub fn link(&self, peer: PeerId) -> Option<E::Link> {
         self.inner.peers().get(&peer)?.current.clone()
     }
 
@@ -305,11 +517,7 @@ impl TcpNode {
 
     /// Why the last refused incoming connection was refused.
     pub fn last_refusal(&self) -> Option<ConnectError> {
-        *self
-            .inner
-            .last_refusal
-            .lock()
-            .expect("tcp node state poisoned")
+        *self.inner.last_refusal.lock().expect("node state poisoned")
     }
 
     /// Dials `peer` now (ignoring backoff) and installs the link. While it
@@ -337,7 +545,7 @@ impl TcpNode {
     pub fn shutdown(&self) {
         self.inner.shutdown.store(true, Ordering::Release);
         self.inner.shutdown_notify.notify_waiters();
-        let links: Vec<TcpLink> = self
+        let links: Vec<E::Link> = self
             .inner
             .peers()
             .values_mut()
@@ -349,11 +557,11 @@ impl TcpNode {
     }
 }
 
-struct NodeDialer {
-    node: Weak<NodeInner>,
+struct NodeDialer<E: EpochMaker> {
+    node: Weak<NodeInner<E>>,
 }
 
-impl Dialer for NodeDialer {
+impl<E: EpochMaker> Dialer for NodeDialer<E> {
     fn want_link(&self, peer: PeerId) {
         let Some(inner) = self.node.upgrade() else {
             return;
@@ -366,12 +574,15 @@ impl Dialer for NodeDialer {
             tracing::debug!(?peer, "mux wants a link to an unregistered peer");
             return;
         };
-        if state.live() || state.dialing || state.accepting > 0 || state.addr.is_none() {
+        if NodeInner::<E>::live(state)
+            || state.dialing
+            || state.accepting > 0
+            || state.addr.is_none()
+        {
             return;
         }
         if let Some(previous) = state.current.take() {
-            let stats = previous.stats();
-            if stats.batches_received > 0 || stats.batches_sent > 0 {
+            if E::carried_traffic(&previous) {
                 // The last epoch carried traffic: this is a fresh failure.
                 state.backoff = Duration::ZERO;
                 state.retry_at = None;
@@ -383,7 +594,7 @@ impl Dialer for NodeDialer {
     }
 }
 
-async fn dial_task(inner: Arc<NodeInner>, peer: PeerId) {
+async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId) {
     let wait = inner.peers().get(&peer).and_then(|p| p.retry_at);
     if let Some(at) = wait {
         sleep_until(at).await;
@@ -395,8 +606,16 @@ async fn dial_task(inner: Arc<NodeInner>, peer: PeerId) {
     match result {
         Ok(epoch) => tracing::debug!(?peer, %epoch, "dialed"),
         Err(err) if err.is_benign() => {
-            if let ConnectError::DeclinedByPeer(_) = err {
+            if let ConnectError::DeclinedByPeer(reason) = err {
                 bump(&inner.counters.declined);
+                if reason == DeclineReason::Unavailable {
+                    // Not a fault, but asking again at once would spin
+                    // (shutting down, no mux, or no resources for us).
+                    let config = &inner.config;
+                    state.backoff =
+                        (state.backoff * 2).clamp(config.backoff_min, config.backoff_max);
+                    state.retry_at = Some(Instant::now() + state.backoff);
+                }
             }
             tracing::debug!(?peer, %err, "dial settled elsewhere");
         }
@@ -410,7 +629,10 @@ async fn dial_task(inner: Arc<NodeInner>, peer: PeerId) {
     }
 }
 
-async fn dial_once(inner: &Arc<NodeInner>, peer: PeerId) -> Result<Epoch, ConnectError> {
+async fn dial_once<E: EpochMaker>(
+    inner: &Arc<NodeInner<E>>,
+    peer: PeerId,
+) -> Result<Epoch, ConnectError> {
     if inner.shutdown.load(Ordering::Acquire) {
         return Err(ConnectError::NotServing);
     }
@@ -425,36 +647,58 @@ async fn dial_once(inner: &Arc<NodeInner>, peer: PeerId) -> Result<Epoch, Connec
     let attempt = async {
         let mut stream = TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
+        // The dialer's hello carries its endpoint, so its resources come first.
+        let (prepared, endpoint) = inner.epochs.prepare()?;
         let mut hs = Handshake::dialer(
             inner.config.key.clone(),
-            inner.hello(proposed),
+            inner.hello(proposed, endpoint),
             Some(peer),
             fresh_nonce(),
         );
-        let (established, prefix) = drive(&mut stream, &mut hs, |_| None).await?;
-        Ok::<_, ConnectError>((stream, established, prefix))
+        let mut prepared = Some(prepared);
+        let mut armed = None;
+        let (established, prefix) = drive(
+            &mut stream,
+            &mut hs,
+            |_| None,
+            |established| {
+                // Before the ready leaves: after it the listener may send.
+                let prepared = prepared.take().ok_or(BootstrapError::OutOfOrder)?;
+                armed = Some(inner.epochs.arm(
+                    prepared,
+                    &established.peer.endpoint,
+                    established.epoch,
+                )?);
+                Ok(())
+            },
+        )
+        .await?;
+        let armed = armed.ok_or(BootstrapError::OutOfOrder)?;
+        Ok::<_, ConnectError>((stream, established, prefix, armed))
     };
-    let (stream, established, prefix) = timeout(inner.config.handshake_timeout, attempt)
+    let (stream, established, prefix, armed) = timeout(inner.config.handshake_timeout, attempt)
         .await
         .map_err(|_| ConnectError::Timeout)??;
-    install(inner, peer, established, stream, prefix)
+    install(inner, peer, established, armed, stream, prefix)
 }
 
 /// Runs `hs` over `stream` to the end. `on_hello` answers a listener's
 /// `PeerHello`: `Some(Ok(hello))` responds, `Some(Err(reason))` declines.
+/// `on_established` runs when the handshake is established and before any
+/// output it queued (the dialer's ready) is written.
 /// Returns the result and the bytes read past the handshake.
 async fn drive(
     stream: &mut TcpStream,
     hs: &mut Handshake,
     mut on_hello: impl FnMut(&HelloFields) -> Option<Result<HelloFields, DeclineReason>>,
+    mut on_established: impl FnMut(&Established) -> Result<(), ConnectError>,
 ) -> Result<(Established, Vec<u8>), ConnectError> {
     let mut pending = Vec::new();
     let mut buf = [0u8; 4096];
     let mut declined = None;
     loop {
-        if let Some(out) = hs.poll_transmit() {
-            stream.write_all(&out).await?;
-        }
+        // Events first: an `Established` must be acted on before the bytes
+        // queued with it (the dialer's ready) leave.
         match hs.poll_event() {
             Some(Event::PeerHello(hello)) => {
                 match on_hello(&hello) {
@@ -468,6 +712,7 @@ async fn drive(
                 continue;
             }
             Some(Event::Established(established)) => {
+                on_established(&established)?;
                 if let Some(out) = hs.poll_transmit() {
                     stream.write_all(&out).await?;
                 }
@@ -475,6 +720,9 @@ async fn drive(
             }
             Some(Event::Declined(reason)) => return Err(ConnectError::DeclinedByPeer(reason)),
             None => {}
+        }
+        if let Some(out) = hs.poll_transmit() {
+            stream.write_all(&out).await?;
         }
         if hs.is_finished() {
             return Err(match declined {
@@ -496,24 +744,15 @@ async fn drive(
 }
 
 /// Installs an established epoch: a new link, attached to the mux.
-fn install(
-    inner: &NodeInner,
+fn install<E: EpochMaker>(
+    inner: &NodeInner<E>,
     peer: PeerId,
     established: Established,
+    armed: E::Armed,
     stream: TcpStream,
     prefix: Vec<u8>,
 ) -> Result<Epoch, ConnectError> {
     let mux = inner.mux.get().ok_or(ConnectError::NotServing)?;
-    let peer_max = match established.peer.endpoint {
-        Endpoint::Tcp(t) => t.max_batch as usize,
-        Endpoint::Rdma(_) => {
-            return Err(BootstrapError::WrongTransport {
-                expected: EndpointKind::Tcp,
-                got: EndpointKind::Rdma,
-            }
-            .into());
-        }
-    };
     let mut peers = inner.peers();
     if inner.shutdown.load(Ordering::Acquire) {
         return Err(ConnectError::NotServing);
@@ -522,13 +761,9 @@ fn install(
     if established.epoch <= state.last_epoch {
         return Err(ConnectError::Superseded(state.last_epoch));
     }
-    let link = TcpLink::new(
-        stream,
-        prefix,
-        established.epoch,
-        &inner.config.link,
-        peer_max,
-    )?;
+    let link = inner
+        .epochs
+        .finish(armed, stream, prefix, established.epoch)?;
     let incarnation = established.peer.incarnation;
     if state.incarnation.is_some_and(|known| known != incarnation) {
         bump(&inner.counters.restarts_seen);
@@ -545,7 +780,7 @@ fn install(
     Ok(established.epoch)
 }
 
-async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
+async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListener) {
     loop {
         let shutdown = inner.shutdown_notify.notified();
         tokio::pin!(shutdown);
@@ -582,7 +817,7 @@ async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
                 Ok(epoch) => tracing::debug!(%remote, %epoch, "accepted"),
                 Err(err) if err.is_benign() => tracing::debug!(%remote, %err, "declined"),
                 Err(err) => {
-                    *inner.last_refusal.lock().expect("tcp node state poisoned") = Some(err);
+                    *inner.last_refusal.lock().expect("node state poisoned") = Some(err);
                     bump(&inner.counters.refused);
                     tracing::warn!(%remote, %err, "refused an incoming connection");
                 }
@@ -592,12 +827,12 @@ async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
 }
 
 /// Decrements the peer's `accepting` count when an accepted handshake ends.
-struct Accepting<'a> {
-    inner: &'a NodeInner,
+struct Accepting<'a, E: EpochMaker> {
+    inner: &'a NodeInner<E>,
     peer: Option<PeerId>,
 }
 
-impl Drop for Accepting<'_> {
+impl<E: EpochMaker> Drop for Accepting<'_, E> {
     fn drop(&mut self) {
         if let Some(peer) = self.peer {
             if let Some(state) = self.inner.peers().get_mut(&peer) {
@@ -607,35 +842,82 @@ impl Drop for Accepting<'_> {
     }
 }
 
-async fn accept_once(inner: &NodeInner, mut stream: TcpStream) -> Result<Epoch, ConnectError> {
+async fn accept_once<E: EpochMaker>(
+    inner: &NodeInner<E>,
+    mut stream: TcpStream,
+) -> Result<Epoch, ConnectError> {
     stream.set_nodelay(true)?;
     let mut hs = Handshake::listener(
         inner.config.key.clone(),
         inner.config.id,
-        EndpointKind::Tcp,
+        inner.epochs.kind(),
         fresh_nonce(),
     );
     let mut guard = Accepting { inner, peer: None };
-    let (established, prefix) = drive(&mut stream, &mut hs, |hello| {
-        let decision = decide(inner, hello);
-        if decision.is_ok() {
+    let mut armed = None;
+    let mut local_failure = None;
+    let result = drive(
+        &mut stream,
+        &mut hs,
+        |hello| {
+            let proposed = match decide(inner, hello) {
+                Ok(proposed) => proposed,
+                Err(reason) => return Some(Err(reason)),
+            };
             guard.peer = Some(hello.node);
+            // Only now, for an authenticated and wanted dialer, are resources
+            // made, and connected (RDMA: RTR) before we answer.
+            let epoch = agreed_epoch(hello.proposed, proposed);
+            let made = inner.epochs.accepts(&hello.endpoint).and_then(|()| {
+                let (prepared, endpoint) = inner.epochs.prepare()?;
+                let a = inner.epochs.arm(prepared, &hello.endpoint, epoch)?;
+                Ok((a, endpoint))
+            });
+            match made {
+                Ok((a, endpoint)) => {
+                    armed = Some(a);
+                    Some(Ok(inner.hello(proposed, endpoint)))
+                }
+                Err(err) => {
+                    local_failure = Some(err);
+                    Some(Err(DeclineReason::Unavailable))
+                }
+            }
+        },
+        |_| Ok(()),
+    )
+    .await;
+    let (established, prefix) = match result {
+        Ok(done) => done,
+        Err(ConnectError::DeclinedLocally(_)) if local_failure.is_some() => {
+            return Err(local_failure.expect("checked"));
         }
-        Some(decision)
-    })
-    .await
-    .inspect_err(|err| {
-        if let ConnectError::DeclinedLocally(_) = err {
-            bump(&inner.counters.declined);
+        Err(err) => {
+            if let ConnectError::DeclinedLocally(_) = err {
+                bump(&inner.counters.declined);
+            }
+            return Err(err);
         }
-    })?;
-    let epoch = install(inner, established.peer.node, established, stream, prefix);
+    };
+    let armed = armed.ok_or(BootstrapError::OutOfOrder)?;
+    let epoch = install(
+        inner,
+        established.peer.node,
+        established,
+        armed,
+        stream,
+        prefix,
+    );
     drop(guard);
     epoch
 }
 
-/// The listener's answer to an authenticated dialer's hello.
-fn decide(inner: &NodeInner, hello: &HelloFields) -> Result<HelloFields, DeclineReason> {
+/// The listener's answer to an authenticated dialer's hello: the epoch we
+/// propose, or why we decline.
+fn decide<E: EpochMaker>(
+    inner: &NodeInner<E>,
+    hello: &HelloFields,
+) -> Result<Epoch, DeclineReason> {
     if inner.shutdown.load(Ordering::Acquire) || inner.mux.get().is_none() {
         return Err(DeclineReason::Unavailable);
     }
@@ -644,12 +926,12 @@ fn decide(inner: &NodeInner, hello: &HelloFields) -> Result<HelloFields, Decline
     if state.dialing && hello.node > inner.config.id {
         return Err(DeclineReason::CrossedDial);
     }
-    if state.live()
+    if NodeInner::<E>::live(state)
         && state.incarnation == Some(hello.incarnation)
         && hello.proposed < state.last_epoch
     {
         return Err(DeclineReason::StaleDial);
     }
     state.accepting += 1;
-    Ok(inner.hello(state.last_epoch))
+    Ok(state.last_epoch)
 }

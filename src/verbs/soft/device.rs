@@ -38,6 +38,8 @@ pub struct DeviceStats {
     pub tx_datagrams: u64,
     /// Datagrams dropped (either way) by the partition fault hook.
     pub fault_dropped: u64,
+    /// Queue pairs ever created on this device.
+    pub qps_created: u64,
 }
 
 pub(crate) struct QpEntry {
@@ -101,6 +103,7 @@ impl DeviceCore {
                 break q;
             }
         };
+        self.stats.qps_created += 1;
         let engine = QpEngine::new(qpn, caps, self.rng.random());
         self.qps.insert(
             qpn,
@@ -111,6 +114,10 @@ impl DeviceCore {
             },
         );
         qpn
+    }
+
+    pub fn qp_count(&self) -> usize {
+        self.qps.len()
     }
 
     pub fn destroy_qp(&mut self, qpn: Qpn) {

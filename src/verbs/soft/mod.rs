@@ -221,6 +221,11 @@ impl SoftDevice {
         self.shared.kick.notify_one();
     }
 
+    /// Queue pairs alive on this device now.
+    pub fn qp_count(&self) -> usize {
+        self.shared.core().qp_count()
+    }
+
     /// Counters summed over every live QP (RNR NAKs, rewinds, ...).
     pub fn counters(&self) -> QpCounters {
         self.shared.core().total_counters()

@@ -1,0 +1,369 @@
+//! [`RdmaTransport`]: the mux on RDMA links, each epoch bootstrapped over TCP
+//! by the shared [`Connector`].
+//!
+//! ```text
+//!  dialer:   connect TCP ─ PreparedEnd::new (QP INIT, receives posted) ─ hello(QPN, PSN, ...)
+//!            ◄─ listener hello ─ Established ─ connect: RTR/RTS ─ ready ─► mux.attach
+//!  listener: challenge ─ dialer hello authenticated + decide ─ PreparedEnd::new ─ RTR/RTS
+//!            ─ hello ─► ◄─ ready ─ Established ─► mux.attach
+//!  liveness: the bootstrap TCP connection stays open (keepalive, TCP_USER_TIMEOUT):
+//!            EOF ─► fail(PeerClosed); error ─► fail(PeerLost); link end ─► close it
+//! ```
+//!
+//! Owner: [`RdmaEpochs`] makes each epoch's link and spawns one liveness
+//! task per link, which holds the TCP connection until the epoch ends. The
+//! link owns its QP, CQ and MRs and destroys them in verbs order. Design and
+//! rulings: docs/rdma-link.md § "The RDMA node".
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+
+use super::{PreparedEnd, RdmaConfig, RdmaLink};
+use crate::link::bootstrap::{BootstrapError, ClusterKey, Endpoint, EndpointKind, RdmaEndpoint};
+use crate::link::tcp::{
+    ConnectError, Connector, ConnectorConfig, EpochMaker, TcpLinkConfig, configure,
+};
+use crate::link::{EpochEnd, Link, LinkFault, Node, RegisterError, address};
+use crate::mux::protocol::Epoch;
+use crate::mux::{Mux, MuxConfig, PeerId};
+use crate::verbs::{Device, Gid, Mtu, Psn, QpAddress, Qpn};
+
+/// Configuration of an [`RdmaTransport`]. Defaults are documented per field.
+#[derive(Clone, Debug)]
+pub struct RdmaNodeConfig {
+    /// Node id, cluster key, handshake timeout, dial backoff
+    /// (defaults of [`ConnectorConfig::new`]).
+    pub connector: ConnectorConfig,
+    /// Where the bootstrap listener binds. Default 127.0.0.1:0.
+    pub bind: SocketAddr,
+    /// Shape and RC attributes of every link. Default [`RdmaConfig::default`].
+    pub rdma: RdmaConfig,
+    /// Keepalive and `TCP_USER_TIMEOUT` of the liveness connection (only
+    /// those two fields are used). Default as [`TcpLinkConfig::default`]: 1 s, 5 s.
+    pub liveness: TcpLinkConfig,
+    /// The mux. Default [`MuxConfig::default`].
+    pub mux: MuxConfig,
+}
+
+impl RdmaNodeConfig {
+    /// Defaults for node `id`, without a cluster key.
+    pub fn new(id: PeerId) -> RdmaNodeConfig {
+        RdmaNodeConfig {
+            connector: ConnectorConfig::new(id),
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            rdma: RdmaConfig::default(),
+            liveness: TcpLinkConfig::default(),
+            mux: MuxConfig::default(),
+        }
+    }
+
+    /// Sets the cluster key (`None` if shorter than [`ClusterKey::MIN_LEN`]).
+    pub fn with_key(mut self, key: Option<ClusterKey>) -> RdmaNodeConfig {
+        self.connector.key = key;
+        self
+    }
+}
+
+/// One liveness task's controls: the link ended, or a test severs it.
+#[derive(Default)]
+struct Liveness {
+    wake: Notify,
+    sever: AtomicBool,
+}
+
+/// The RDMA transport's epochs: a [`PreparedEnd`] per handshake, connected
+/// once the peer's endpoint is known; the bootstrap connection becomes the
+/// link's liveness channel.
+pub struct RdmaEpochs<D: Device + 'static> {
+    device: D,
+    config: RdmaConfig,
+    liveness: TcpLinkConfig,
+    /// Liveness controls by local QPN, while the link lives.
+    live: Arc<Mutex<HashMap<u32, Arc<Liveness>>>>,
+}
+
+impl<D: Device + 'static> RdmaEpochs<D> {
+    /// Epochs on `device`, every link shaped by `config`.
+    pub fn new(device: D, config: RdmaConfig, liveness: TcpLinkConfig) -> RdmaEpochs<D> {
+        RdmaEpochs {
+            device,
+            config,
+            liveness,
+            live: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// The device links are made on.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// Test hook: closes `link`'s bootstrap TCP connection abortively (RST),
+    /// as a lost host's would end. The link ends with `PeerLost`; its peer
+    /// learns it from the reset. False if the link has no liveness task.
+    pub fn sever(&self, link: &RdmaLink<D>) -> bool {
+        let qpn = link.address().qpn.value();
+        let ctl = self.lock().get(&qpn).cloned();
+        match ctl {
+            Some(ctl) => {
+                ctl.sever.store(true, Ordering::Release);
+                ctl.wake.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Arc<Liveness>>> {
+        self.live.lock().expect("liveness table poisoned")
+    }
+}
+
+impl<D: Device + 'static> RdmaEpochs<D> {
+    /// The peer's QP address, if a link toward its endpoint can work.
+    fn peer_address(&self, peer: &Endpoint) -> Result<QpAddress, ConnectError> {
+        let Endpoint::Rdma(peer) = peer else {
+            return Err(BootstrapError::WrongTransport {
+                expected: EndpointKind::Rdma,
+                got: peer.kind(),
+            }
+            .into());
+        };
+        // Credit is receive posts: both ends must post the same R buffers
+        // of the same size (docs/rdma-link.md).
+        if peer.recv_depth as usize != self.config.recv_depth {
+            return Err(ConnectError::Incompatible("recv_depth"));
+        }
+        if peer.recv_buf_size as usize != self.config.max_batch {
+            return Err(ConnectError::Incompatible("recv_buf_size"));
+        }
+        if peer.lanes != 1 {
+            return Err(ConnectError::Incompatible("lanes"));
+        }
+        Ok(QpAddress {
+            qpn: Qpn::new(peer.qpn),
+            psn: Psn::new(peer.psn),
+            gid: Gid(peer.gid),
+            udp_port: peer.udp_port,
+            mtu: mtu_of(peer.mtu).ok_or(ConnectError::Incompatible("mtu"))?,
+        })
+    }
+}
+
+fn mtu_of(bytes: u16) -> Option<Mtu> {
+    [
+        Mtu::Mtu256,
+        Mtu::Mtu512,
+        Mtu::Mtu1024,
+        Mtu::Mtu2048,
+        Mtu::Mtu4096,
+    ]
+    .into_iter()
+    .find(|m| m.bytes() == usize::from(bytes))
+}
+
+impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
+    type Link = RdmaLink<D>;
+    type Prepared = PreparedEnd<D>;
+    type Armed = RdmaLink<D>;
+
+    fn kind(&self) -> EndpointKind {
+        EndpointKind::Rdma
+    }
+
+    fn accepts(&self, peer: &Endpoint) -> Result<(), ConnectError> {
+        self.peer_address(peer).map(|_| ())
+    }
+
+    fn prepare(&self) -> Result<(PreparedEnd<D>, Endpoint), ConnectError> {
+        let end = PreparedEnd::new(&self.device, self.config).map_err(|err| {
+            tracing::warn!(%err, "creating the link's QP, CQ and MRs failed");
+            ConnectError::Resources
+        })?;
+        let qp = end.address();
+        let (Ok(recv_depth), Ok(recv_buf_size)) = (
+            u32::try_from(self.config.recv_depth),
+            u32::try_from(self.config.max_batch),
+        ) else {
+            return Err(ConnectError::Incompatible("rdma config out of range"));
+        };
+        let endpoint = RdmaEndpoint {
+            qpn: qp.qpn.value(),
+            psn: qp.psn.value(),
+            gid: qp.gid.0,
+            gid_index: 0,
+            mtu: qp.mtu.bytes() as u16,
+            recv_depth,
+            recv_buf_size,
+            lanes: 1,
+            udp_port: qp.udp_port,
+        };
+        Ok((end, Endpoint::Rdma(endpoint)))
+    }
+
+    fn arm(
+        &self,
+        prepared: PreparedEnd<D>,
+        peer: &Endpoint,
+        epoch: Epoch,
+    ) -> Result<RdmaLink<D>, ConnectError> {
+        let address = self.peer_address(peer)?;
+        prepared.connect(&address, epoch).map_err(|err| {
+            tracing::warn!(%err, "moving the link's QP to RTR/RTS failed");
+            ConnectError::Resources
+        })
+    }
+
+    fn finish(
+        &self,
+        link: RdmaLink<D>,
+        stream: TcpStream,
+        prefix: Vec<u8>,
+        _epoch: Epoch,
+    ) -> Result<RdmaLink<D>, ConnectError> {
+        if !prefix.is_empty() {
+            // Nothing follows the ready on the liveness channel.
+            return Err(BootstrapError::BadField("bytes after ready").into());
+        }
+        configure(&stream, &self.liveness)?;
+        let ctl = Arc::new(Liveness::default());
+        let qpn = link.address().qpn.value();
+        self.lock().insert(qpn, ctl.clone());
+        let wake = ctl.clone();
+        link.on_end(move |_| wake.wake.notify_one());
+        tokio::spawn(liveness(link.clone(), stream, ctl, qpn, self.live.clone()));
+        Ok(link)
+    }
+
+    fn is_ended(link: &RdmaLink<D>) -> bool {
+        link.end_reason().is_some()
+    }
+
+    fn carried_traffic(link: &RdmaLink<D>) -> bool {
+        let stats = link.stats();
+        stats.batches_received > 0 || stats.batches_sent > 0
+    }
+}
+
+/// Holds the bootstrap connection for the link's epoch: its EOF or error
+/// ends the link; the link's end closes it.
+async fn liveness<D: Device + 'static>(
+    link: RdmaLink<D>,
+    mut stream: TcpStream,
+    ctl: Arc<Liveness>,
+    qpn: u32,
+    table: Arc<Mutex<HashMap<u32, Arc<Liveness>>>>,
+) {
+    let mut buf = [0u8; 64];
+    let reason = tokio::select! {
+        () = ctl.wake.notified() => {
+            if ctl.sever.load(Ordering::Acquire) {
+                // An abortive close: the peer sees a reset, as from a lost host.
+                if let Err(err) = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO)) {
+                    tracing::debug!(%err, "SO_LINGER failed");
+                }
+                Some(EpochEnd::PeerLost)
+            } else {
+                None // the link ended first
+            }
+        }
+        read = stream.read(&mut buf) => match read {
+            Ok(0) => Some(EpochEnd::PeerClosed),
+            // Nothing may follow the ready on this connection.
+            Ok(_) => Some(EpochEnd::Fault(LinkFault::Io(io::ErrorKind::InvalidData))),
+            Err(err) => {
+                tracing::debug!(%err, "liveness connection failed");
+                Some(EpochEnd::PeerLost)
+            }
+        },
+    };
+    if let Some(reason) = reason {
+        link.fail(reason);
+    }
+    table.lock().expect("liveness table poisoned").remove(&qpn);
+    drop(stream);
+}
+
+/// The mux over RDMA links, one RC QP per peer per epoch, bootstrapped over
+/// TCP: one [`Connector`] (listener, dialer, peer table) and one mux.
+pub struct RdmaTransport<D: Device + 'static> {
+    node: Connector<RdmaEpochs<D>>,
+    mux: Mux<RdmaLink<D>>,
+}
+
+impl<D: Device + 'static> RdmaTransport<D> {
+    /// Binds the bootstrap listener, creates the mux, and wires them. Links
+    /// are made on `device` lazily, when the mux first has work for a peer.
+    pub async fn start(device: D, config: RdmaNodeConfig) -> io::Result<RdmaTransport<D>> {
+        let epochs = RdmaEpochs::new(device, config.rdma, config.liveness);
+        let node = Connector::bind_with(config.connector, epochs, config.bind).await?;
+        let mux = Mux::new(config.mux, node.dialer());
+        node.set_mux(mux.clone());
+        Ok(RdmaTransport { node, mux })
+    }
+
+    /// The connection manager, for its counters and test hooks
+    /// (`link(peer)`, `stats()`, `connect(peer)`).
+    pub fn node(&self) -> &Connector<RdmaEpochs<D>> {
+        &self.node
+    }
+
+    /// The device this transport's links run on.
+    pub fn device(&self) -> &D {
+        self.node.epochs().device()
+    }
+
+    /// Test hook: abortively closes the bootstrap TCP connection of the
+    /// current link to `peer`. False if there is no live link.
+    pub fn sever_bootstrap(&self, peer: PeerId) -> bool {
+        self.node
+            .link(peer)
+            .is_some_and(|link| self.node.epochs().sever(&link))
+    }
+}
+
+impl<D: Device + 'static> Node for RdmaTransport<D> {
+    type Link = RdmaLink<D>;
+
+    fn mux(&self) -> &Mux<RdmaLink<D>> {
+        &self.mux
+    }
+
+    fn address(&self) -> Vec<u8> {
+        address::encode(self.node.id(), self.node.local_addr())
+    }
+
+    fn register(&self, blob: &[u8]) -> Result<PeerId, RegisterError> {
+        let (peer, addr) = address::decode(blob)?;
+        if peer == self.node.id() {
+            return Err(RegisterError::Own);
+        }
+        self.node.register(peer, addr);
+        Ok(peer)
+    }
+
+    fn unregister(&self, peer: PeerId) {
+        if let Some(link) = self.node.link(peer) {
+            link.fail(EpochEnd::Closed);
+        }
+    }
+
+    fn shutdown(&self) {
+        // As TcpTransport: the mux drains and says goodbye first; the
+        // listener and any link left stop once it has closed.
+        self.mux.shutdown();
+        let (node, mux) = (self.node.clone(), self.mux.clone());
+        tokio::spawn(async move {
+            mux.closed().await;
+            node.shutdown();
+        });
+    }
+}

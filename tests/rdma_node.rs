@@ -1,0 +1,513 @@
+//! `RdmaTransport` nodes: each epoch bootstrapped over loopback TCP, the mux
+//! on one RC QP per peer over soft RoCEv2 devices on loopback UDP, with
+//! `rnr_retry = 0` everywhere (a credit bug ends an epoch instead of hiding).
+//! Every wait is on a state; the outer timeout only turns a hang into a failure.
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use qpmux::link::bootstrap::{
+    ClusterKey, Endpoint, Handshake, HelloFields, RdmaEndpoint, fresh_nonce,
+};
+use qpmux::link::rdma::{RdmaConfig, RdmaLink, RdmaNodeConfig, RdmaTransport};
+use qpmux::link::tcp::ConnectError;
+use qpmux::link::{EpochEnd, Node};
+use qpmux::mux::{
+    DropReason, Epoch, Frame, Mux, MuxTransport, PeerId, SendError, StreamKey, Terminal,
+};
+use qpmux::verbs::soft::SoftDevice;
+use qpmux::verbs::soft::udp::UdpConfig;
+use rand::{Rng, SeedableRng};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+type Transport = RdmaTransport<SoftDevice>;
+type SoftMux = Mux<RdmaLink<SoftDevice>>;
+
+const A: PeerId = PeerId(1);
+const B: PeerId = PeerId(2);
+const C: PeerId = PeerId(3);
+const D: PeerId = PeerId(4);
+const E: PeerId = PeerId(5);
+const KEY: &[u8] = b"a cluster key of 32 bytes here!!";
+const MAX_BATCH: usize = 16 * 1024;
+
+fn config(id: PeerId, key: Option<&[u8]>) -> RdmaNodeConfig {
+    RdmaNodeConfig {
+        rdma: RdmaConfig {
+            recv_depth: 16,
+            max_batch: MAX_BATCH,
+            send_buffers: 8,
+            ..RdmaConfig::strict()
+        },
+        ..RdmaNodeConfig::new(id).with_key(key.and_then(ClusterKey::new))
+    }
+}
+
+async fn device() -> SoftDevice {
+    SoftDevice::open_udp(UdpConfig::default())
+        .await
+        .expect("soft device on loopback")
+}
+
+async fn transport(id: PeerId, key: Option<&[u8]>) -> Transport {
+    RdmaTransport::start(device().await, config(id, key))
+        .await
+        .expect("bind")
+}
+
+/// Registers every node's address blob with every other.
+fn mesh(nodes: &[&Transport]) {
+    for a in nodes {
+        for b in nodes {
+            if a.node().id() != b.node().id() {
+                assert_eq!(a.register(&b.address()), Ok(b.node().id()));
+            }
+        }
+    }
+}
+
+/// Waits (on state, polling) until `cond` holds.
+async fn until(mut cond: impl FnMut() -> bool) {
+    while !cond() {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// A hang becomes a failure instead of a stuck test run.
+async fn bounded<T>(f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(25), f)
+        .await
+        .expect("test did not reach its state")
+}
+
+fn record(slot: u64, n: u32, len: usize) -> Bytes {
+    let mut v = vec![(n % 251) as u8; len.max(12)];
+    v[..8].copy_from_slice(&slot.to_be_bytes());
+    v[8..12].copy_from_slice(&n.to_be_bytes());
+    Bytes::from(v)
+}
+
+fn seq_of(b: &Bytes) -> u32 {
+    u32::from_be_bytes(b[8..12].try_into().expect("4 bytes"))
+}
+
+/// Opens `slots` streams from `from` to `to_mux`'s node and sends `records`
+/// random-size records on each (about one in ten larger than a batch);
+/// returns when every record arrived in order, exactly once, intact, and
+/// every stream finished.
+async fn stream(from: &SoftMux, to: PeerId, to_mux: &SoftMux, anchor: u64, slots: u64) {
+    let records = 3u32;
+    let mut consumers = Vec::new();
+    let mut producers = Vec::new();
+    for s in 0..slots {
+        let key = StreamKey::new(anchor, s);
+        let mut rx = to_mux.bind(key).expect("bind");
+        consumers.push(tokio::spawn(async move {
+            let mut next = 0u32;
+            while let Some(frame) = rx.recv().await {
+                match frame {
+                    Frame::Data(d) => {
+                        assert_eq!(seq_of(&d), next, "in order, exactly once");
+                        assert!(d[12..].iter().all(|&b| b == (next % 251) as u8), "intact");
+                        next += 1;
+                    }
+                    Frame::Finalized => break,
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            next
+        }));
+        let mut tx = from.open(to, key).expect("open");
+        producers.push(tokio::spawn(async move {
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(anchor * 1000 + s);
+            for n in 0..records {
+                let len = if rng.random_bool(0.1) {
+                    rng.random_range(MAX_BATCH + 1..2 * MAX_BATCH)
+                } else {
+                    rng.random_range(12..2_000)
+                };
+                tx.send(record(s, n, len)).await.expect("send");
+            }
+            tx.finish(Terminal::Finalized).expect("finish");
+        }));
+    }
+    for p in producers {
+        p.await.expect("producer");
+    }
+    for c in consumers {
+        assert_eq!(c.await.expect("consumer"), records);
+    }
+}
+
+fn no_rnr(t: &Transport) {
+    let c = t.device().counters();
+    assert_eq!(
+        (c.rnr_naks_sent, c.rnr_naks_received),
+        (0, 0),
+        "credit makes RNR unreachable: {c:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_slots_over_four_peers_arrive_in_order_exactly_once_without_rnr() {
+    bounded(async {
+        let a = transport(A, Some(KEY)).await;
+        let mut peers = Vec::new();
+        for id in [B, C, D, E] {
+            peers.push(transport(id, Some(KEY)).await);
+        }
+        let mut all: Vec<&Transport> = peers.iter().collect();
+        all.push(&a);
+        mesh(&all);
+        fn run<'a>(a: &'a Transport, p: &'a Transport) -> impl Future<Output = ()> + 'a {
+            stream(a.mux(), p.node().id(), p.mux(), p.node().id().0, 250)
+        }
+        tokio::join!(
+            run(&a, &peers[0]),
+            run(&a, &peers[1]),
+            run(&a, &peers[2]),
+            run(&a, &peers[3])
+        );
+        for p in &peers {
+            let id = p.node().id();
+            assert_eq!(a.mux().epoch(id), Some(Epoch(1)));
+            assert_eq!(p.mux().epoch(A), Some(Epoch(1)));
+            assert_eq!(p.mux().stats().slots_dropped, 0);
+            assert_eq!(p.node().stats().established, 1);
+            let link = a.node().link(id).expect("link");
+            assert_eq!(link.end_reason(), None);
+            assert!(link.stats().batches_sent > 1);
+            no_rnr(p);
+        }
+        assert_eq!(a.mux().stats().slots_dropped, 0);
+        assert_eq!(a.node().stats().established, 4);
+        assert_eq!(a.device().qp_count(), 4, "one QP per peer");
+        no_rnr(&a);
+    })
+    .await;
+}
+
+/// How a test ends the first epoch.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// The sender's QP goes to ERR behind the link's back.
+    KillQp,
+    /// The sender's bootstrap TCP connection is reset.
+    SeverTcp,
+}
+
+async fn a_fault_drops_every_live_slot_once_then_the_next_epoch_works(fault: Fault) {
+    let a = transport(A, None).await;
+    let b = transport(B, None).await;
+    mesh(&[&a, &b]);
+    let n_slots = 32u64;
+    let mut receivers = Vec::new();
+    let mut senders = Vec::new();
+    for s in 0..n_slots {
+        let key = StreamKey::new(9, s);
+        receivers.push(b.mux().bind(key).expect("bind"));
+        senders.push(a.mux().open(B, key).expect("open"));
+    }
+    for (s, tx) in senders.iter_mut().enumerate() {
+        for n in 0..3 {
+            tx.send(record(s as u64, n, 100)).await.expect("send");
+        }
+    }
+    for rx in &mut receivers {
+        match rx.recv().await {
+            Some(Frame::Data(d)) => assert_eq!(seq_of(&d), 0),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let epoch = a.mux().epoch(B).expect("link is up");
+    let link = a.node().link(B).expect("link");
+    match fault {
+        Fault::KillQp => link.inject_qp_error().expect("QP to ERR"),
+        Fault::SeverTcp => assert!(a.sever_bootstrap(B), "a live link has a liveness task"),
+    }
+
+    for rx in &mut receivers {
+        let mut next = 1;
+        let mut terminals = 0;
+        while let Some(frame) = rx.recv().await {
+            match frame {
+                Frame::Data(d) => {
+                    assert_eq!(seq_of(&d), next, "delivered prefix stays in order");
+                    next += 1;
+                }
+                Frame::Dropped(DropReason::EpochEnded { epoch: e }) => {
+                    assert_eq!(e, epoch);
+                    terminals += 1;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(terminals, 1, "exactly one Dropped");
+    }
+    until(|| a.mux().stats().slots_dropped == n_slots && b.mux().stats().slots_dropped == n_slots)
+        .await;
+    // Both ends of the epoch ended, each with a reason of its own.
+    let b_link = b.node().link(A).expect("b's link");
+    until(|| link.end_reason().is_some() && b_link.end_reason().is_some()).await;
+    let expected_a = match fault {
+        Fault::KillQp => matches!(link.end_reason(), Some(EpochEnd::Fault(_))),
+        Fault::SeverTcp => link.end_reason() == Some(EpochEnd::PeerLost),
+    };
+    assert!(
+        expected_a,
+        "{fault:?}: a ended with {:?}",
+        link.end_reason()
+    );
+    assert!(
+        matches!(
+            b_link.end_reason(),
+            Some(EpochEnd::PeerClosed | EpochEnd::PeerLost | EpochEnd::Fault(_))
+        ),
+        "{:?}",
+        b_link.end_reason()
+    );
+    for tx in &mut senders {
+        assert_eq!(
+            tx.send(Bytes::from_static(b"late")).await,
+            Err(SendError::Dropped(DropReason::EpochEnded { epoch }))
+        );
+    }
+
+    // The next epoch (a new TCP connection, new QPs) carries new slots.
+    drop((senders, link, b_link));
+    stream(a.mux(), B, b.mux(), 11, 8).await;
+    let next = a.mux().epoch(B).expect("relinked");
+    assert_eq!(next, epoch.next(), "max(1, 1) + 1");
+    assert_eq!(b.mux().epoch(A), Some(next));
+    assert_eq!(
+        a.mux().stats().slots_dropped,
+        n_slots,
+        "nothing dropped twice"
+    );
+    assert_eq!(
+        b.mux().stats().slots_dropped,
+        n_slots,
+        "nothing dropped twice"
+    );
+    assert_eq!(a.node().stats().dial_failures, 0);
+    // The old epoch's QPs are destroyed once nothing holds its links.
+    until(|| a.device().qp_count() == 1 && b.device().qp_count() == 1).await;
+    no_rnr(&a);
+    no_rnr(&b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_qp_drops_every_live_slot_once_and_the_next_epoch_carries_new_slots() {
+    bounded(a_fault_drops_every_live_slot_once_then_the_next_epoch_works(Fault::KillQp)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_bootstrap_connection_drops_every_live_slot_once_and_relinks() {
+    bounded(a_fault_drops_every_live_slot_once_then_the_next_epoch_works(Fault::SeverTcp)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_peer_on_the_same_address_is_detected_and_gets_a_new_epoch() {
+    bounded(async {
+        let a = transport(A, None).await;
+        let b = transport(B, None).await;
+        mesh(&[&a, &b]);
+        stream(a.mux(), B, b.mux(), 1, 4).await;
+        assert_eq!(a.mux().epoch(B), Some(Epoch(1)));
+        let addr = b.node().local_addr();
+        let old_incarnation = b.node().incarnation();
+        b.shutdown();
+        until(|| a.node().link(B).is_some_and(|l| l.end_reason().is_some())).await;
+        until(|| a.mux().epoch(B).is_none()).await;
+        drop(b);
+        // The same node id restarts on the same address (once the port is free).
+        let b2 = loop {
+            let config = RdmaNodeConfig {
+                bind: addr,
+                ..config(B, None)
+            };
+            match RdmaTransport::start(device().await, config).await {
+                Ok(started) => break started,
+                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        };
+        assert_ne!(b2.node().incarnation(), old_incarnation);
+        stream(a.mux(), B, b2.mux(), 2, 4).await;
+        assert_eq!(a.mux().epoch(B), Some(Epoch(2)), "max(1, 0) + 1");
+        assert_eq!(b2.mux().epoch(A), Some(Epoch(2)));
+        assert_eq!(a.node().stats().restarts_seen, 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_sides_dialing_at_once_settle_on_one_connection_without_error() {
+    bounded(async {
+        for round in 0..3u64 {
+            let a = transport(A, None).await;
+            let b = transport(B, None).await;
+            mesh(&[&a, &b]);
+            // Both muxes get work for each other at once: both dial.
+            tokio::join!(
+                stream(a.mux(), B, b.mux(), 10 + round, 20),
+                stream(b.mux(), A, a.mux(), 20 + round, 20)
+            );
+            for (t, peer) in [(&a, B), (&b, A)] {
+                let stats = t.node().stats();
+                assert_eq!(stats.established, 1, "one connection: {stats:?}");
+                assert_eq!(stats.refused, 0, "{stats:?}");
+                assert_eq!(stats.dial_failures, 0, "{stats:?}");
+                assert_eq!(t.mux().epoch(peer), Some(Epoch(1)));
+                assert_eq!(t.mux().stats().slots_dropped, 0);
+                assert_eq!(t.mux().stats().epoch_deaths, 0);
+            }
+            // The losing dial's QP is gone; one QP per side remains.
+            until(|| a.device().qp_count() == 1 && b.device().qp_count() == 1).await;
+            a.shutdown();
+            b.shutdown();
+        }
+    })
+    .await;
+}
+
+/// Reads the listener's challenge frame (4-byte length + body).
+async fn read_frame(stream: &mut TcpStream) -> Vec<u8> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).await.expect("length");
+    let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+    stream.read_exact(&mut body).await.expect("body");
+    let mut frame = len.to_vec();
+    frame.extend_from_slice(&body);
+    frame
+}
+
+/// True once the listener has closed `stream` (EOF or reset).
+async fn closed_by_listener(stream: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 256];
+    loop {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return true,
+            Ok(_) => {}
+        }
+    }
+}
+
+/// A valid unauthenticated dialer hello (endpoint of a QP that does not exist).
+fn hello_to(listener: PeerId) -> Handshake {
+    Handshake::dialer(
+        None,
+        HelloFields {
+            node: PeerId(99),
+            incarnation: 7,
+            proposed: Epoch(0),
+            endpoint: Endpoint::Rdma(RdmaEndpoint {
+                qpn: 0x1234,
+                psn: 1,
+                gid: [0; 16],
+                gid_index: 0,
+                mtu: 1024,
+                recv_depth: 16,
+                recv_buf_size: MAX_BATCH as u32,
+                lanes: 1,
+                udp_port: 9,
+            }),
+        },
+        Some(listener),
+        fresh_nonce(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_hellos_are_refused_before_any_qp_exists_and_the_listener_keeps_serving() {
+    bounded(async {
+        let a = transport(A, Some(b"the WRONG cluster key, 32 bytes!")).await;
+        let b = transport(B, Some(KEY)).await;
+        let c = transport(C, Some(KEY)).await;
+        mesh(&[&a, &b, &c]);
+        let listener = b.node().local_addr();
+
+        // 1. A wrong cluster key: A's mux dials and is refused.
+        let key_ab = StreamKey::new(5, 1);
+        let _rx_ab = b.mux().bind(key_ab).expect("bind");
+        let mut tx_ab = a.mux().open(B, key_ab).expect("open");
+        tx_ab
+            .send(Bytes::from_static(b"intruder"))
+            .await
+            .expect("queued");
+        until(|| b.node().stats().refused >= 1 && a.node().stats().dial_failures >= 1).await;
+        assert!(matches!(
+            b.node().last_refusal(),
+            Some(ConnectError::Handshake(_))
+        ));
+
+        // 2. A hello of another protocol version.
+        let refused = b.node().stats().refused;
+        let mut raw = TcpStream::connect(listener).await.expect("connect");
+        let challenge = read_frame(&mut raw).await;
+        let mut hs = hello_to(B);
+        hs.handle_input(&challenge).expect("a valid challenge");
+        let mut hello = hs.poll_transmit().expect("dialer hello");
+        hello[4 + 5..4 + 7].copy_from_slice(&99u16.to_be_bytes());
+        raw.write_all(&hello).await.expect("write");
+        assert!(closed_by_listener(&mut raw).await);
+        until(|| b.node().stats().refused > refused).await;
+
+        // 3. Garbage after the challenge.
+        let refused = b.node().stats().refused;
+        let mut raw = TcpStream::connect(listener).await.expect("connect");
+        let _ = read_frame(&mut raw).await;
+        let garbage: Vec<u8> = (0..200).map(|_| rand::random::<u8>()).collect();
+        raw.write_all(&garbage).await.expect("write");
+        assert!(closed_by_listener(&mut raw).await);
+        until(|| b.node().stats().refused > refused).await;
+
+        // No QP was ever created on the listener for any of them.
+        assert_eq!(
+            b.device().stats().qps_created,
+            0,
+            "refused before resources"
+        );
+        assert_eq!(b.mux().epoch(A), None, "no epoch with the intruder");
+
+        // The listener keeps serving a correct peer.
+        stream(c.mux(), B, b.mux(), 6, 10).await;
+        assert_eq!(b.mux().epoch(C), Some(Epoch(1)));
+        assert_eq!(b.node().stats().established, 1);
+        assert_eq!(b.device().stats().qps_created, 1, "one QP, for C");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_with_another_receive_depth_is_refused_without_a_qp_and_not_hammered() {
+    bounded(async {
+        let a = transport(A, None).await;
+        let mut b_config = config(B, None);
+        b_config.rdma.recv_depth = 32;
+        let b = RdmaTransport::start(device().await, b_config)
+            .await
+            .expect("bind");
+        mesh(&[&a, &b]);
+        let key = StreamKey::new(3, 1);
+        let _rx = b.mux().bind(key).expect("bind");
+        let mut tx = a.mux().open(B, key).expect("open");
+        tx.send(Bytes::from_static(b"x")).await.expect("queued");
+        until(|| b.node().stats().refused >= 1 && a.node().stats().declined >= 1).await;
+        assert_eq!(
+            b.node().last_refusal(),
+            Some(ConnectError::Incompatible("recv_depth"))
+        );
+        assert_eq!(
+            b.device().stats().qps_created,
+            0,
+            "checked before resources"
+        );
+        // The decline backs the dialer off (50 ms doubling) instead of spinning.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(a.node().stats().declined < 20, "{:?}", a.node().stats());
+        assert_eq!(a.mux().epoch(B), None);
+    })
+    .await;
+}
