@@ -9,13 +9,8 @@ use serde::Serialize;
 use crate::demo::{self, Report, Workload};
 use crate::link::Node;
 use crate::link::mem::{MemConfig, MemFabric};
-use crate::link::rdma::{self, RdmaConfig};
 use crate::link::tcp::{TcpNodeConfig, TcpTransport};
-use crate::mux::protocol::Epoch;
-use crate::mux::{Dialer, Mux, MuxTransport};
 use crate::mux::{MuxConfig, PeerId};
-use crate::verbs::soft::SoftDevice;
-use crate::verbs::soft::udp::UdpConfig;
 
 /// Shape of the demo run.
 #[derive(Debug, Clone, ClapArgs)]
@@ -103,27 +98,14 @@ async fn tcp_row(workload: Workload) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-/// The in-process RDMA row has its one link attached up front.
-struct Attached;
-
-impl Dialer for Attached {
-    fn want_link(&self, _peer: PeerId) {}
-}
-
 async fn rdma_row(workload: Workload) -> anyhow::Result<Report> {
-    let dev_a = SoftDevice::open_udp(UdpConfig::default()).await?;
-    let dev_b = SoftDevice::open_udp(UdpConfig::default()).await?;
-    let (link_a, link_b) = rdma::pair(&dev_a, &dev_b, Epoch(1), RdmaConfig::default())?;
-    let (a, b) = (PeerId(1), PeerId(2));
-    let mux_a = Mux::new(MuxConfig::default(), std::sync::Arc::new(Attached));
-    let mux_b = Mux::new(MuxConfig::default(), std::sync::Arc::new(Attached));
-    mux_a.attach(b, link_a);
-    mux_b.attach(a, link_b);
-    let report = demo::run(&mux_a, &[(&mux_b, b)], 1, workload).await;
-    let stats = dev_a.stats();
-    tracing::debug!(?stats, epoch = ?mux_a.epoch(b), "soft device after the rdma row");
-    mux_a.shutdown();
-    mux_b.shutdown();
+    let a = super::rdma_node(1).await?;
+    let b = super::rdma_node(2).await?;
+    b.register(&a.address())?;
+    let report = demo::run_nodes(&a, &b, 1, workload).await;
+    tracing::debug!(stats = ?a.device().stats(), "soft device after the rdma row");
+    a.shutdown();
+    b.shutdown();
     Ok(report)
 }
 

@@ -19,6 +19,34 @@ mod velo_rows;
 
 use clap::{Parser, Subcommand};
 
+use crate::link::rdma::{RdmaNodeConfig, RdmaTransport};
+use crate::mux::PeerId;
+use crate::verbs::soft::SoftDevice;
+use crate::verbs::soft::udp::UdpConfig;
+
+/// An RDMA node on a fresh soft device, both bound on 127.0.0.1.
+async fn rdma_node(id: u64) -> anyhow::Result<RdmaTransport<SoftDevice>> {
+    rdma_node_at(id, "127.0.0.1:0".parse().expect("literal")).await
+}
+
+/// An RDMA node whose bootstrap listener binds `bind` (its soft device binds
+/// the same IP).
+async fn rdma_node_at(
+    id: u64,
+    bind: std::net::SocketAddr,
+) -> anyhow::Result<RdmaTransport<SoftDevice>> {
+    let device = SoftDevice::open_udp(UdpConfig {
+        bind: std::net::SocketAddr::new(bind.ip(), 0),
+        ..UdpConfig::default()
+    })
+    .await?;
+    let config = RdmaNodeConfig {
+        bind,
+        ..RdmaNodeConfig::new(PeerId(id))
+    };
+    Ok(RdmaTransport::start(device, config).await?)
+}
+
 /// qpmux: many streams per peer over one RC queue pair.
 #[derive(Debug, Parser)]
 #[command(name = "qpmux", version, about)]

@@ -17,7 +17,7 @@ use serde::Serialize;
 
 use crate::link::Node;
 use crate::link::tcp::{TcpNodeConfig, TcpTransport};
-use crate::mux::{Frame, MuxConfig, MuxTransport, PeerId, StreamKey, Terminal};
+use crate::mux::{Frame, MuxConfig, MuxTransport, PeerId, SlotReceiver, StreamKey, Terminal};
 
 const PING_ANCHOR: u64 = 0x5049_4e47; // "PING"
 const PONG_ANCHOR: u64 = 0x504f_4e47; // "PONG"
@@ -25,6 +25,8 @@ const PONG_ANCHOR: u64 = 0x504f_4e47; // "PONG"
 /// Which transport carries the test.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
 pub enum TransportKind {
+    /// The mux over an RC QP per peer (soft provider), bootstrapped over TCP.
+    Rdma,
     /// The mux over TCP links.
     Tcp,
 }
@@ -42,7 +44,7 @@ pub enum Test {
 #[derive(Debug, Clone, ClapArgs)]
 pub struct PingpongArgs {
     /// Transport under test.
-    #[arg(long, value_enum, default_value_t = TransportKind::Tcp)]
+    #[arg(long, value_enum, default_value_t = TransportKind::Rdma)]
     pub transport: TransportKind,
     /// Latency or bandwidth.
     #[arg(long, value_enum, default_value_t = Test::Lat)]
@@ -101,11 +103,11 @@ async fn tcp_node(id: u64, bind: std::net::SocketAddr) -> anyhow::Result<TcpTran
 async fn serve<N: Node>(node: &N, sessions: u64) -> anyhow::Result<()> {
     for session in 0..sessions {
         let mut rx = node.mux().bind(StreamKey::new(PING_ANCHOR, session))?;
-        let Some(Frame::Data(hello)) = rx.recv().await else {
+        let Some(Frame::Data(hello)) = next_data(&mut rx).await else {
             anyhow::bail!("pingpong client sent no address");
         };
         let peer = node.register(&hello)?;
-        let Some(Frame::Data(mode)) = rx.recv().await else {
+        let Some(Frame::Data(mode)) = next_data(&mut rx).await else {
             anyhow::bail!("pingpong client sent no mode");
         };
         let mut tx = node
@@ -121,6 +123,7 @@ async fn serve<N: Node>(node: &N, sessions: u64) -> anyhow::Result<()> {
                         tx.send(record).await?;
                     }
                 }
+                Frame::Heartbeat => {}
                 Frame::Finalized => break,
                 other => anyhow::bail!("pingpong stream ended: {other:?}"),
             }
@@ -160,7 +163,7 @@ async fn client<N: Node>(
             for _ in 0..iters {
                 let sent = Instant::now();
                 tx.send(record.clone()).await?;
-                match rx.recv().await {
+                match next_data(&mut rx).await {
                     Some(Frame::Data(echo)) if echo.len() == size => {}
                     other => anyhow::bail!("bad echo: {other:?}"),
                 }
@@ -173,7 +176,7 @@ async fn client<N: Node>(
                 tx.send(record.clone()).await?;
             }
             tx.finish(Terminal::Finalized)?;
-            match rx.recv().await {
+            match next_data(&mut rx).await {
                 Some(Frame::Data(count)) if count.as_ref() == iters.to_be_bytes() => {}
                 other => anyhow::bail!("bad bandwidth acknowledgement: {other:?}"),
             }
@@ -182,6 +185,16 @@ async fn client<N: Node>(
     let elapsed = start.elapsed();
     while rx.recv().await.is_some() {}
     Ok((one_way, elapsed))
+}
+
+/// The next frame that is not a heartbeat (an idle slot's keepalive).
+async fn next_data(rx: &mut SlotReceiver) -> Option<Frame> {
+    loop {
+        match rx.recv().await {
+            Some(Frame::Heartbeat) => continue,
+            other => return other,
+        }
+    }
 }
 
 fn lat_row(size: usize, mut samples: Vec<Duration>) -> LatRow {
@@ -202,21 +215,48 @@ fn lat_row(size: usize, mut samples: Vec<Duration>) -> LatRow {
 
 pub async fn run(args: PingpongArgs, json: bool) -> anyhow::Result<()> {
     anyhow::ensure!(args.iters > 0, "--iters must be positive");
-    let TransportKind::Tcp = args.transport;
     let loopback: std::net::SocketAddr = "127.0.0.1:0".parse().expect("literal");
-    if let Some(bind) = args.server {
-        let node = tcp_node(1, bind).await?;
-        println!("pingpong server; address: {}", hex(&node.address()));
-        return serve(&node, u64::MAX).await;
-    }
-    let client_node = tcp_node(2, loopback).await?;
-    let (server_peer, local_server) = match &args.client {
-        Some(blob) => (client_node.register(&unhex(blob)?)?, None),
-        None => {
-            let server = tcp_node(1, loopback).await?;
-            let peer = client_node.register(&server.address())?;
-            (peer, Some(server))
+    match args.transport {
+        TransportKind::Rdma => {
+            if let Some(bind) = args.server {
+                return serve_forever(super::rdma_node_at(1, bind).await?).await;
+            }
+            let client = super::rdma_node(2).await?;
+            let server = match args.client {
+                Some(_) => None,
+                None => Some(super::rdma_node(1).await?),
+            };
+            run_client(args, json, client, server).await
         }
+        TransportKind::Tcp => {
+            if let Some(bind) = args.server {
+                return serve_forever(tcp_node(1, bind).await?).await;
+            }
+            let client = tcp_node(2, loopback).await?;
+            let server = match args.client {
+                Some(_) => None,
+                None => Some(tcp_node(1, loopback).await?),
+            };
+            run_client(args, json, client, server).await
+        }
+    }
+}
+
+async fn serve_forever<N: Node>(node: N) -> anyhow::Result<()> {
+    println!("pingpong server; address: {}", hex(&node.address()));
+    serve(&node, u64::MAX).await
+}
+
+async fn run_client<N: Node>(
+    args: PingpongArgs,
+    json: bool,
+    client_node: N,
+    local_server: Option<N>,
+) -> anyhow::Result<()> {
+    let server_peer = match (&args.client, &local_server) {
+        (Some(blob), _) => client_node.register(&unhex(blob)?)?,
+        (None, Some(server)) => client_node.register(&server.address())?,
+        (None, None) => anyhow::bail!("no server to measure against"),
     };
     let sessions = args.size.len() as u64;
     let server_task = local_server.map(|server| {

@@ -200,6 +200,11 @@ impl State {
 
 type EndHook = Box<dyn FnOnce(EpochEnd) + Send>;
 
+/// Longest a graceful close keeps the QP up for SENDs already posted. An
+/// unsignaled last SEND is never reported complete, so this bound is met
+/// then; on a live fabric the SENDs land long before it.
+const GRACEFUL_CLOSE: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Everything one link end owns. Fields drop in declaration order, which is
 /// the verbs destroy order: QP, CQ, MRs, PD.
 struct Shared<D: Device> {
@@ -272,6 +277,27 @@ impl<D: Device + 'static> Shared<D> {
         if self.lock().set_end(reason) {
             self.after_end(reason);
         }
+    }
+
+    /// A graceful local end (after a Goodbye): nothing more may be posted,
+    /// but the QP stays up until the SENDs already posted have completed
+    /// (bounded by [`GRACEFUL_CLOSE`]), so the Goodbye and the batches before
+    /// it are not flushed by our own teardown. docs/rdma-link.md
+    /// § "Graceful close waits for posted SENDs".
+    fn end_gracefully(self: &Arc<Self>, reason: EpochEnd) {
+        if !self.lock().set_end(reason) {
+            return;
+        }
+        self.wake_send.notify_waiters();
+        self.wake_end.notify_waiters();
+        let shared = self.clone();
+        tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + GRACEFUL_CLOSE;
+            while !shared.lock().posted.is_empty() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+            shared.after_end(reason);
+        });
     }
 
     /// The work of an end, outside the state lock: QP to ERR (flushing every
@@ -696,7 +722,20 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
     }
 
     fn fail(&self, reason: EpochEnd) {
-        self.shared().end(reason);
+        match reason {
+            EpochEnd::Closed | EpochEnd::Shutdown
+                if tokio::runtime::Handle::try_current().is_ok() =>
+            {
+                self.shared().end_gracefully(reason)
+            }
+            EpochEnd::Closed
+            | EpochEnd::Shutdown
+            | EpochEnd::PeerClosed
+            | EpochEnd::PeerLost
+            | EpochEnd::Fault(_)
+            | EpochEnd::Violation(_)
+            | EpochEnd::Replaced => self.shared().end(reason),
+        }
     }
 
     async fn ended(&self) -> EpochEnd {
