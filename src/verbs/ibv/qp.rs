@@ -41,6 +41,35 @@ impl Drop for Buffer {
     }
 }
 
+// SAFETY: `Buffer` owns its allocation exclusively; it is only reached
+// through the region's mutex, which serialises every access from user code.
+unsafe impl Send for Buffer {}
+
+/// Exclusive access to a whole [`IbvMr`], held without a closure
+/// ([`MemoryRegion::lock_owned`]). Keeps the bytes alive by itself: if the
+/// region is dropped first, the registration is gone but the memory stays
+/// valid until the guard goes.
+pub struct IbvMrGuard {
+    bytes: parking_lot::ArcMutexGuard<parking_lot::RawMutex, Buffer>,
+    len: usize,
+}
+
+impl std::ops::Deref for IbvMrGuard {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the allocation holds at least `len` bytes and lives as long
+        // as the guard's `Arc`; the lock makes this the only slice.
+        unsafe { std::slice::from_raw_parts(self.bytes.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for IbvMrGuard {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` makes it unique.
+        unsafe { std::slice::from_raw_parts_mut(self.bytes.ptr.as_ptr(), self.len) }
+    }
+}
+
 /// A registered memory region: a page-aligned buffer this crate allocates and
 /// registers with `ibv_reg_mr`.
 ///
@@ -61,17 +90,18 @@ impl Drop for Buffer {
 /// 2. the buffer is freed.
 pub struct IbvMr {
     mr: Arc<SwMr>,
-    buf: Buffer,
+    buf: Arc<parking_lot::Mutex<Buffer>>,
+    /// The buffer's address, for building SGEs without taking the lock.
+    base: NonNull<u8>,
     len: usize,
     access: AccessFlags,
     pd_id: u64,
-    lock: Mutex<()>,
 }
 
-// SAFETY: the raw buffer pointer is only dereferenced under `lock` or by the
-// device; the sideway handle is Send + Sync.
+// SAFETY: `base` is only turned into an address for the device; the bytes
+// are dereferenced under the buffer's mutex; the sideway handle is Send + Sync.
 unsafe impl Send for IbvMr {}
-// SAFETY: as above: shared access goes through `lock`.
+// SAFETY: as above: shared access goes through the mutex.
 unsafe impl Sync for IbvMr {}
 
 pub(crate) fn reg_mr(pd: &IbvPd, len: usize, access: AccessFlags) -> Result<IbvMr, VerbsError> {
@@ -89,7 +119,7 @@ pub(crate) fn reg_mr(pd: &IbvPd, len: usize, access: AccessFlags) -> Result<IbvM
     };
     let buf = Buffer { ptr, layout };
     // SAFETY: `buf` is valid for `len.max(1)` bytes and lives as long as the
-    // registration (IbvMr drops `mr` before `buf`).
+    // registration (IbvMr drops `mr` before its `Arc` of `buf`).
     let mr = unsafe {
         pd.pd.reg_mr(
             buf.ptr.as_ptr() as usize,
@@ -100,11 +130,11 @@ pub(crate) fn reg_mr(pd: &IbvPd, len: usize, access: AccessFlags) -> Result<IbvM
     .map_err(|e| super::io_err("ibv_reg_mr", &e))?;
     Ok(IbvMr {
         mr,
-        buf,
+        base: ptr,
+        buf: Arc::new(parking_lot::Mutex::new(buf)),
         len,
         access,
         pd_id: pd.id,
-        lock: Mutex::new(()),
     })
 }
 
@@ -121,11 +151,20 @@ impl IbvMr {
     }
 
     fn addr(&self, offset: usize) -> u64 {
-        self.buf.ptr.as_ptr() as u64 + offset as u64
+        self.base.as_ptr() as u64 + offset as u64
     }
 }
 
 impl MemoryRegion for IbvMr {
+    type Guard = IbvMrGuard;
+
+    fn lock_owned(&self) -> IbvMrGuard {
+        IbvMrGuard {
+            bytes: parking_lot::Mutex::lock_arc(&self.buf),
+            len: self.len,
+        }
+    }
+
     fn lkey(&self) -> Lkey {
         Lkey(self.mr.lkey())
     }
@@ -145,11 +184,11 @@ impl MemoryRegion for IbvMr {
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R, VerbsError> {
         self.check(offset, len)?;
-        let _g = self.lock.lock().expect("mr lock");
+        let buf = self.buf.lock();
         // SAFETY: offset + len is within the buffer (checked); the region lock
         // makes this the only slice handed out; see the struct's # Safety for
         // device writes.
-        let s = unsafe { std::slice::from_raw_parts_mut(self.buf.ptr.as_ptr().add(offset), len) };
+        let s = unsafe { std::slice::from_raw_parts_mut(buf.ptr.as_ptr().add(offset), len) };
         Ok(f(s))
     }
 
@@ -160,9 +199,9 @@ impl MemoryRegion for IbvMr {
         f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, VerbsError> {
         self.check(offset, len)?;
-        let _g = self.lock.lock().expect("mr lock");
+        let buf = self.buf.lock();
         // SAFETY: as in `with_mut`.
-        let s = unsafe { std::slice::from_raw_parts(self.buf.ptr.as_ptr().add(offset), len) };
+        let s = unsafe { std::slice::from_raw_parts(buf.ptr.as_ptr().add(offset), len) };
         Ok(f(s))
     }
 }
