@@ -31,7 +31,7 @@ use crate::link::bootstrap::{BootstrapError, ClusterKey, Endpoint, EndpointKind,
 use crate::link::tcp::{
     ConnectError, Connector, ConnectorConfig, EpochMaker, TcpLinkConfig, configure,
 };
-use crate::link::{EpochEnd, Link, LinkFault, Node, RegisterError, address};
+use crate::link::{EpochEnd, Link, LinkFault, Node, RegisterError};
 use crate::mux::protocol::Epoch;
 use crate::mux::{Mux, MuxConfig, PeerId};
 use crate::verbs::{Device, Gid, Mtu, Psn, QpAddress, Qpn};
@@ -338,32 +338,18 @@ impl<D: Device + 'static> Node for RdmaTransport<D> {
     }
 
     fn address(&self) -> Vec<u8> {
-        address::encode(self.node.id(), self.node.local_addr())
+        self.node.address_blob()
     }
 
     fn register(&self, blob: &[u8]) -> Result<PeerId, RegisterError> {
-        let (peer, addr) = address::decode(blob)?;
-        if peer == self.node.id() {
-            return Err(RegisterError::Own);
-        }
-        self.node.register(peer, addr);
-        Ok(peer)
+        self.node.register_blob(blob)
     }
 
     fn unregister(&self, peer: PeerId) {
-        if let Some(link) = self.node.link(peer) {
-            link.fail(EpochEnd::Closed);
-        }
+        self.node.close_link(peer);
     }
 
     fn shutdown(&self) {
-        // As TcpTransport: the mux drains and says goodbye first; the
-        // listener and any link left stop once it has closed.
-        self.mux.shutdown();
-        let (node, mux) = (self.node.clone(), self.mux.clone());
-        tokio::spawn(async move {
-            mux.closed().await;
-            node.shutdown();
-        });
+        self.node.shutdown_after(&self.mux);
     }
 }

@@ -503,6 +503,39 @@ impl<E: EpochMaker> Connector<E> {
         self.inner.peers().get(&peer)?.current.clone()
     }
 
+    /// The address blob peers need to reach this node ([`crate::link::address`]).
+    pub fn address_blob(&self) -> Vec<u8> {
+        crate::link::address::encode(self.id(), self.local_addr())
+    }
+
+    /// Registers the node a blob names; what a transport's `Node::register` does.
+    pub fn register_blob(&self, blob: &[u8]) -> Result<PeerId, crate::link::RegisterError> {
+        let (peer, addr) = crate::link::address::decode(blob)?;
+        if peer == self.id() {
+            return Err(crate::link::RegisterError::Own);
+        }
+        self.register(peer, addr);
+        Ok(peer)
+    }
+
+    /// Ends the current link to `peer` gracefully, if there is one.
+    pub fn close_link(&self, peer: PeerId) {
+        if let Some(link) = self.link(peer) {
+            link.fail(EpochEnd::Closed);
+        }
+    }
+
+    /// Shuts `mux` down first (it drains and says goodbye on the live links),
+    /// then this connector once the mux has closed. Does not wait.
+    pub fn shutdown_after(&self, mux: &Mux<E::Link>) {
+        mux.shutdown();
+        let (node, mux) = (self.clone(), mux.clone());
+        tokio::spawn(async move {
+            mux.closed().await;
+            node.shutdown();
+        });
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> NodeStats {
         let c = &self.inner.counters;

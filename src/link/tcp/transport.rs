@@ -4,7 +4,7 @@ use std::io;
 use std::net::SocketAddr;
 
 use super::{TcpLink, TcpNode, TcpNodeConfig};
-use crate::link::{EpochEnd, Link, Node, RegisterError, address};
+use crate::link::{Node, RegisterError};
 use crate::mux::{Mux, MuxConfig, PeerId};
 
 /// The mux over TCP links: the baseline the RDMA transport is measured against.
@@ -38,32 +38,18 @@ impl Node for TcpTransport {
     }
 
     fn address(&self) -> Vec<u8> {
-        address::encode(self.node.id(), self.node.local_addr())
+        self.node.address_blob()
     }
 
     fn register(&self, blob: &[u8]) -> Result<PeerId, RegisterError> {
-        let (peer, addr) = address::decode(blob)?;
-        if peer == self.node.id() {
-            return Err(RegisterError::Own);
-        }
-        self.node.register(peer, addr);
-        Ok(peer)
+        self.node.register_blob(blob)
     }
 
     fn unregister(&self, peer: PeerId) {
-        if let Some(link) = self.node.link(peer) {
-            link.fail(EpochEnd::Closed);
-        }
+        self.node.close_link(peer);
     }
 
     fn shutdown(&self) {
-        // The mux drains and says goodbye on the live links first; the
-        // listener and any link left stop once it has closed.
-        self.mux.shutdown();
-        let (node, mux) = (self.node.clone(), self.mux.clone());
-        tokio::spawn(async move {
-            mux.closed().await;
-            node.shutdown();
-        });
+        self.node.shutdown_after(&self.mux);
     }
 }
