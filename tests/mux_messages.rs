@@ -1,6 +1,7 @@
 //! The message class: ordered, fragmented, reported when never written.
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -32,7 +33,39 @@ async fn until(mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// A sink that holds the receiving peer task inside `deliver` until opened,
+/// so the receiver takes no more batches and the sender's queue stays full.
+#[derive(Default)]
+struct Gate {
+    open: Mutex<bool>,
+    opened: Condvar,
+    entered: AtomicBool,
+}
+
+impl MessageSink for Gate {
+    fn deliver(&self, _peer: PeerId, _message: Bytes) {
+        self.entered.store(true, Ordering::Release);
+        let mut open = self.open.lock().expect("lock");
+        while !*open {
+            open = self.opened.wait(open).expect("lock");
+        }
+    }
+}
+
+impl Gate {
+    fn open(&self) {
+        *self.open.lock().expect("lock") = true;
+        self.opened.notify_all();
+    }
+}
+
 fn nodes() -> (Arc<MemFabric>, Mux<MemLink>, Mux<MemLink>, Arc<Collect>) {
+    let sink = Arc::new(Collect::default());
+    let (fabric, a, b) = nodes_with(sink.clone());
+    (fabric, a, b, sink)
+}
+
+fn nodes_with(sink: Arc<dyn MessageSink>) -> (Arc<MemFabric>, Mux<MemLink>, Mux<MemLink>) {
     let fabric = MemFabric::new(MemConfig {
         credits: 4,
         max_batch: 16 * 1024,
@@ -42,9 +75,8 @@ fn nodes() -> (Arc<MemFabric>, Mux<MemLink>, Mux<MemLink>, Arc<Collect>) {
     let b = Mux::new(MuxConfig::default(), fabric.dialer(B));
     fabric.add(A, a.clone());
     fabric.add(B, b.clone());
-    let sink = Arc::new(Collect::default());
-    assert!(b.set_message_sink(sink.clone()));
-    (fabric, a, b, sink)
+    assert!(b.set_message_sink(sink));
+    (fabric, a, b)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,8 +149,10 @@ async fn messages_never_written_are_reported_when_the_epoch_dies() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_messages_are_reported_exactly_once_on_epoch_death() {
-    let (fabric, a, b, _sink) = nodes();
-    // B stops taking batches: kill happens while A has messages queued.
+    // B's peer task is held inside its first delivery, so it takes no more
+    // batches: A's link credit runs out and the rest of the messages queue.
+    let gate = Arc::new(Gate::default());
+    let (fabric, a, b) = nodes_with(gate.clone());
     let failed = Arc::new(Mutex::new(0usize));
     let (tx, rx) = flume::bounded(4096);
     a.install_messages(B, rx);
@@ -132,14 +166,21 @@ async fn queued_messages_are_reported_exactly_once_on_epoch_death() {
         .await
         .expect("open");
     }
+    until(|| gate.entered.load(Ordering::Acquire)).await;
     fabric.kill(A, B, EpochEnd::Fault(LinkFault::Injected));
     until(|| tx.is_disconnected()).await;
+    gate.open();
     let reported = *failed.lock().expect("lock");
-    let stats = b.stats();
-    let delivered = stats.records_received; // upper bound on messages delivered
-    assert!(reported > 0, "some messages were still queued");
+    // At most credits (4) batches of 16 KiB reached B: 4 messages each.
+    assert!(
+        reported >= total - 4 * 4,
+        "the queued messages were reported: {reported}"
+    );
+    until(|| b.stats().epoch_deaths == 1).await;
+    let delivered = b.stats().records_received; // upper bound on messages delivered
     assert!(
         reported as u64 + delivered >= total as u64,
         "none lost silently"
     );
+    assert!(reported <= total, "none reported twice");
 }

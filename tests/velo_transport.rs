@@ -416,7 +416,11 @@ async fn observability_counts_admitted_frames_and_names_rejections() {
             .expect("delivered"),
     );
     assert_eq!(a_counts.outbound.load(Ordering::SeqCst), 1);
-    assert_eq!(b_counts.inbound.load(Ordering::SeqCst), 1);
+    // Counted on the admitted arm, after the frame reached the stream.
+    until("B counts the inbound frame", || {
+        b_counts.inbound.load(Ordering::SeqCst) == 1
+    })
+    .await;
     // Drain-rejected: a rejection, not inbound traffic.
     b.streams.shutdown_state.begin_drain();
     assert!(send(&a, b.id, MessageType::Message, b"two", &errors).is_admitted());
@@ -427,7 +431,10 @@ async fn observability_counts_admitted_frames_and_names_rejections() {
         [velo_ext::TransportRejection::DrainRejected]
     );
     // The echo arrived at A as inbound traffic; both sends were outbound.
-    assert_eq!(a_counts.inbound.load(Ordering::SeqCst), 1);
+    until("A counts the echo", || {
+        a_counts.inbound.load(Ordering::SeqCst) == 1
+    })
+    .await;
     assert_eq!(a_counts.outbound.load(Ordering::SeqCst), 2);
     // A pre-wire failure is a send error, not outbound traffic.
     a.transport.unregister(b.id);
