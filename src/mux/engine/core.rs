@@ -106,6 +106,9 @@ pub(crate) struct PeerCore {
     messages_out: VecDeque<OutboundMessage>,
     /// The unsent rest of the message being written, and its sender's hook.
     message_partial: Option<(Bytes, OutboundMessage)>,
+    /// Messages whose last fragment is in the batch being posted: still armed
+    /// until the post succeeds, so a failed post reports them.
+    messages_in_batch: Vec<OutboundMessage>,
     message_seq_out: FrameSeq,
     message_seq_in: FrameSeq,
     message_reassembly: Option<BytesMut>,
@@ -153,6 +156,7 @@ impl PeerCore {
             ping_owed: None,
             messages_out: VecDeque::new(),
             message_partial: None,
+            messages_in_batch: Vec::new(),
             message_seq_out: FrameSeq(0),
             message_seq_in: FrameSeq(0),
             message_reassembly: None,
@@ -371,6 +375,13 @@ impl PeerCore {
         enc.finish()
     }
 
+    /// The batch from the last `poll_batch` is on the link: its messages are
+    /// no longer the sender's to report. Without this call (a failed post)
+    /// they stay armed and `fail_all` reports them.
+    pub fn batch_posted(&mut self) {
+        self.messages_in_batch.drain(..).for_each(OutboundMessage::written);
+    }
+
     /// Writes a Goodbye as the last batch of the epoch.
     pub fn poll_goodbye(&mut self, buf: &mut [u8]) -> usize {
         let Ok(mut enc) = BatchEncoder::new(buf, self.epoch, self.batch_seq_out, Lane(0)) else {
@@ -410,6 +421,7 @@ impl PeerCore {
         // partly written one is reported too.
         self.message_partial = None;
         self.messages_out.clear();
+        self.messages_in_batch.clear();
     }
 
     /// Writes queued messages; returns true if all of them fit.
@@ -437,7 +449,7 @@ impl PeerCore {
                 self.message_partial = Some((rest.slice(n..), message));
                 return false;
             }
-            message.written();
+            self.messages_in_batch.push(message);
         }
     }
 
@@ -976,5 +988,61 @@ impl PeerCore {
         }
         self.make_ready(index, now);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::mux::PeerId;
+
+    fn core() -> PeerCore {
+        let config = Arc::new(MuxConfig::default());
+        let control = Arc::new(PeerControl::new(
+            PeerId(2),
+            config.peer_budget,
+            Arc::new(Counters::default()),
+        ));
+        let registry = Registry::new(config.slot_window, 16);
+        PeerCore::new(Epoch(1), config, control, registry, Instant::now())
+    }
+
+    fn counted(reports: &Arc<AtomicUsize>) -> OutboundMessage {
+        let reports = reports.clone();
+        OutboundMessage {
+            body: Bytes::from_static(b"hello"),
+            on_fail: Some(Box::new(move |_| {
+                reports.fetch_add(1, Ordering::SeqCst);
+            })),
+        }
+    }
+
+    #[test]
+    fn a_message_in_a_batch_whose_post_failed_is_reported_once() {
+        let reports = Arc::new(AtomicUsize::new(0));
+        let mut core = core();
+        core.handle_message(counted(&reports), Instant::now());
+        let mut buf = vec![0u8; 4096];
+        assert!(core.poll_batch(&mut buf, Instant::now()) > 0);
+        // No batch_posted: the post failed and the epoch ends.
+        core.fail_all(DropReason::EpochEnded { epoch: Epoch(1) });
+        assert_eq!(reports.load(Ordering::SeqCst), 1);
+        drop(core);
+        assert_eq!(reports.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_posted_message_is_not_reported() {
+        let reports = Arc::new(AtomicUsize::new(0));
+        let mut core = core();
+        core.handle_message(counted(&reports), Instant::now());
+        let mut buf = vec![0u8; 4096];
+        assert!(core.poll_batch(&mut buf, Instant::now()) > 0);
+        core.batch_posted();
+        core.fail_all(DropReason::EpochEnded { epoch: Epoch(1) });
+        drop(core);
+        assert_eq!(reports.load(Ordering::SeqCst), 0);
     }
 }

@@ -479,6 +479,7 @@ async fn run_epoch<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, link: L) -
                         if let Err(err) = link.post(buf, len) {
                             break end_of(err);
                         }
+                        core.batch_posted();
                     }
                 }
                 Err(err) => break end_of(err),
