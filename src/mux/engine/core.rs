@@ -379,7 +379,9 @@ impl PeerCore {
     /// no longer the sender's to report. Without this call (a failed post)
     /// they stay armed and `fail_all` reports them.
     pub fn batch_posted(&mut self) {
-        self.messages_in_batch.drain(..).for_each(OutboundMessage::written);
+        self.messages_in_batch
+            .drain(..)
+            .for_each(OutboundMessage::written);
     }
 
     /// Writes a Goodbye as the last batch of the epoch.
