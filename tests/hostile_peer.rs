@@ -220,6 +220,30 @@ async fn an_unfragmented_record_larger_than_max_record_is_epoch_death() {
 }
 
 #[tokio::test]
+async fn an_unfragmented_message_larger_than_max_record_is_epoch_death() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig {
+            max_record: 1000,
+            ..MuxConfig::default()
+        })
+        .await;
+        arena.evil.lie_message_of(1001).await;
+        epoch_death(
+            &arena,
+            ProtocolError::RecordTooLarge {
+                slot: slot(0, 0),
+                len: 1001,
+                max: 1000,
+            },
+        )
+        .await;
+        assert_eq!(arena.target.stats().drops.no_message_handler, 0);
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_record_length_past_the_batch_end_is_epoch_death() {
     bounded(async {
         let mut arena = Arena::new(MuxConfig::default()).await;

@@ -201,3 +201,23 @@ async fn connections_past_max_pending_handshakes_are_closed_at_once() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dial_to_a_listener_that_never_speaks_times_out() {
+    bounded(async {
+        let (a_node, _a) = tcp_node(A, |c| TcpNodeConfig {
+            handshake_timeout: Duration::from_millis(300),
+            ..c
+        })
+        .await;
+        let mute = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        a_node.register(L, mute.local_addr().expect("addr"));
+        let (dialed, accepted) = tokio::join!(a_node.connect(L), mute.accept());
+        assert_eq!(dialed, Err(ConnectError::Timeout));
+        let (mut held, _) = accepted.expect("accept");
+        assert_eq!(read_to_close(&mut held).await, 0, "the dialer left without a word");
+    })
+    .await;
+}

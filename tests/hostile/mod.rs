@@ -204,6 +204,14 @@ impl HostileMem {
             .await;
     }
 
+    /// One unfragmented message-class record of `len` bytes (first message
+    /// of the epoch).
+    pub async fn lie_message_of(&mut self, len: usize) {
+        let body = vec![2u8; len];
+        self.post(|enc| enc.push_message(FrameSeq(0), &body, false).expect("fits"))
+            .await;
+    }
+
     /// A Data record whose length field claims `claim` bytes, past the batch end.
     pub async fn lie_length_past_end(&mut self, slot: SlotId, claim: u32) {
         let seq = self.take_seq(slot);
