@@ -217,7 +217,11 @@ async fn a_dial_to_a_listener_that_never_speaks_times_out() {
         let (dialed, accepted) = tokio::join!(a_node.connect(L), mute.accept());
         assert_eq!(dialed, Err(ConnectError::Timeout));
         let (mut held, _) = accepted.expect("accept");
-        assert_eq!(read_to_close(&mut held).await, 0, "the dialer left without a word");
+        assert_eq!(
+            read_to_close(&mut held).await,
+            0,
+            "the dialer left without a word"
+        );
     })
     .await;
 }
