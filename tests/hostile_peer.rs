@@ -484,3 +484,127 @@ async fn hostile_hellos_are_refused_by_name_and_the_honest_peer_keeps_its_epoch(
     })
     .await;
 }
+
+// ---- random lies ----
+
+/// One record a liar may write: small domains, so sequences hit live slots,
+/// reused indexes and near-miss sequence numbers.
+#[derive(Clone, Debug)]
+enum AnyRecord {
+    Data(u32, u8, u32, usize, bool),
+    Open(u32, u8, u32, u64),
+    Close(u32, u8, u32, u8),
+    Credit(u32, u8, u32),
+    Heartbeat(u32, u8, u32),
+    Goodbye,
+    Message(u32, usize, bool),
+    Ping(u64),
+}
+
+fn any_record() -> impl proptest::strategy::Strategy<Value = AnyRecord> {
+    use proptest::prelude::*;
+    let index = 0..3u32;
+    let generation = 0..2u8;
+    let seq = 0..4u32;
+    prop_oneof![
+        4 => (index.clone(), generation.clone(), seq.clone(), 0..600usize, any::<bool>())
+            .prop_map(|(i, g, q, l, m)| AnyRecord::Data(i, g, q, l, m)),
+        3 => (index.clone(), generation.clone(), seq.clone(), 0..3u64)
+            .prop_map(|(i, g, q, s)| AnyRecord::Open(i, g, q, s)),
+        1 => (index.clone(), generation.clone(), seq.clone(), 0..6u8)
+            .prop_map(|(i, g, q, r)| AnyRecord::Close(i, g, q, r)),
+        1 => (index.clone(), generation.clone(), any::<u32>())
+            .prop_map(|(i, g, b)| AnyRecord::Credit(i, g, b)),
+        1 => (index, generation, seq.clone())
+            .prop_map(|(i, g, q)| AnyRecord::Heartbeat(i, g, q)),
+        1 => Just(AnyRecord::Goodbye),
+        1 => (seq, 0..600usize, any::<bool>()).prop_map(|(q, l, m)| AnyRecord::Message(q, l, m)),
+        1 => any::<u64>().prop_map(AnyRecord::Ping),
+    ]
+}
+
+fn push_any(enc: &mut qpmux::mux::protocol::BatchEncoder<'_>, record: &AnyRecord) {
+    let id = |i, g| slot(i, g);
+    let body = |len: usize| vec![0x5a; len];
+    // A record that does not fit is left out: the lie is in the values.
+    let _ = match *record {
+        AnyRecord::Data(i, g, q, len, more) => {
+            enc.push_data(id(i, g), FrameSeq(q), &body(len), more)
+        }
+        AnyRecord::Open(i, g, q, session) => enc.push_open(id(i, g), FrameSeq(q), EVIL.0, session),
+        AnyRecord::Close(i, g, q, reason) => {
+            let reason = CloseReason::from_wire(reason).expect("0..6 are reasons");
+            enc.push_close(id(i, g), FrameSeq(q), reason)
+        }
+        AnyRecord::Credit(i, g, bytes) => enc.push_credit(id(i, g), bytes),
+        AnyRecord::Heartbeat(i, g, q) => enc.push_heartbeat(id(i, g), FrameSeq(q)),
+        AnyRecord::Goodbye => enc.push_goodbye(),
+        AnyRecord::Message(q, len, more) => enc.push_message(FrameSeq(q), &body(len), more),
+        AnyRecord::Ping(nonce) => enc.push_ping(nonce),
+    };
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// Any sequence of well-encoded records, true or not: the target never
+    /// panics or wedges (it answers a Ping, or it has ended the liar's epoch
+    /// with a counted reason), and the honest peer never notices.
+    #[test]
+    fn random_lies_end_in_a_counted_verdict_or_an_answer_never_a_hang(
+        batches in proptest::collection::vec(
+            proptest::collection::vec(any_record(), 1..6), 1..12),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(bounded(async {
+            let mut arena = Arena::new(MuxConfig {
+                slot_window: 1024,
+                max_record: 1024,
+                max_slots_per_peer: 2,
+                ..MuxConfig::default()
+            })
+            .await;
+            let _bound: Vec<_> = (0..3)
+                .map(|s| arena.target.bind(StreamKey::new(EVIL.0, s)).expect("bind"))
+                .collect();
+            for records in &batches {
+                let alive = arena.evil.post_checked(|enc| {
+                    for record in records {
+                        push_any(enc, record);
+                    }
+                });
+                if alive.await.is_err() {
+                    break;
+                }
+            }
+            let alive = arena.evil.post_checked(|enc| enc.push_ping(0xfeed).expect("fits"));
+            let answered = if alive.await.is_ok() {
+                loop {
+                    match arena.evil.hear().await {
+                        Ok(heard) if heard.contains(&Heard::Pong(0xfeed)) => break true,
+                        Ok(_) => {}
+                        Err(_) => break false,
+                    }
+                }
+            } else {
+                false
+            };
+            let stats = arena.target.stats();
+            if !answered {
+                match arena.evil.verdict().await {
+                    EpochEnd::Violation(_) => {
+                        until(|| arena.target.stats().protocol_violations == 1).await;
+                    }
+                    EpochEnd::PeerClosed => assert!(stats.protocol_violations <= 1),
+                    other => panic!("the liar's epoch ended with {other:?}"),
+                }
+            } else {
+                assert_eq!(stats.protocol_violations, 0);
+            }
+            arena.honest.still_unaffected().await;
+        }));
+    }
+}

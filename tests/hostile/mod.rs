@@ -69,7 +69,9 @@ pub enum Heard {
     Credit(SlotId, u32),
     /// Slot data of this many bytes.
     Data(SlotId, usize),
-    /// Anything else (ping, pong, heartbeat, goodbye, message).
+    /// A Pong with its nonce.
+    Pong(u64),
+    /// Anything else (ping, heartbeat, goodbye, message).
     Other,
 }
 
@@ -113,6 +115,16 @@ impl HostileMem {
         let len = enc.finish();
         patch(&mut buf[..len]);
         self.link.post(buf, len)
+    }
+
+    /// Posts the next correctly numbered batch; an error once the epoch is over.
+    pub async fn post_checked(
+        &mut self,
+        build: impl FnOnce(&mut BatchEncoder<'_>),
+    ) -> Result<(), LinkError> {
+        let (epoch, seq) = (self.epoch, self.batch_seq);
+        self.batch_seq += 1;
+        self.post_raw(epoch, seq, build, |_| {}).await
     }
 
     /// Posts the next correctly numbered batch of this epoch.
@@ -301,6 +313,7 @@ impl HostileMem {
                 RecordBody::Close(reason) => Heard::Close(r.slot, reason),
                 RecordBody::Credit(bytes) => Heard::Credit(r.slot, bytes),
                 RecordBody::Data(body) => Heard::Data(r.slot, body.len()),
+                RecordBody::Pong(nonce) => Heard::Pong(nonce),
                 _ => Heard::Other,
             })
             .collect())
