@@ -225,3 +225,42 @@ async fn a_dial_to_a_listener_that_never_speaks_times_out() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn slots_dropped_by_an_epoch_death_give_their_places_back() {
+    bounded(async {
+        let limit = 3;
+        let config = MuxConfig {
+            max_slots_per_peer: limit,
+            ..MuxConfig::default()
+        };
+        let fabric = MemFabric::new(MemConfig::default());
+        let l = fabric.node(L, config.clone()).mux().clone();
+        let a = fabric.node(A, config).mux().clone();
+        let mut held = Vec::new();
+        for s in 0..u64::from(limit) {
+            let key = StreamKey::new(L.0, s);
+            let mut rx = a.bind(key).expect("bind");
+            let mut tx = l.open(A, key).expect("open");
+            tx.send(bytes::Bytes::from_static(b"x"))
+                .await
+                .expect("send");
+            assert!(matches!(rx.recv().await, Some(Frame::Data(_))));
+            held.push((tx, rx));
+        }
+        assert!(l.open(A, StreamKey::new(L.0, 9)).is_err());
+        assert!(fabric.kill(L, A, qpmux::link::EpochEnd::PeerLost));
+        for (_, rx) in &mut held {
+            assert!(matches!(rx.recv().await, Some(Frame::Dropped(_))));
+        }
+        // The dead slots' senders are still held, yet count no more.
+        until(|| l.epoch(A).is_none()).await;
+        let key = StreamKey::new(L.0, 10);
+        let mut rx = a.bind(key).expect("bind");
+        let tx = l.open(A, key).expect("a place after the epoch died");
+        tx.finish(Terminal::Finalized).expect("finish");
+        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        drop(held);
+    })
+    .await;
+}
