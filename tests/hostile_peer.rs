@@ -286,6 +286,25 @@ async fn a_batch_from_an_old_epoch_is_epoch_death() {
 }
 
 #[tokio::test]
+async fn a_batch_seq_jump_is_epoch_death() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig::default()).await;
+        arena.evil.post(|enc| enc.push_ping(7).expect("fits")).await;
+        arena.evil.lie_batch_seq_jump(3).await;
+        epoch_death(
+            &arena,
+            ProtocolError::BatchSeqGap {
+                expected: 1,
+                got: 4,
+            },
+        )
+        .await;
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn records_after_a_goodbye_are_discarded_and_counted() {
     bounded(async {
         let mut arena = Arena::new(MuxConfig::default()).await;

@@ -252,6 +252,16 @@ impl HostileMem {
             .expect("post");
     }
 
+    /// A well-formed batch numbered `skip` past the next one.
+    pub async fn lie_batch_seq_jump(&mut self, skip: u32) {
+        let seq = self.batch_seq + skip;
+        self.batch_seq = seq + 1;
+        let epoch = self.epoch;
+        self.post_raw(epoch, seq, |enc| enc.push_ping(1).expect("fits"), |_| {})
+            .await
+            .expect("post");
+    }
+
     /// Goodbye, then (in the next batch) more data on `slot`.
     pub async fn lie_goodbye_then_data(&mut self, slot: SlotId) {
         self.post(|enc| enc.push_goodbye().expect("fits")).await;
