@@ -167,7 +167,8 @@ async fn connections_past_max_pending_handshakes_are_closed_at_once() {
         let pending = 2;
         let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
             max_pending_handshakes: pending,
-            handshake_timeout: Duration::from_secs(1),
+            // Long enough that both holders are in before the first is cut.
+            handshake_timeout: Duration::from_secs(2),
             ..c
         })
         .await;
