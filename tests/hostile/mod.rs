@@ -25,8 +25,7 @@ use qpmux::link::bootstrap::{
 use qpmux::link::mem::{MemConfig, MemFabric, MemLink, pair};
 use qpmux::link::{EpochEnd, Link, LinkError, Node};
 use qpmux::mux::protocol::{
-    BATCH_HEADER_LEN, BatchEncoder, BatchView, CloseReason, FrameSeq, Lane, RECORD_HEADER_LEN,
-    RecordBody, SlotId,
+    BATCH_HEADER_LEN, BatchEncoder, BatchView, CloseReason, FrameSeq, Lane, RecordBody, SlotId,
 };
 use qpmux::mux::{
     Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, SlotReceiver, SlotSender, StreamKey,
@@ -234,9 +233,9 @@ impl HostileMem {
             batch_seq,
             |enc| enc.push_data(slot, seq, b"short", false).expect("fits"),
             |bytes| {
+                // The first record's length field: type(1) slot(4) seq(4).
                 let len_at = BATCH_HEADER_LEN + 9;
                 bytes[len_at..len_at + 4].copy_from_slice(&claim.to_be_bytes());
-                debug_assert!(bytes.len() < BATCH_HEADER_LEN + RECORD_HEADER_LEN + 64);
             },
         )
         .await
