@@ -23,7 +23,7 @@ mod stats;
 pub mod surface;
 
 pub use config::{FlushPolicy, MuxConfig};
-pub use engine::{Dialer, Mux};
+pub use engine::{Dialer, Mux, ProtocolError};
 pub use message::{MessageSink, OnFail, OutboundMessage};
 pub use protocol::{CloseReason, Epoch};
 pub use slot::{RecvError, SendError, SlotReceiver, SlotSender};

@@ -72,6 +72,11 @@ pub(crate) struct PeerControl {
     next_ping: AtomicU64,
     /// The highest Ping nonce the peer has answered.
     pub pong_seen: tokio::sync::watch::Sender<u64>,
+    /// Egress slots opened and not yet ended (counted at `open`, so the
+    /// slot limit holds before the peer task adopts them).
+    egress_live: AtomicUsize,
+    /// Ingress slots in the current epoch's table, published by the peer task.
+    pub ingress_live: AtomicUsize,
 }
 
 #[derive(Debug, Default)]
@@ -96,7 +101,20 @@ impl PeerControl {
             counters,
             next_ping: AtomicU64::new(1),
             pong_seen: tokio::sync::watch::Sender::new(0),
+            egress_live: AtomicUsize::new(0),
+            ingress_live: AtomicUsize::new(0),
         }
+    }
+
+    /// Counts one more egress slot if both directions together stay within
+    /// `limit`; false at the limit.
+    pub fn admit_egress(&self, limit: usize) -> bool {
+        let ingress = self.ingress_live.load(Ordering::Acquire);
+        self.egress_live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n + ingress < limit).then_some(n + 1)
+            })
+            .is_ok()
     }
 
     /// Asks the peer task to send a Ping; resolves when a Pong for it (or a
@@ -153,6 +171,8 @@ pub(crate) struct InletState {
     closed: Option<SendError>,
     dirty: bool,
     adopted: bool,
+    /// The slot no longer counts toward the peer's slot limit.
+    released: bool,
 }
 
 /// What the peer task takes from an inlet.
@@ -295,6 +315,15 @@ impl Inlet {
         Pop::Record(data)
     }
 
+    /// Stops counting this slot toward the peer's limit (once): it ended,
+    /// was refused, or its terminal went out.
+    pub fn release_slot(&self) {
+        let mut state = lock(&self.state);
+        if !std::mem::replace(&mut state.released, true) {
+            self.control.egress_live.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
     /// Ends the slot for its producer; discards what it had queued.
     pub fn close(&self, err: SendError) {
         let mut state = lock(&self.state);
@@ -305,9 +334,19 @@ impl Inlet {
         state.terminal = None;
         let discarded = std::mem::take(&mut state.queued);
         state.queue.clear();
+        if !std::mem::replace(&mut state.released, true) {
+            self.control.egress_live.fetch_sub(1, Ordering::AcqRel);
+        }
         drop(state);
         self.control.release_budget(discarded);
         self.space.notify_waiters();
+    }
+}
+
+impl Drop for Inlet {
+    fn drop(&mut self) {
+        // Backstop for an inlet that never reached a table (its peer retired).
+        self.release_slot();
     }
 }
 

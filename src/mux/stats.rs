@@ -40,6 +40,9 @@ pub struct Stats {
     pub slots_dropped: u64,
     /// Protocol violations by peers (each also ends an epoch).
     pub protocol_violations: u64,
+    /// OpenSlot records refused: the peer's slot limit was reached, or the
+    /// stream is already fed, ended, or the node's registry is full.
+    pub opens_refused: u64,
     /// Records dropped, by reason.
     pub drops: DropCounts,
 }
@@ -68,6 +71,7 @@ pub(crate) struct Counters {
     pub epoch_deaths: AtomicU64,
     pub slots_dropped: AtomicU64,
     pub protocol_violations: AtomicU64,
+    pub opens_refused: AtomicU64,
     pub unknown_slot: AtomicU64,
     pub stale_generation: AtomicU64,
     pub receiver_gone: AtomicU64,
@@ -93,6 +97,7 @@ impl Counters {
             epoch_deaths: get(&self.epoch_deaths),
             slots_dropped: get(&self.slots_dropped),
             protocol_violations: get(&self.protocol_violations),
+            opens_refused: get(&self.opens_refused),
             drops: DropCounts {
                 unknown_slot: get(&self.unknown_slot),
                 stale_generation: get(&self.stale_generation),

@@ -58,6 +58,9 @@ pub struct TcpNodeConfig {
     pub backoff_max: Duration,
     /// Handshakes accepted concurrently; more connections are closed at once. Default 64.
     pub max_pending_handshakes: usize,
+    /// Peers with a live link or a handshake under way; a new peer beyond
+    /// this is refused ([`ConnectError::TooManyPeers`]). Default 1024.
+    pub max_peers: usize,
 }
 
 /// What every connector needs, whatever its epochs are made of.
@@ -75,6 +78,9 @@ pub struct ConnectorConfig {
     pub backoff_max: Duration,
     /// Handshakes accepted concurrently; more connections are closed at once.
     pub max_pending_handshakes: usize,
+    /// Peers with a live link or a handshake under way; a new peer beyond
+    /// this is refused ([`ConnectError::TooManyPeers`]).
+    pub max_peers: usize,
 }
 
 impl ConnectorConfig {
@@ -94,6 +100,7 @@ impl TcpNodeConfig {
                 backoff_min: self.backoff_min,
                 backoff_max: self.backoff_max,
                 max_pending_handshakes: self.max_pending_handshakes,
+                max_peers: self.max_peers,
             },
             self.link,
         )
@@ -109,6 +116,7 @@ impl TcpNodeConfig {
             backoff_min: Duration::from_millis(50),
             backoff_max: Duration::from_secs(5),
             max_pending_handshakes: 64,
+            max_peers: 1024,
         }
     }
 }
@@ -147,6 +155,19 @@ pub enum ConnectError {
     /// Creating or connecting the epoch's local resources failed (logged).
     #[error("local transport resources failed")]
     Resources,
+    /// A new peer would exceed `max_peers` (the peer is told `Unavailable`).
+    #[error("peer limit of {limit} reached")]
+    TooManyPeers {
+        /// The configured `max_peers`.
+        limit: usize,
+    },
+    /// An incoming connection found `max_pending_handshakes` under way and
+    /// was closed without a word.
+    #[error("{limit} handshakes already pending")]
+    TooManyHandshakes {
+        /// The configured `max_pending_handshakes`.
+        limit: usize,
+    },
 }
 
 impl From<io::Error> for ConnectError {
@@ -168,7 +189,9 @@ impl ConnectError {
             | ConnectError::UnknownPeer(_)
             | ConnectError::NotServing
             | ConnectError::Incompatible(_)
-            | ConnectError::Resources => false,
+            | ConnectError::Resources
+            | ConnectError::TooManyPeers { .. }
+            | ConnectError::TooManyHandshakes { .. } => false,
         }
     }
 }
@@ -186,6 +209,12 @@ pub struct NodeStats {
     pub declined: u64,
     /// Times a peer showed a new incarnation (it restarted).
     pub restarts_seen: u64,
+    /// Dials and accepted handshakes refused at `max_peers` (also counted
+    /// in `refused` or `dial_failures`).
+    pub peer_limit_refusals: u64,
+    /// Connections closed at once because `max_pending_handshakes` were
+    /// under way (also counted in `refused`).
+    pub handshakes_shed: u64,
 }
 
 #[derive(Default)]
@@ -195,6 +224,8 @@ struct Counters {
     dial_failures: AtomicU64,
     declined: AtomicU64,
     restarts_seen: AtomicU64,
+    peer_limit_refusals: AtomicU64,
+    handshakes_shed: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -367,6 +398,19 @@ impl<E: EpochMaker> NodeInner<E> {
 
     fn live(state: &PeerState<E::Link>) -> bool {
         state.current.as_ref().is_some_and(|l| !E::is_ended(l))
+    }
+
+    /// True if taking `peer` on would exceed `max_peers`: a peer already
+    /// live is never new; others count while live, dialing or accepting.
+    fn at_peer_limit(&self, peers: &Peers<E>, peer: PeerId) -> bool {
+        if peers.get(&peer).is_some_and(Self::live) {
+            return false;
+        }
+        let in_use = peers
+            .iter()
+            .filter(|(id, s)| **id != peer && (Self::live(s) || s.dialing || s.accepting > 0))
+            .count();
+        in_use >= self.config.max_peers
     }
 
     fn hello(&self, proposed: Epoch, endpoint: Endpoint) -> HelloFields {
@@ -545,6 +589,8 @@ impl<E: EpochMaker> Connector<E> {
             dial_failures: c.dial_failures.load(Ordering::Relaxed),
             declined: c.declined.load(Ordering::Relaxed),
             restarts_seen: c.restarts_seen.load(Ordering::Relaxed),
+            peer_limit_refusals: c.peer_limit_refusals.load(Ordering::Relaxed),
+            handshakes_shed: c.handshakes_shed.load(Ordering::Relaxed),
         }
     }
 
@@ -672,10 +718,14 @@ async fn dial_once<E: EpochMaker>(
     let (addr, proposed) = {
         let peers = inner.peers();
         let state = peers.get(&peer).ok_or(ConnectError::UnknownPeer(peer))?;
-        (
-            state.addr.ok_or(ConnectError::UnknownPeer(peer))?,
-            state.last_epoch,
-        )
+        let addr = state.addr.ok_or(ConnectError::UnknownPeer(peer))?;
+        if inner.at_peer_limit(&peers, peer) {
+            bump(&inner.counters.peer_limit_refusals);
+            return Err(ConnectError::TooManyPeers {
+                limit: inner.config.max_peers,
+            });
+        }
+        (addr, state.last_epoch)
     };
     let attempt = async {
         let mut stream = TcpStream::connect(addr).await?;
@@ -836,6 +886,10 @@ async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListe
             }
         };
         let Ok(permit) = inner.handshakes.clone().try_acquire_owned() else {
+            let limit = inner.config.max_pending_handshakes.max(1);
+            *inner.last_refusal.lock().expect("node state poisoned") =
+                Some(ConnectError::TooManyHandshakes { limit });
+            bump(&inner.counters.handshakes_shed);
             bump(&inner.counters.refused);
             tracing::warn!(%remote, "too many pending handshakes; connection closed");
             continue;
@@ -895,7 +949,10 @@ async fn accept_once<E: EpochMaker>(
         |hello| {
             let proposed = match decide(inner, hello) {
                 Ok(proposed) => proposed,
-                Err(reason) => return Some(Err(reason)),
+                Err((reason, refusal)) => {
+                    local_failure = refusal;
+                    return Some(Err(reason));
+                }
             };
             guard.peer = Some(hello.node);
             // Only now, for an authenticated and wanted dialer, are resources
@@ -946,24 +1003,32 @@ async fn accept_once<E: EpochMaker>(
 }
 
 /// The listener's answer to an authenticated dialer's hello: the epoch we
-/// propose, or why we decline.
+/// propose, or why we decline (with the error to log when it is a refusal).
 fn decide<E: EpochMaker>(
     inner: &NodeInner<E>,
     hello: &HelloFields,
-) -> Result<Epoch, DeclineReason> {
+) -> Result<Epoch, (DeclineReason, Option<ConnectError>)> {
     if inner.shutdown.load(Ordering::Acquire) || inner.mux.get().is_none() {
-        return Err(DeclineReason::Unavailable);
+        return Err((DeclineReason::Unavailable, None));
     }
     let mut peers = inner.peers();
+    if inner.at_peer_limit(&peers, hello.node) {
+        bump(&inner.counters.peer_limit_refusals);
+        let limit = inner.config.max_peers;
+        return Err((
+            DeclineReason::Unavailable,
+            Some(ConnectError::TooManyPeers { limit }),
+        ));
+    }
     let state = peers.entry(hello.node).or_default();
     if state.dialing && hello.node > inner.config.id {
-        return Err(DeclineReason::CrossedDial);
+        return Err((DeclineReason::CrossedDial, None));
     }
     if NodeInner::<E>::live(state)
         && state.incarnation == Some(hello.incarnation)
         && hello.proposed < state.last_epoch
     {
-        return Err(DeclineReason::StaleDial);
+        return Err((DeclineReason::StaleDial, None));
     }
     state.accepting += 1;
     Ok(state.last_epoch)

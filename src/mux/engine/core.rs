@@ -413,6 +413,7 @@ impl PeerCore {
                 self.registry.remove(&slot.rx);
             }
         }
+        self.publish_ingress();
         self.live_egress = 0;
         self.by_inlet.clear();
         self.by_rx.clear();
@@ -510,6 +511,7 @@ impl PeerCore {
     fn free_slot(&mut self, index: u32) {
         let entry = &mut self.table[index as usize];
         if let Some(slot) = entry.slot.take() {
+            slot.inlet.release_slot();
             self.by_inlet.remove(&(Arc::as_ptr(&slot.inlet) as usize));
             entry.generation = entry.generation.wrapping_add(1);
             self.free.push(index);
@@ -711,7 +713,15 @@ impl PeerCore {
     fn remove_ingress(&mut self, index: u32) -> Option<IngressSlot> {
         let slot = self.ingress.remove(&index)?;
         self.by_rx.remove(&(Arc::as_ptr(&slot.rx) as usize));
+        self.publish_ingress();
         Some(slot)
+    }
+
+    /// Lets `open` see this peer's ingress slots when it checks the limit.
+    fn publish_ingress(&self) {
+        self.control
+            .ingress_live
+            .store(self.ingress.len(), std::sync::atomic::Ordering::Release);
     }
 
     fn owe_close(&mut self, slot: SlotId, reason: CloseReason, now: Instant) {
@@ -806,6 +816,13 @@ impl PeerCore {
         }
         self.message_seq_in = seq.next();
         let max = self.config.max_record;
+        if self.message_reassembly.is_none() && body.len() > max {
+            return Err(ProtocolError::RecordTooLarge {
+                slot: zero,
+                len: body.len(),
+                max,
+            });
+        }
         let message = match self.message_reassembly.take() {
             None if more => {
                 self.message_reassembly = Some(BytesMut::from(body));
@@ -854,6 +871,7 @@ impl PeerCore {
             });
         }
         if self.live_slots() >= self.config.max_slots_per_peer as usize {
+            Counters::add(&self.counters.opens_refused, 1);
             self.owe_close(id, CloseReason::Refused, now);
             return Ok(());
         }
@@ -870,9 +888,13 @@ impl PeerCore {
                         reassembly: None,
                     },
                 );
+                self.publish_ingress();
                 self.idle_since = now;
             }
-            OpenOutcome::Refused => self.owe_close(id, CloseReason::Refused, now),
+            OpenOutcome::Refused => {
+                Counters::add(&self.counters.opens_refused, 1);
+                self.owe_close(id, CloseReason::Refused, now);
+            }
         }
         Ok(())
     }
@@ -899,6 +921,13 @@ impl PeerCore {
                         slot: id,
                         outstanding: slot.outstanding,
                         window,
+                    });
+                }
+                if body.len() > max {
+                    return Err(ProtocolError::RecordTooLarge {
+                        slot: id,
+                        len: body.len(),
+                        max,
                     });
                 }
                 slot.outstanding += body.len() as u64;

@@ -235,6 +235,11 @@ impl<L: Link> MuxTransport for Mux<L> {
             }
             let entry = self.entry(peer);
             let config = &self.shared.config;
+            let limit = config.max_slots_per_peer;
+            // Every inlet is admitted first; it releases its count when it ends.
+            if !entry.control.admit_egress(limit as usize) {
+                return Err(MuxError::SlotLimit { peer, limit });
+            }
             let inlet = Inlet::new(
                 key,
                 entry.control.clone(),
@@ -498,7 +503,12 @@ async fn run_epoch<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, link: L) -
     // after a violation, since the peer is no longer trusted.
     if !matches!(end, EpochEnd::Violation(_)) {
         while let Ok(batch) = link.recv().await {
-            if core.handle_batch(&batch, Instant::now()).is_err() {
+            if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
+                // E.g. records after a Goodbye: the epoch is over already,
+                // but the offence is still the peer's and is counted.
+                Counters::add(&shared.counters.protocol_violations, 1);
+                tracing::warn!(peer = ?entry.control.peer, epoch = %core.epoch(), %violation,
+                    "peer violated the mux protocol while its epoch ended");
                 break;
             }
         }

@@ -1,0 +1,629 @@
+//! A peer that speaks the wire correctly but lies. Each lie gets its
+//! documented reaction (docs/reliability-hostile.md): drop and count, or
+//! epoch death for the liar only; an honest peer of the same mux keeps
+//! streaming on one slot across the lie.
+
+mod hostile;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use hostile::{Arena, EVIL, EVIL_EPOCH, Heard, HostileDialer, TARGET, bounded, until};
+use qpmux::link::EpochEnd;
+use qpmux::link::bootstrap::{BootstrapError, ClusterKey, MAX_MESSAGE};
+use qpmux::link::rdma::credit::{Credit, Overclaim};
+use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
+use qpmux::mux::protocol::{CloseReason, DecodeError, FrameSeq, SlotId};
+use qpmux::mux::{
+    DropReason, Epoch, Frame, Mux, MuxConfig, MuxError, MuxTransport, PeerId, ProtocolError,
+    SendError, StreamKey, Terminal,
+};
+
+fn slot(index: u32, generation: u8) -> SlotId {
+    SlotId::new(index, generation).expect("slot")
+}
+
+/// The liar's epoch ended with `violation`; counted once; its consumer got
+/// what preceded the lie and then `Dropped`.
+async fn epoch_death(arena: &Arena, violation: ProtocolError) {
+    assert_eq!(arena.evil.verdict().await, EpochEnd::Violation(violation));
+    until(|| arena.target.stats().epoch_deaths == 1).await;
+    let stats = arena.target.stats();
+    assert_eq!(stats.protocol_violations, 1);
+    assert_eq!(stats.epoch_deaths, 1);
+    assert_eq!(arena.target.epoch(EVIL), None);
+}
+
+async fn dropped(rx: &mut qpmux::mux::SlotReceiver) {
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Dropped(DropReason::EpochEnded { epoch: EVIL_EPOCH }))
+    );
+    assert_eq!(rx.recv().await, None);
+}
+
+#[tokio::test]
+async fn a_record_for_a_never_opened_slot_is_dropped_counted_and_answered() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig::default()).await;
+        let nobody = slot(9, 0);
+        arena.evil.lie_unopened_slot(nobody).await;
+        let told = arena
+            .evil
+            .hear_until(|h| matches!(h, Heard::Close(..)))
+            .await;
+        assert_eq!(told, Heard::Close(nobody, CloseReason::UnknownSlot));
+        let stats = arena.target.stats();
+        assert_eq!(stats.drops.unknown_slot, 1);
+        assert_eq!(stats.protocol_violations, 0);
+        assert_eq!(stats.epoch_deaths, 0);
+        assert_eq!(arena.target.epoch(EVIL), Some(EVIL_EPOCH));
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_record_at_a_stale_generation_is_dropped_counted_and_answered() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig::default()).await;
+        let key = StreamKey::new(EVIL.0, 1);
+        let mut rx = arena.target.bind(key).expect("bind");
+        let live = slot(0, 4);
+        arena.evil.open(live, key).await;
+        arena.evil.lie_stale_generation(live).await;
+        arena.evil.data(live, b"fresh").await;
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(Bytes::from_static(b"fresh")))
+        );
+        let told = arena
+            .evil
+            .hear_until(|h| matches!(h, Heard::Close(..)))
+            .await;
+        assert_eq!(told, Heard::Close(slot(0, 3), CloseReason::UnknownSlot));
+        let stats = arena.target.stats();
+        assert_eq!(stats.drops.stale_generation, 1);
+        assert_eq!(stats.drops.unknown_slot, 0);
+        assert_eq!(stats.protocol_violations, 0);
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn data_beyond_the_granted_slot_credit_is_epoch_death() {
+    bounded(async {
+        let window = 1024;
+        let mut arena = Arena::new(MuxConfig {
+            slot_window: window,
+            ..MuxConfig::default()
+        })
+        .await;
+        let key = StreamKey::new(EVIL.0, 2);
+        let mut rx = arena.target.bind(key).expect("bind");
+        let s = slot(0, 0);
+        arena.evil.open(s, key).await;
+        arena.evil.lie_past_slot_credit(s, window as usize).await;
+        epoch_death(
+            &arena,
+            ProtocolError::CreditOverrun {
+                slot: s,
+                outstanding: u64::from(window),
+                window,
+            },
+        )
+        .await;
+        assert_eq!(rx.recv().await, Some(Frame::Data(vec![7u8; 1024].into())));
+        dropped(&mut rx).await;
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_credit_grant_beyond_the_window_is_epoch_death() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig::default()).await;
+        let window = MuxConfig::default().slot_window;
+        let key = StreamKey::new(TARGET.0, 3);
+        let mut tx = arena.target.open(EVIL, key).expect("open");
+        let Heard::Open(s, opened) = arena
+            .evil
+            .hear_until(|h| matches!(h, Heard::Open(..)))
+            .await
+        else {
+            unreachable!()
+        };
+        assert_eq!(opened, key);
+        // The slot starts with a full window; any grant now is more than given.
+        arena.evil.lie_credit_overgrant(s, 1).await;
+        epoch_death(
+            &arena,
+            ProtocolError::CreditOverGrant {
+                slot: s,
+                credit: i64::from(window) + 1,
+                window,
+            },
+        )
+        .await;
+        assert_eq!(
+            tx.send(Bytes::from_static(b"late")).await,
+            Err(SendError::Dropped(DropReason::EpochEnded {
+                epoch: EVIL_EPOCH
+            }))
+        );
+        assert_eq!(arena.target.stats().slots_dropped, 1);
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_frame_seq_jump_is_epoch_death_after_delivering_what_preceded_it() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig::default()).await;
+        let key = StreamKey::new(EVIL.0, 4);
+        let mut rx = arena.target.bind(key).expect("bind");
+        let s = slot(0, 0);
+        arena.evil.open(s, key).await;
+        arena.evil.data(s, b"ok").await;
+        arena.evil.lie_frame_seq_jump(s, 5).await;
+        epoch_death(
+            &arena,
+            ProtocolError::FrameSeqGap {
+                slot: s,
+                expected: FrameSeq(2),
+                got: FrameSeq(7),
+            },
+        )
+        .await;
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(Bytes::from_static(b"ok")))
+        );
+        dropped(&mut rx).await;
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_unfragmented_record_larger_than_max_record_is_epoch_death() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig {
+            max_record: 1000,
+            ..MuxConfig::default()
+        })
+        .await;
+        let key = StreamKey::new(EVIL.0, 5);
+        let mut rx = arena.target.bind(key).expect("bind");
+        let s = slot(0, 0);
+        arena.evil.open(s, key).await;
+        arena.evil.lie_record_of(s, 1000).await;
+        arena.evil.lie_record_of(s, 1001).await;
+        epoch_death(
+            &arena,
+            ProtocolError::RecordTooLarge {
+                slot: s,
+                len: 1001,
+                max: 1000,
+            },
+        )
+        .await;
+        assert_eq!(rx.recv().await, Some(Frame::Data(vec![1u8; 1000].into())));
+        dropped(&mut rx).await;
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_unfragmented_message_larger_than_max_record_is_epoch_death() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig {
+            max_record: 1000,
+            ..MuxConfig::default()
+        })
+        .await;
+        arena.evil.lie_message_of(1001).await;
+        epoch_death(
+            &arena,
+            ProtocolError::RecordTooLarge {
+                slot: slot(0, 0),
+                len: 1001,
+                max: 1000,
+            },
+        )
+        .await;
+        assert_eq!(arena.target.stats().drops.no_message_handler, 0);
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_record_length_past_the_batch_end_is_epoch_death() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig::default()).await;
+        let key = StreamKey::new(EVIL.0, 6);
+        let mut rx = arena.target.bind(key).expect("bind");
+        let s = slot(0, 0);
+        arena.evil.open(s, key).await;
+        arena.evil.lie_length_past_end(s, u32::MAX).await;
+        epoch_death(
+            &arena,
+            ProtocolError::Malformed(DecodeError::LengthPastEnd {
+                record: 0,
+                len: u32::MAX,
+                have: 5,
+            }),
+        )
+        .await;
+        dropped(&mut rx).await;
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_batch_from_an_old_epoch_is_epoch_death() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig::default()).await;
+        arena.evil.lie_old_epoch(Epoch(0)).await;
+        epoch_death(
+            &arena,
+            ProtocolError::WrongEpoch {
+                expected: EVIL_EPOCH,
+                got: Epoch(0),
+            },
+        )
+        .await;
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_batch_seq_jump_is_epoch_death() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig::default()).await;
+        arena.evil.post(|enc| enc.push_ping(7).expect("fits")).await;
+        arena.evil.lie_batch_seq_jump(3).await;
+        epoch_death(
+            &arena,
+            ProtocolError::BatchSeqGap {
+                expected: 1,
+                got: 4,
+            },
+        )
+        .await;
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn records_after_a_goodbye_are_discarded_and_counted() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig::default()).await;
+        let key = StreamKey::new(EVIL.0, 7);
+        let mut rx = arena.target.bind(key).expect("bind");
+        let s = slot(0, 0);
+        arena.evil.open(s, key).await;
+        arena.evil.data(s, b"before").await;
+        // Both batches are queued before the target runs (one-thread runtime).
+        arena.evil.lie_goodbye_then_data(s).await;
+        assert_eq!(arena.evil.verdict().await, EpochEnd::PeerClosed);
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(Bytes::from_static(b"before")))
+        );
+        dropped(&mut rx).await;
+        until(|| arena.target.stats().protocol_violations == 1).await;
+        assert_eq!(arena.target.stats().epoch_deaths, 1);
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_open_flood_past_max_slots_per_peer_is_refused_and_counted() {
+    bounded(async {
+        let limit = 8;
+        let mut arena = Arena::new(MuxConfig {
+            max_slots_per_peer: limit,
+            ..MuxConfig::default()
+        })
+        .await;
+        let flood = 20;
+        arena.evil.lie_open_flood(0, flood, EVIL.0).await;
+        // One batch of opens: at most `limit` refusals are owed at once,
+        // the rest are only counted (docs/reliability-hostile.md).
+        let told_at_most = limit.min(flood - limit);
+        let mut refused = Vec::new();
+        while refused.len() < told_at_most as usize {
+            for heard in arena.evil.hear().await.expect("link alive") {
+                if let Heard::Close(s, reason) = heard {
+                    assert_eq!(reason, CloseReason::Refused);
+                    refused.push(s.index());
+                }
+            }
+        }
+        refused.sort_unstable();
+        assert_eq!(refused, (limit..limit + told_at_most).collect::<Vec<_>>());
+        let stats = arena.target.stats();
+        assert_eq!(stats.opens_refused, u64::from(flood - limit));
+        assert_eq!(stats.protocol_violations, 0);
+        assert_eq!(arena.target.epoch(EVIL), Some(EVIL_EPOCH));
+        // The liar's slots fill its own table only: a local open toward it
+        // is refused by name, one toward the honest peer is not.
+        assert_eq!(
+            arena
+                .target
+                .open(EVIL, StreamKey::new(TARGET.0, 1))
+                .map(|_| ()),
+            Err(MuxError::SlotLimit { peer: EVIL, limit })
+        );
+        let tx = arena
+            .target
+            .open(hostile::HONEST, StreamKey::new(TARGET.0, 2))
+            .expect("open toward the honest peer");
+        tx.finish(Terminal::Finalized).expect("finish");
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[test]
+fn an_immediate_claiming_more_returned_credit_than_granted_is_refused() {
+    // The RDMA link maps this to EpochEnd::Fault(LinkFault::CreditOverclaim)
+    // (tests/rdma_link.rs, a_peer_claiming_credit_it_never_had_ends_the_epoch);
+    // here the rule itself, over every claim size.
+    for sent in 0..8u32 {
+        for extra in 1..4u32 {
+            let mut credit = Credit::new(8);
+            for _ in 0..sent {
+                assert!(credit.try_reserve());
+                credit.on_post(false);
+            }
+            let held = credit.held();
+            assert_eq!(
+                credit.on_peer_imm(sent + extra),
+                Err(Overclaim {
+                    claimed: sent + extra,
+                    granted: sent,
+                })
+            );
+            assert_eq!(credit.held(), held, "a refused claim changes nothing");
+            assert!(credit.invariant_holds());
+            assert_eq!(
+                credit.on_peer_imm(sent),
+                Ok(()),
+                "an honest claim still counts"
+            );
+            assert_eq!(credit.held(), 8);
+        }
+    }
+}
+
+// ---- bootstrap lies against a keyed node with an honest peer attached ----
+
+const KEY: &[u8] = b"cluster key of the hostile tests";
+const HONEST_TCP: PeerId = PeerId(2);
+
+async fn tcp_node(id: PeerId) -> (TcpNode, Mux<TcpLink>) {
+    let config = TcpNodeConfig {
+        key: ClusterKey::new(KEY),
+        handshake_timeout: Duration::from_secs(10),
+        ..TcpNodeConfig::new(id)
+    };
+    let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+    TcpNode::start(config, addr, MuxConfig::default())
+        .await
+        .expect("bind")
+}
+
+/// A record from the honest node reaches the target on the running epoch.
+async fn honest_round(from: &Mux<TcpLink>, to: &Mux<TcpLink>, session: u64) {
+    let key = StreamKey::new(HONEST_TCP.0, session);
+    let mut rx = to.bind(key).expect("bind");
+    let mut tx = from.open(TARGET, key).expect("open");
+    tx.send(Bytes::from_static(b"honest")).await.expect("send");
+    tx.finish(Terminal::Finalized).expect("finish");
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Data(Bytes::from_static(b"honest")))
+    );
+    assert_eq!(rx.recv().await, Some(Frame::Finalized));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_hellos_are_refused_by_name_and_the_honest_peer_keeps_its_epoch() {
+    bounded(async {
+        let (target_node, target) = tcp_node(TARGET).await;
+        let (honest_node, honest) = tcp_node(HONEST_TCP).await;
+        honest_node.register(TARGET, target_node.local_addr());
+        assert_eq!(honest_node.connect(TARGET).await, Ok(Epoch(1)));
+        honest_round(&honest, &target, 0).await;
+        let addr = target_node.local_addr();
+        let mut refusals = 0;
+        let mut refused = async |want: ConnectError| {
+            refusals += 1;
+            until(|| target_node.stats().refused >= refusals).await;
+            assert_eq!(target_node.stats().refused, refusals);
+            assert_eq!(target_node.last_refusal(), Some(want));
+        };
+
+        // A hello without the cluster key's MAC.
+        let mut liar = HostileDialer::connect(addr).await;
+        let hello = liar.hello(None, EVIL, TARGET);
+        liar.say(&hello).await;
+        refused(ConnectError::Handshake(BootstrapError::MissingMac)).await;
+        assert!(liar.closed().await, "nothing created, nothing said");
+
+        // A hello MACed under another cluster's key.
+        let mut liar = HostileDialer::connect(addr).await;
+        let hello = liar.hello(Some(b"another cluster's key, 32 bytes"), EVIL, TARGET);
+        liar.say(&hello).await;
+        refused(ConnectError::Handshake(BootstrapError::BadMac)).await;
+        assert!(liar.closed().await);
+
+        // A correctly keyed hello recorded on one connection, replayed on
+        // another: it echoes the first connection's nonce.
+        let recorded = HostileDialer::connect(addr).await;
+        let hello = recorded.hello(Some(KEY), EVIL, TARGET);
+        let mut replay = HostileDialer::connect(addr).await;
+        replay.say(&hello).await;
+        refused(ConnectError::Handshake(BootstrapError::StaleNonce)).await;
+        assert!(replay.closed().await);
+        drop(recorded);
+        refused(ConnectError::Handshake(BootstrapError::Closed)).await;
+
+        // A length prefix beyond the message limit.
+        let mut liar = HostileDialer::connect(addr).await;
+        liar.say(&HostileDialer::oversized_prefix()).await;
+        refused(ConnectError::Handshake(BootstrapError::Oversized {
+            len: MAX_MESSAGE as u32 + 1,
+            max: MAX_MESSAGE,
+        }))
+        .await;
+        assert!(liar.closed().await);
+
+        assert_eq!(target.epoch(EVIL), None, "no liar got an epoch");
+        assert_eq!(
+            target.epoch(HONEST_TCP),
+            Some(Epoch(1)),
+            "honest epoch kept"
+        );
+        honest_round(&honest, &target, 1).await;
+        assert_eq!(target_node.stats().established, 1);
+        assert_eq!(target.stats().protocol_violations, 0);
+    })
+    .await;
+}
+
+// ---- random lies ----
+
+/// One record a liar may write: small domains, so sequences hit live slots,
+/// reused indexes and near-miss sequence numbers.
+#[derive(Clone, Debug)]
+enum AnyRecord {
+    Data(u32, u8, u32, usize, bool),
+    Open(u32, u8, u32, u64),
+    Close(u32, u8, u32, u8),
+    Credit(u32, u8, u32),
+    Heartbeat(u32, u8, u32),
+    Goodbye,
+    Message(u32, usize, bool),
+    Ping(u64),
+}
+
+fn any_record() -> impl proptest::strategy::Strategy<Value = AnyRecord> {
+    use proptest::prelude::*;
+    let index = 0..3u32;
+    let generation = 0..2u8;
+    let seq = 0..4u32;
+    prop_oneof![
+        4 => (index.clone(), generation.clone(), seq.clone(), 0..600usize, any::<bool>())
+            .prop_map(|(i, g, q, l, m)| AnyRecord::Data(i, g, q, l, m)),
+        3 => (index.clone(), generation.clone(), seq.clone(), 0..3u64)
+            .prop_map(|(i, g, q, s)| AnyRecord::Open(i, g, q, s)),
+        1 => (index.clone(), generation.clone(), seq.clone(), 0..6u8)
+            .prop_map(|(i, g, q, r)| AnyRecord::Close(i, g, q, r)),
+        1 => (index.clone(), generation.clone(), any::<u32>())
+            .prop_map(|(i, g, b)| AnyRecord::Credit(i, g, b)),
+        1 => (index, generation, seq.clone())
+            .prop_map(|(i, g, q)| AnyRecord::Heartbeat(i, g, q)),
+        1 => Just(AnyRecord::Goodbye),
+        1 => (seq, 0..600usize, any::<bool>()).prop_map(|(q, l, m)| AnyRecord::Message(q, l, m)),
+        1 => any::<u64>().prop_map(AnyRecord::Ping),
+    ]
+}
+
+fn push_any(enc: &mut qpmux::mux::protocol::BatchEncoder<'_>, record: &AnyRecord) {
+    let id = |i, g| slot(i, g);
+    let body = |len: usize| vec![0x5a; len];
+    // A record that does not fit is left out: the lie is in the values.
+    let _ = match *record {
+        AnyRecord::Data(i, g, q, len, more) => {
+            enc.push_data(id(i, g), FrameSeq(q), &body(len), more)
+        }
+        AnyRecord::Open(i, g, q, session) => enc.push_open(id(i, g), FrameSeq(q), EVIL.0, session),
+        AnyRecord::Close(i, g, q, reason) => {
+            let reason = CloseReason::from_wire(reason).expect("0..6 are reasons");
+            enc.push_close(id(i, g), FrameSeq(q), reason)
+        }
+        AnyRecord::Credit(i, g, bytes) => enc.push_credit(id(i, g), bytes),
+        AnyRecord::Heartbeat(i, g, q) => enc.push_heartbeat(id(i, g), FrameSeq(q)),
+        AnyRecord::Goodbye => enc.push_goodbye(),
+        AnyRecord::Message(q, len, more) => enc.push_message(FrameSeq(q), &body(len), more),
+        AnyRecord::Ping(nonce) => enc.push_ping(nonce),
+    };
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// Any sequence of well-encoded records, true or not: the target never
+    /// panics or wedges (it answers a Ping, or it has ended the liar's epoch
+    /// with a counted reason), and the honest peer never notices.
+    #[test]
+    fn random_lies_end_in_a_counted_verdict_or_an_answer_never_a_hang(
+        batches in proptest::collection::vec(
+            proptest::collection::vec(any_record(), 1..6), 1..12),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(bounded(async {
+            let mut arena = Arena::new(MuxConfig {
+                slot_window: 1024,
+                max_record: 1024,
+                max_slots_per_peer: 2,
+                ..MuxConfig::default()
+            })
+            .await;
+            let _bound: Vec<_> = (0..3)
+                .map(|s| arena.target.bind(StreamKey::new(EVIL.0, s)).expect("bind"))
+                .collect();
+            for records in &batches {
+                let alive = arena.evil.post_checked(|enc| {
+                    for record in records {
+                        push_any(enc, record);
+                    }
+                });
+                if alive.await.is_err() {
+                    break;
+                }
+            }
+            let alive = arena.evil.post_checked(|enc| enc.push_ping(0xfeed).expect("fits"));
+            let answered = if alive.await.is_ok() {
+                loop {
+                    match arena.evil.hear().await {
+                        Ok(heard) if heard.contains(&Heard::Pong(0xfeed)) => break true,
+                        Ok(_) => {}
+                        Err(_) => break false,
+                    }
+                }
+            } else {
+                false
+            };
+            let stats = arena.target.stats();
+            if !answered {
+                match arena.evil.verdict().await {
+                    EpochEnd::Violation(_) => {
+                        until(|| arena.target.stats().protocol_violations == 1).await;
+                    }
+                    EpochEnd::PeerClosed => assert!(stats.protocol_violations <= 1),
+                    other => panic!("the liar's epoch ended with {other:?}"),
+                }
+            } else {
+                assert_eq!(stats.protocol_violations, 0);
+            }
+            arena.honest.still_unaffected().await;
+        }));
+    }
+}

@@ -1,0 +1,267 @@
+//! Resource bounds, enforced with named errors and counters: slots per peer
+//! (local opens), peers per node, pending handshakes, handshake timeout.
+//! Waits are on states; the timeouts here only turn hangs into failures.
+
+mod hostile;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use hostile::{HostileDialer, bounded, read_to_close, until};
+use qpmux::link::Node;
+use qpmux::link::bootstrap::DeclineReason;
+use qpmux::link::mem::{MemConfig, MemFabric};
+use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
+use qpmux::mux::{Frame, Mux, MuxConfig, MuxError, MuxTransport, PeerId, StreamKey, Terminal};
+use tokio::io::AsyncWriteExt;
+
+const L: PeerId = PeerId(1);
+const A: PeerId = PeerId(2);
+const B: PeerId = PeerId(3);
+const C: PeerId = PeerId(4);
+
+#[tokio::test]
+async fn local_opens_past_max_slots_per_peer_fail_by_name_and_free_up_when_slots_end() {
+    bounded(async {
+        let limit = 4;
+        let config = MuxConfig {
+            max_slots_per_peer: limit,
+            ..MuxConfig::default()
+        };
+        let fabric = MemFabric::new(MemConfig::default());
+        let l = fabric.node(L, config.clone()).mux().clone();
+        let a = fabric.node(A, config.clone()).mux().clone();
+        let _b = fabric.node(B, config);
+        let mut senders = Vec::new();
+        let mut receivers = Vec::new();
+        for s in 0..u64::from(limit) {
+            let key = StreamKey::new(L.0, s);
+            receivers.push(a.bind(key).expect("bind"));
+            senders.push(l.open(A, key).expect("open within the limit"));
+        }
+        let over = StreamKey::new(L.0, 99);
+        assert_eq!(
+            l.open(A, over).map(|_| ()),
+            Err(MuxError::SlotLimit { peer: A, limit })
+        );
+        // The limit is per peer.
+        let tx = l.open(B, StreamKey::new(L.0, 0)).expect("another peer");
+        tx.finish(Terminal::Finalized).expect("finish");
+        // A slot that ends gives its place back once its terminal is out.
+        senders
+            .pop()
+            .expect("a sender")
+            .finish(Terminal::Finalized)
+            .expect("finish");
+        let mut last = receivers.pop().expect("a receiver");
+        assert_eq!(last.recv().await, Some(Frame::Finalized));
+        let mut rx = a.bind(over).expect("bind");
+        let tx = loop {
+            match l.open(A, over) {
+                Ok(tx) => break tx,
+                Err(MuxError::SlotLimit { .. }) => tokio::task::yield_now().await,
+                Err(other) => panic!("{other:?}"),
+            }
+        };
+        tx.finish(Terminal::Finalized).expect("finish");
+        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        let stats = l.stats();
+        assert_eq!(stats.protocol_violations, 0);
+        assert_eq!(stats.slots_dropped, 0);
+        drop(senders);
+    })
+    .await;
+}
+
+async fn tcp_node(
+    id: PeerId,
+    shape: impl FnOnce(TcpNodeConfig) -> TcpNodeConfig,
+) -> (TcpNode, Mux<TcpLink>) {
+    let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+    TcpNode::start(shape(TcpNodeConfig::new(id)), addr, MuxConfig::default())
+        .await
+        .expect("bind")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_at_max_peers_refuses_a_new_peer_by_name_both_ways() {
+    bounded(async {
+        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig { max_peers: 1, ..c }).await;
+        let (a_node, _a) = tcp_node(A, |c| c).await;
+        let (b_node, _b) = tcp_node(B, |c| c).await;
+        let (c_node, _c) = tcp_node(C, |c| c).await;
+        for dialer in [&a_node, &b_node] {
+            dialer.register(L, l_node.local_addr());
+        }
+        assert!(a_node.connect(L).await.is_ok());
+        until(|| l.epoch(A).is_some()).await;
+        // Accepting: B authenticates, then is declined as Unavailable.
+        assert_eq!(
+            b_node.connect(L).await,
+            Err(ConnectError::DeclinedByPeer(DeclineReason::Unavailable))
+        );
+        until(|| l_node.stats().refused == 1).await;
+        assert_eq!(
+            l_node.last_refusal(),
+            Some(ConnectError::TooManyPeers { limit: 1 })
+        );
+        // Dialing: L refuses before it connects.
+        l_node.register(C, c_node.local_addr());
+        assert_eq!(
+            l_node.connect(C).await,
+            Err(ConnectError::TooManyPeers { limit: 1 })
+        );
+        assert_eq!(l_node.stats().peer_limit_refusals, 2);
+        assert_eq!(c_node.stats().established, 0);
+        // The peer already in keeps its epoch and may reconnect.
+        assert!(l.epoch(A).is_some());
+        let again = a_node.connect(L).await.expect("reconnect");
+        until(|| l.epoch(A) == Some(again)).await;
+        // Once A's link is gone, B fits.
+        l_node.close_link(A);
+        until(|| l.epoch(A).is_none()).await;
+        assert!(b_node.connect(L).await.is_ok());
+        assert_eq!(l_node.stats().peer_limit_refusals, 2);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slowloris_dialers_are_cut_at_the_handshake_timeout() {
+    bounded(async {
+        let (l_node, _l) = tcp_node(L, |c| TcpNodeConfig {
+            handshake_timeout: Duration::from_millis(500),
+            ..c
+        })
+        .await;
+        let addr = l_node.local_addr();
+        // One says nothing at all; one trickles a hello a byte at a time.
+        let silent = HostileDialer::connect(addr).await;
+        let mut trickler = HostileDialer::connect(addr).await;
+        let hello = trickler.hello(None, A, L);
+        let trickle = tokio::spawn(async move {
+            for byte in hello {
+                if trickler.stream.write_all(&[byte]).await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            read_to_close(&mut trickler.stream).await
+        });
+        assert!(silent.closed().await, "cut without a word");
+        assert_eq!(trickle.await.expect("trickler"), 0, "cut without a word");
+        until(|| l_node.stats().refused == 2).await;
+        assert_eq!(l_node.last_refusal(), Some(ConnectError::Timeout));
+        assert_eq!(l_node.stats().established, 0);
+        // An honest dialer still connects.
+        let (a_node, _a) = tcp_node(A, |c| c).await;
+        a_node.register(L, addr);
+        assert!(a_node.connect(L).await.is_ok());
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_max_pending_handshakes_are_closed_at_once() {
+    bounded(async {
+        let pending = 2;
+        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
+            max_pending_handshakes: pending,
+            // Long enough that both holders are in before the first is cut.
+            handshake_timeout: Duration::from_secs(2),
+            ..c
+        })
+        .await;
+        let addr = l_node.local_addr();
+        // Each has its challenge: both hold a handshake slot.
+        let holders = [
+            HostileDialer::connect(addr).await,
+            HostileDialer::connect(addr).await,
+        ];
+        let mut shed = HostileDialer::silent(addr).await;
+        assert_eq!(
+            read_to_close(&mut shed).await,
+            0,
+            "closed without a challenge"
+        );
+        assert_eq!(l_node.stats().handshakes_shed, 1);
+        assert_eq!(
+            l_node.last_refusal(),
+            Some(ConnectError::TooManyHandshakes { limit: pending })
+        );
+        // The holders are cut at the timeout; then an honest dialer gets in.
+        for holder in holders {
+            assert!(holder.closed().await);
+        }
+        let (a_node, _a) = tcp_node(A, |c| c).await;
+        a_node.register(L, addr);
+        assert!(a_node.connect(L).await.is_ok());
+        until(|| l.epoch(A).is_some()).await;
+        assert_eq!(l_node.stats().handshakes_shed, 1);
+        assert_eq!(l_node.stats().refused, 3);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dial_to_a_listener_that_never_speaks_times_out() {
+    bounded(async {
+        let (a_node, _a) = tcp_node(A, |c| TcpNodeConfig {
+            handshake_timeout: Duration::from_millis(300),
+            ..c
+        })
+        .await;
+        let mute = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        a_node.register(L, mute.local_addr().expect("addr"));
+        let (dialed, accepted) = tokio::join!(a_node.connect(L), mute.accept());
+        assert_eq!(dialed, Err(ConnectError::Timeout));
+        let (mut held, _) = accepted.expect("accept");
+        assert_eq!(
+            read_to_close(&mut held).await,
+            0,
+            "the dialer left without a word"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn slots_dropped_by_an_epoch_death_give_their_places_back() {
+    bounded(async {
+        let limit = 3;
+        let config = MuxConfig {
+            max_slots_per_peer: limit,
+            ..MuxConfig::default()
+        };
+        let fabric = MemFabric::new(MemConfig::default());
+        let l = fabric.node(L, config.clone()).mux().clone();
+        let a = fabric.node(A, config).mux().clone();
+        let mut held = Vec::new();
+        for s in 0..u64::from(limit) {
+            let key = StreamKey::new(L.0, s);
+            let mut rx = a.bind(key).expect("bind");
+            let mut tx = l.open(A, key).expect("open");
+            tx.send(bytes::Bytes::from_static(b"x"))
+                .await
+                .expect("send");
+            assert!(matches!(rx.recv().await, Some(Frame::Data(_))));
+            held.push((tx, rx));
+        }
+        assert!(l.open(A, StreamKey::new(L.0, 9)).is_err());
+        assert!(fabric.kill(L, A, qpmux::link::EpochEnd::PeerLost));
+        for (_, rx) in &mut held {
+            assert!(matches!(rx.recv().await, Some(Frame::Dropped(_))));
+        }
+        // The dead slots' senders are still held, yet count no more.
+        until(|| l.epoch(A).is_none()).await;
+        let key = StreamKey::new(L.0, 10);
+        let mut rx = a.bind(key).expect("bind");
+        let tx = l.open(A, key).expect("a place after the epoch died");
+        tx.finish(Terminal::Finalized).expect("finish");
+        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        drop(held);
+    })
+    .await;
+}
