@@ -279,3 +279,30 @@ pub fn percentiles(mut nanos: Vec<u64>) -> (Duration, Duration) {
     };
     (pick(0.50), pick(0.99))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::mem::{MemConfig, MemFabric};
+    use crate::mux::MuxConfig;
+
+    /// Slow consumers whose producers are blocked on credit do not keep the
+    /// fast streams of the same peer from finishing; only fast records count.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fast_streams_finish_beside_slow_consumers() {
+        let fabric = MemFabric::new(MemConfig::default());
+        let a = fabric.node(PeerId(1), MuxConfig::default());
+        let b = fabric.node(PeerId(2), MuxConfig::default());
+        let workload = Workload {
+            slow_streams: 2,
+            slow_delay: Duration::from_secs(3600),
+            ..Workload::new(8, 200, 64, Some(Duration::from_micros(100)))
+        };
+        let report = tokio::time::timeout(Duration::from_secs(60), run_nodes(&a, &b, 1, workload))
+            .await
+            .expect("the fast streams finish");
+        assert_eq!(report.records, 6 * 200);
+        a.shutdown();
+        b.shutdown();
+    }
+}
