@@ -1,12 +1,15 @@
 //! A streaming workload any link can run, and the table the demo prints.
 //!
 //! ```text
-//!  producer task ─ per pass: every stream sends one record (timestamped) ─► Mux<L> ─► link
-//!  consumer per stream ◄─ Mux<L> ◄─ link;  latency = receive time − stamp
+//!  producer task ─ per pass: every fast stream sends one record (timestamped) ─► Mux<L> ─► link
+//!  one task per slow stream ─ same pace, blocks when its consumer lags ─────────┘
+//!  consumer per stream ◄─ Mux<L> ◄─ link;  latency = receive time − stamp (fast streams)
 //! ```
 //!
 //! The same workload runs over every link kind, so the report's rows are
-//! comparable when measured in one process, one after the other.
+//! comparable when measured in one process, one after the other. Slow
+//! streams (a consumer that sleeps after every record) test head-of-line
+//! blocking: only the fast streams are counted and timed.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,6 +32,44 @@ pub struct Workload {
     pub record_size: usize,
     /// Pause between passes (`None`: back to back).
     pub pace: Option<Duration>,
+    /// Of each target's streams, how many have a slow consumer (fewer than
+    /// `streams`); their records are neither counted nor timed.
+    pub slow_streams: u64,
+    /// How long a slow consumer sleeps after each record.
+    pub slow_delay: Duration,
+}
+
+impl Workload {
+    /// `streams` streams, `passes` passes of `record_size`-byte records,
+    /// `pace` apart, every consumer fast.
+    pub fn new(streams: u64, passes: u64, record_size: usize, pace: Option<Duration>) -> Self {
+        Workload {
+            streams,
+            passes,
+            record_size: record_size.max(16),
+            pace,
+            slow_streams: 0,
+            slow_delay: Duration::ZERO,
+        }
+    }
+
+    /// Streams per target whose records are counted and timed.
+    pub fn fast_streams(&self) -> u64 {
+        self.streams.saturating_sub(self.slow_streams)
+    }
+}
+
+/// A path that could not carry the workload's streams (typically a
+/// per-stream transport out of file descriptors): how far it got.
+#[derive(Debug, thiserror::Error)]
+#[error("carried {carried} of {wanted} streams, then: {reason}")]
+pub struct StreamWall {
+    /// Streams that were open and delivering when it failed.
+    pub carried: u64,
+    /// Streams the workload asked for.
+    pub wanted: u64,
+    /// What failed.
+    pub reason: String,
 }
 
 /// What one run measured.
@@ -127,14 +168,36 @@ pub async fn run<L: Link>(
     let origin = Instant::now();
     let received = Arc::new(AtomicU64::new(0));
     let progress = Arc::new(Notify::new());
-    let total = workload.streams * workload.passes * targets.len() as u64;
+    let total = workload.fast_streams() * workload.passes * targets.len() as u64;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
+    let record_size = workload.record_size.max(16);
     let mut consumers = Vec::new();
     let mut senders = Vec::new();
+    let mut slow = Vec::new();
     for &(receiver, peer) in targets {
         for s in 0..workload.streams {
             let key = StreamKey::new(anchor, s);
             let mut rx = receiver.bind(key).expect("fresh anchor ids are unbound");
+            let mut tx = sender.open(peer, key).expect("open");
+            if s < workload.slow_streams {
+                let delay = workload.slow_delay;
+                slow.push(tokio::spawn(async move {
+                    while let Some(Frame::Data(_)) = rx.recv().await {
+                        tokio::time::sleep(delay).await;
+                    }
+                }));
+                let pace = workload.pace;
+                slow.push(tokio::spawn(async move {
+                    let record = Bytes::from(vec![0u8; record_size]);
+                    // Ends when aborted, or when the run tears the slot down.
+                    while tx.send(record.clone()).await.is_ok() {
+                        if let Some(pace) = pace {
+                            tokio::time::sleep(pace).await;
+                        }
+                    }
+                }));
+                continue;
+            }
             let (received, progress, latencies) =
                 (received.clone(), progress.clone(), latencies.clone());
             consumers.push(tokio::spawn(async move {
@@ -149,14 +212,14 @@ pub async fn run<L: Link>(
                 }
                 latencies.lock().await.extend(local);
             }));
-            senders.push(sender.open(peer, key).expect("open"));
+            senders.push(tx);
         }
     }
     let before = sender.stats();
     reset_peak_rss();
     let cpu_before = process_cpu();
     let start = Instant::now();
-    let mut record = vec![0u8; workload.record_size.max(16)];
+    let mut record = vec![0u8; record_size];
     for _ in 0..workload.passes {
         for tx in &mut senders {
             let stamp = origin.elapsed().as_nanos() as u64;
@@ -177,18 +240,17 @@ pub async fn run<L: Link>(
     let fds = open_fds();
     let rss = peak_rss();
     let after = sender.stats();
+    for task in slow {
+        task.abort();
+    }
     for tx in senders {
         tx.finish(Terminal::Finalized).expect("finish");
     }
     for c in consumers {
         c.await.expect("consumer");
     }
-    let mut lat = std::mem::take(&mut *latencies.lock().await);
-    lat.sort_unstable();
-    let pick = |q: f64| {
-        lat.get(((lat.len() as f64 - 1.0) * q) as usize)
-            .map_or(Duration::ZERO, |&n| Duration::from_nanos(n))
-    };
+    let lat = std::mem::take(&mut *latencies.lock().await);
+    let (p50, p99) = percentiles(lat);
     let batches = after.batches_sent - before.batches_sent;
     let records = after.records_sent - before.records_sent;
     Report {
@@ -200,9 +262,47 @@ pub async fn run<L: Link>(
         } else {
             records as f64 / batches as f64
         },
-        p50: pick(0.50),
-        p99: pick(0.99),
+        p50,
+        p99,
         peak_rss: rss,
         fds,
+    }
+}
+
+/// The median and 99th percentile of latencies in nanoseconds.
+pub fn percentiles(mut nanos: Vec<u64>) -> (Duration, Duration) {
+    nanos.sort_unstable();
+    let pick = |q: f64| {
+        nanos
+            .get(((nanos.len() as f64 - 1.0) * q) as usize)
+            .map_or(Duration::ZERO, |&n| Duration::from_nanos(n))
+    };
+    (pick(0.50), pick(0.99))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::mem::{MemConfig, MemFabric};
+    use crate::mux::MuxConfig;
+
+    /// Slow consumers whose producers are blocked on credit do not keep the
+    /// fast streams of the same peer from finishing; only fast records count.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fast_streams_finish_beside_slow_consumers() {
+        let fabric = MemFabric::new(MemConfig::default());
+        let a = fabric.node(PeerId(1), MuxConfig::default());
+        let b = fabric.node(PeerId(2), MuxConfig::default());
+        let workload = Workload {
+            slow_streams: 2,
+            slow_delay: Duration::from_secs(3600),
+            ..Workload::new(8, 200, 64, Some(Duration::from_micros(100)))
+        };
+        let report = tokio::time::timeout(Duration::from_secs(60), run_nodes(&a, &b, 1, workload))
+            .await
+            .expect("the fast streams finish");
+        assert_eq!(report.records, 6 * 200);
+        a.shutdown();
+        b.shutdown();
     }
 }

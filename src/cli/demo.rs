@@ -50,6 +50,7 @@ struct Row {
     records_per_batch: f64,
     p50_us: f64,
     p99_us: f64,
+    error: Option<String>,
 }
 
 impl Row {
@@ -63,6 +64,21 @@ impl Row {
             records_per_batch: r.records_per_batch,
             p50_us: r.p50.as_secs_f64() * 1e6,
             p99_us: r.p99.as_secs_f64() * 1e6,
+            error: None,
+        }
+    }
+
+    fn failed(path: &'static str, streams: u64, err: &anyhow::Error) -> Row {
+        Row {
+            path,
+            streams,
+            records: 0,
+            records_per_sec: f64::NAN,
+            cpu_us_per_record: f64::NAN,
+            records_per_batch: f64::NAN,
+            p50_us: f64::NAN,
+            p99_us: f64::NAN,
+            error: Some(format!("{err:#}")),
         }
     }
 }
@@ -110,15 +126,11 @@ async fn rdma_row(workload: Workload) -> anyhow::Result<Report> {
 }
 
 pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
-    let workload = Workload {
-        streams: args.streams,
-        passes: args.passes,
-        record_size: args.record_size.max(16),
-        pace: (args.pace_us > 0).then(|| Duration::from_micros(args.pace_us)),
-    };
+    let pace = (args.pace_us > 0).then(|| Duration::from_micros(args.pace_us));
+    let workload = Workload::new(args.streams, args.passes, args.record_size, pace);
     let mut paths = vec!["qpmux-rdma", "qpmux-tcp", "mem"];
     if cfg!(feature = "velo") {
-        paths.push("velo-tcp-mux");
+        paths.extend(["velo-tcp-mux", "velo-tcp-stream"]);
     }
     let bar = if json {
         ProgressBar::hidden()
@@ -138,14 +150,26 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
             args.streams, args.passes
         ));
         let report = match path {
-            "mem" => mem_row(workload).await,
-            "qpmux-rdma" => rdma_row(workload).await?,
+            "mem" => Ok(mem_row(workload).await),
+            "qpmux-rdma" => rdma_row(workload).await,
             #[cfg(feature = "velo")]
-            "velo-tcp-mux" => super::velo_rows::velo_tcp(1, workload).await?,
-            "qpmux-tcp" => tcp_row(workload).await?,
+            "velo-tcp-mux" => {
+                use super::velo_rows::{VeloPath, velo_tcp};
+                velo_tcp(VeloPath::MessengerMux, 1, workload).await
+            }
+            #[cfg(feature = "velo")]
+            "velo-tcp-stream" => {
+                use super::velo_rows::{VeloPath, velo_tcp};
+                velo_tcp(VeloPath::PerStream, 1, workload).await
+            }
+            "qpmux-tcp" => tcp_row(workload).await,
             other => anyhow::bail!("unknown path {other}"),
         };
-        rows.push(Row::new(path, args.streams, &report));
+        rows.push(match report {
+            Ok(report) => Row::new(path, args.streams, &report),
+            // The per-stream path can run out of descriptors: a row, not a crash.
+            Err(err) => Row::failed(path, args.streams, &err),
+        });
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -159,15 +183,22 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
     );
     println!("(qpmux-rdma: the soft RoCEv2 provider, user space over loopback UDP, against");
     println!(" kernel TCP on loopback; mem: the mux with no wire; velo-tcp-mux: velo's own");
-    println!(" anchor streams over its TCP transport and messenger mux. Not hardware numbers.)");
+    println!(" anchor streams over its TCP transport and messenger mux; velo-tcp-stream: the");
+    println!(
+        " same over velo's per-stream path, one connection per stream. Not hardware numbers.)"
+    );
     println!();
     println!(
-        "{:<12} {:>12} {:>14} {:>10} {:>10} {:>10}",
+        "{:<15} {:>12} {:>14} {:>10} {:>10} {:>10}",
         "path", "records/s", "CPU µs/record", "rec/batch", "p50 µs", "p99 µs"
     );
     for r in &rows {
+        if let Some(err) = &r.error {
+            println!("{:<15} failed: {err}", r.path);
+            continue;
+        }
         println!(
-            "{:<12} {:>12.0} {:>14.2} {:>10.1} {:>10.1} {:>10.1}",
+            "{:<15} {:>12.0} {:>14.2} {:>10.1} {:>10.1} {:>10.1}",
             r.path, r.records_per_sec, r.cpu_us_per_record, r.records_per_batch, r.p50_us, r.p99_us
         );
     }

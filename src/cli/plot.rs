@@ -20,7 +20,7 @@ fn escape(text: &str) -> String {
 
 /// Renders `series` as an SVG document; `log_y` plots y on a log-10 scale.
 pub fn lines(title: &str, x_label: &str, y_label: &str, series: &[Series], log_y: bool) -> String {
-    let (w, h, left, right, top, bottom) = (820.0, 480.0, 70.0, 220.0, 40.0, 50.0);
+    let (w, h, left, right, top, bottom) = (900.0, 480.0, 70.0, 300.0, 40.0, 50.0);
     let points = series.iter().flat_map(|s| s.points.iter());
     let (mut x_min, mut x_max, mut y_min, mut y_max) = (f64::MAX, f64::MIN, f64::MAX, 0.0f64);
     for &(x, y) in points {

@@ -1,14 +1,18 @@
-//! `qpmux bench sweep` (V5): X streams per peer × Y peers on each path
-//! (qpmux over RDMA and TCP, and velo's own TCP messenger mux), in
-//! one process, one cell after the other; JSON plus SVG plots.
+//! `qpmux bench sweep` (V5, V6): X streams per peer × Y peers on each path
+//! (qpmux over RDMA nodes and TCP nodes, velo's TCP messenger mux, velo's
+//! per-stream TCP path), in one process, one cell after the other; then the
+//! V6 criteria cells (one saturating stream, paced X = Y = 1 latency, mixed
+//! fast and slow consumers); JSON, SVG plots (PNG when `rsvg-convert` is
+//! installed) and the verdicts.
 //!
 //! ```text
-//!  for path in paths, for Y, for X: fresh nodes ─► demo::run (paced passes) ─► Cell
-//!  cells ─► sweep.json ─► cpu_per_record.svg, p99_latency.svg (one line per path and Y)
+//!  [--pin-cores/--nofile: re-exec under taskset/prlimit]
+//!  for path, Y, X: fresh nodes ─► workload ─► Cell (or "failed at N streams")
+//!  criteria cells ─► verdicts (ratios within this run)
+//!  cells + verdicts ─► sweep.json ─► cpu_per_record, p50_latency, p99_latency (.svg/.png)
 //! ```
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args as ClapArgs;
@@ -16,14 +20,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use super::plot;
-use crate::demo::{self, Report, Workload};
+use crate::demo::{self, Report, StreamWall, Workload};
 use crate::link::Node;
-use crate::link::rdma::{self, RdmaConfig};
 use crate::link::tcp::{TcpNodeConfig, TcpTransport};
-use crate::mux::protocol::Epoch;
-use crate::mux::{Dialer, Mux, MuxConfig, PeerId};
-use crate::verbs::soft::SoftDevice;
-use crate::verbs::soft::udp::UdpConfig;
+use crate::mux::{MuxConfig, PeerId};
+
+/// Set in the environment of a sweep re-executed under taskset/prlimit.
+const WRAPPED_ENV: &str = "QPMUX_SWEEP_WRAPPED";
 
 /// Arguments of `qpmux bench sweep`.
 #[derive(Debug, Clone, ClapArgs)]
@@ -34,15 +37,26 @@ pub struct SweepArgs {
     /// Record size in bytes.
     #[arg(long, default_value_t = 64)]
     pub record_size: usize,
-    /// Milliseconds between forward passes.
+    /// Milliseconds between forward passes in the grid.
     #[arg(long, default_value_t = 5)]
     pub pace_ms: u64,
-    /// Skip cells with more streams in total than this.
+    /// Skip grid cells with more streams in total than this.
     #[arg(long, default_value_t = 32_768)]
     pub max_streams: u64,
     /// Where sweep.json and the plots go.
     #[arg(long, default_value = "target/sweep")]
     pub out: PathBuf,
+    /// Run on CPUs 0..N only (the CPU-scarce case): the sweep re-executes
+    /// itself under `taskset`.
+    #[arg(long)]
+    pub pin_cores: Option<usize>,
+    /// Run with this many file descriptors at most (soft and hard limit):
+    /// the sweep re-executes itself under `prlimit`.
+    #[arg(long)]
+    pub nofile: Option<u64>,
+    /// Skip the V6 criteria cells.
+    #[arg(long)]
+    pub no_criteria: bool,
 }
 
 /// One measured cell.
@@ -50,11 +64,15 @@ pub struct SweepArgs {
 pub struct Cell {
     /// The path measured.
     pub path: &'static str,
+    /// What the cell is for: `grid` (V5) or a V6 criterion's workload.
+    pub mode: &'static str,
     /// Streams per peer.
     pub x: u64,
     /// Peers.
     pub y: u64,
-    /// Records delivered.
+    /// Of each peer's streams, how many have a slow consumer.
+    pub slow_streams: u64,
+    /// Records delivered (fast streams).
     pub records: u64,
     /// Wall time, seconds.
     pub wall_s: f64,
@@ -62,7 +80,7 @@ pub struct Cell {
     pub records_per_sec: f64,
     /// Process CPU per record, microseconds.
     pub cpu_us_per_record: f64,
-    /// Records per batch on the sender.
+    /// Records per batch on the sender (null where the path does not say).
     pub records_per_batch: f64,
     /// Median one-way latency, microseconds.
     pub p50_us: f64,
@@ -72,14 +90,21 @@ pub struct Cell {
     pub peak_rss_mib: f64,
     /// Open descriptors at the end of the cell.
     pub fds: u64,
+    /// Streams the path carried before it failed (set only when it failed
+    /// for want of resources, e.g. descriptors).
+    pub failed_at_streams: Option<u64>,
+    /// Why the cell failed, if it did.
+    pub error: Option<String>,
 }
 
 impl Cell {
-    fn new(path: &'static str, x: u64, y: u64, r: &Report) -> Cell {
+    fn new(path: &'static str, shape: Shape, r: &Report) -> Cell {
         Cell {
             path,
-            x,
-            y,
+            mode: shape.mode,
+            x: shape.x,
+            y: shape.y,
+            slow_streams: shape.workload.slow_streams,
             records: r.records,
             wall_s: r.elapsed.as_secs_f64(),
             records_per_sec: r.rate(),
@@ -89,38 +114,101 @@ impl Cell {
             p99_us: r.p99.as_secs_f64() * 1e6,
             peak_rss_mib: r.peak_rss as f64 / (1 << 20) as f64,
             fds: r.fds,
+            failed_at_streams: None,
+            error: None,
         }
     }
+
+    fn failed(path: &'static str, shape: Shape, err: &anyhow::Error) -> Cell {
+        Cell {
+            path,
+            mode: shape.mode,
+            x: shape.x,
+            y: shape.y,
+            slow_streams: shape.workload.slow_streams,
+            records: 0,
+            wall_s: f64::NAN,
+            records_per_sec: f64::NAN,
+            cpu_us_per_record: f64::NAN,
+            records_per_batch: f64::NAN,
+            p50_us: f64::NAN,
+            p99_us: f64::NAN,
+            peak_rss_mib: f64::NAN,
+            fds: demo::open_fds(),
+            failed_at_streams: err.downcast_ref::<StreamWall>().map(|w| w.carried),
+            error: Some(format!("{err:#}")),
+        }
+    }
+
+    fn ok(&self) -> bool {
+        self.error.is_none()
+    }
 }
 
-struct Attached;
-
-impl Dialer for Attached {
-    fn want_link(&self, _peer: PeerId) {}
+/// What one cell runs.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    mode: &'static str,
+    x: u64,
+    y: u64,
+    workload: Workload,
 }
+
+/// A V6 criterion or target, judged from cells of this run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Verdict {
+    /// The criterion, as docs/benchmarks.md states it.
+    pub criterion: &'static str,
+    /// The path judged.
+    pub path: &'static str,
+    /// The measured ratio.
+    pub ratio: f64,
+    /// What the ratio is.
+    pub measure: String,
+    /// Whether the criterion holds (the design survives / the target is
+    /// met); null when a cell it needs failed.
+    pub holds: Option<bool>,
+}
+
+/// The machine the sweep ran on, as far as it matters to the numbers.
+#[derive(Debug, Clone, Serialize)]
+pub struct Environment {
+    /// CPUs this process may run on (`Cpus_allowed_list`).
+    pub cpus_allowed: String,
+    /// Soft limit on open files.
+    pub nofile_limit: String,
+    /// Milliseconds between passes in the grid.
+    pub grid_pace_ms: u64,
+    /// Record size, bytes.
+    pub record_size: usize,
+}
+
+#[derive(Serialize)]
+struct SweepJson<'a> {
+    environment: Environment,
+    cells: &'a [Cell],
+    verdicts: &'a [Verdict],
+}
+
+const QPMUX_PATHS: [&str; 2] = ["qpmux-rdma", "qpmux-tcp"];
+const PER_STREAM: &str = "velo-tcp-stream";
+const VELO_MUX: &str = "velo-tcp-mux";
 
 async fn rdma_cell(y: u64, workload: Workload) -> anyhow::Result<Report> {
-    // One device for the sender (one NIC), one per receiving peer.
-    let sender_dev = SoftDevice::open_udp(UdpConfig::default()).await?;
-    let sender = Mux::new(MuxConfig::default(), Arc::new(Attached));
+    // Each node: its own soft device (one NIC) and bootstrap listener.
+    let sender = super::rdma_node(0).await?;
     let mut receivers = Vec::new();
     for peer in 0..y {
-        let dev = SoftDevice::open_udp(UdpConfig::default()).await?;
-        let (ours, theirs) = rdma::pair(&sender_dev, &dev, Epoch(1), RdmaConfig::default())?;
-        let mux = Mux::new(MuxConfig::default(), Arc::new(Attached));
-        sender.attach(PeerId(peer + 1), ours);
-        mux.attach(PeerId(0), theirs);
-        receivers.push((mux, dev));
+        let node = super::rdma_node(peer + 1).await?;
+        let id = sender.register(&node.address())?;
+        node.register(&sender.address())?;
+        receivers.push((node, id));
     }
-    let targets: Vec<_> = receivers
-        .iter()
-        .enumerate()
-        .map(|(i, (mux, _))| (mux, PeerId(i as u64 + 1)))
-        .collect();
-    let report = demo::run(&sender, &targets, 1, workload).await;
+    let targets: Vec<_> = receivers.iter().map(|(n, id)| (n.mux(), *id)).collect();
+    let report = demo::run(sender.mux(), &targets, 1, workload).await;
     sender.shutdown();
-    for (mux, _) in &receivers {
-        mux.shutdown();
+    for (node, _) in &receivers {
+        node.shutdown();
     }
     Ok(report)
 }
@@ -154,23 +242,167 @@ async fn tcp_cell(y: u64, workload: Workload) -> anyhow::Result<Report> {
     Ok(report)
 }
 
+async fn measure(path: &'static str, shape: Shape) -> Cell {
+    let result = match path {
+        "qpmux-rdma" => rdma_cell(shape.y, shape.workload).await,
+        "qpmux-tcp" => tcp_cell(shape.y, shape.workload).await,
+        #[cfg(feature = "velo")]
+        VELO_MUX => {
+            use super::velo_rows::{VeloPath, velo_tcp};
+            velo_tcp(VeloPath::MessengerMux, shape.y, shape.workload).await
+        }
+        #[cfg(feature = "velo")]
+        PER_STREAM => {
+            use super::velo_rows::{VeloPath, velo_tcp};
+            velo_tcp(VeloPath::PerStream, shape.y, shape.workload).await
+        }
+        other => Err(anyhow::anyhow!("unknown path {other}")),
+    };
+    let cell = match result {
+        Ok(report) => Cell::new(path, shape, &report),
+        Err(err) => Cell::failed(path, shape, &err),
+    };
+    // Let the torn-down nodes' sockets close before the next cell counts.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    cell
+}
+
+/// The V6 criteria cells: every path on each shape.
+fn criteria_shapes(args: &SweepArgs) -> Vec<Shape> {
+    let size = args.record_size;
+    let paced = Some(Duration::from_millis(1));
+    let hol = Workload::new(64, if args.quick { 200 } else { 1000 }, size, paced);
+    vec![
+        Shape {
+            mode: "saturate",
+            x: 1,
+            y: 1,
+            workload: Workload::new(1, if args.quick { 20_000 } else { 100_000 }, size, None),
+        },
+        Shape {
+            mode: "latency-1ms",
+            x: 1,
+            y: 1,
+            workload: Workload::new(1, if args.quick { 500 } else { 2000 }, size, paced),
+        },
+        Shape {
+            mode: "hol-baseline",
+            x: 64,
+            y: 1,
+            workload: hol,
+        },
+        Shape {
+            mode: "hol-slow",
+            x: 64,
+            y: 1,
+            workload: Workload {
+                slow_streams: 8,
+                slow_delay: Duration::from_millis(20),
+                ..hol
+            },
+        },
+    ]
+}
+
+/// Re-executes this command under `prlimit`/`taskset` when asked to; returns
+/// whether it did (and the child's outcome).
+fn reexec_wrapped(args: &SweepArgs) -> Option<anyhow::Result<()>> {
+    if std::env::var_os(WRAPPED_ENV).is_some()
+        || (args.pin_cores.is_none() && args.nofile.is_none())
+    {
+        return None;
+    }
+    let run = || -> anyhow::Result<()> {
+        let mut argv: Vec<std::ffi::OsString> = Vec::new();
+        if let Some(n) = args.nofile {
+            argv.extend([
+                "prlimit".into(),
+                format!("--nofile={n}").into(),
+                "--".into(),
+            ]);
+        }
+        if let Some(cores) = args.pin_cores {
+            anyhow::ensure!(cores > 0, "--pin-cores needs at least one core");
+            argv.extend([
+                "taskset".into(),
+                "-c".into(),
+                format!("0-{}", cores - 1).into(),
+            ]);
+        }
+        argv.push(std::env::current_exe()?.into());
+        argv.extend(std::env::args_os().skip(1));
+        let status = std::process::Command::new(&argv[0])
+            .args(&argv[1..])
+            .env(WRAPPED_ENV, "1")
+            .status()
+            .map_err(|e| anyhow::anyhow!("running {:?}: {e} (util-linux installed?)", argv[0]))?;
+        anyhow::ensure!(status.success(), "the wrapped sweep exited with {status}");
+        Ok(())
+    };
+    Some(run())
+}
+
+fn proc_field(file: &str, prefix: &str) -> String {
+    std::fs::read_to_string(file)
+        .ok()
+        .and_then(|text| {
+            let line = text.lines().find(|l| l.starts_with(prefix))?;
+            Some(
+                line[prefix.len()..]
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            )
+        })
+        .unwrap_or_else(|| "unknown".to_string())
+}
+
 pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
+    if let Some(outcome) = reexec_wrapped(&args) {
+        return outcome;
+    }
+    let environment = Environment {
+        cpus_allowed: proc_field("/proc/self/status", "Cpus_allowed_list:"),
+        nofile_limit: proc_field("/proc/self/limits", "Max open files"),
+        grid_pace_ms: args.pace_ms,
+        record_size: args.record_size.max(16),
+    };
     let (xs, ys): (&[u64], &[u64]) = if args.quick {
         (&[1, 64, 1024], &[1, 8])
     } else {
         (&[1, 8, 64, 256, 1024, 4096], &[1, 2, 8, 32])
     };
-    let mut paths = vec!["qpmux-rdma", "qpmux-tcp"];
+    let mut paths = QPMUX_PATHS.to_vec();
     if cfg!(feature = "velo") {
-        paths.push("velo-tcp-mux");
+        paths.extend([VELO_MUX, PER_STREAM]);
     }
     let mut grid = Vec::new();
     for &path in &paths {
         for &y in ys {
             for &x in xs {
                 if x * y <= args.max_streams {
-                    grid.push((path, x, y));
+                    // About 20k records a cell, at least 10 passes.
+                    let passes = (20_000 / (x * y)).clamp(10, 200);
+                    let pace = Some(Duration::from_millis(args.pace_ms));
+                    let workload = Workload::new(x, passes, args.record_size, pace);
+                    let mode = "grid";
+                    grid.push((
+                        path,
+                        Shape {
+                            mode,
+                            x,
+                            y,
+                            workload,
+                        },
+                    ));
                 }
+            }
+        }
+    }
+    if !args.no_criteria {
+        for shape in criteria_shapes(&args) {
+            for &path in &paths {
+                grid.push((path, shape));
             }
         }
     }
@@ -186,59 +418,92 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
     );
     bar.enable_steady_tick(Duration::from_millis(200));
     let mut cells = Vec::new();
-    for (path, x, y) in grid {
-        bar.set_message(format!("{path} X={x} Y={y}"));
-        // About 20k records a cell, at least 10 passes.
-        let passes = (20_000 / (x * y)).clamp(10, 200);
-        let workload = Workload {
-            streams: x,
-            passes,
-            record_size: args.record_size.max(16),
-            pace: Some(Duration::from_millis(args.pace_ms)),
-        };
-        let report = match path {
-            "qpmux-rdma" => rdma_cell(y, workload).await?,
-            "qpmux-tcp" => tcp_cell(y, workload).await?,
-            #[cfg(feature = "velo")]
-            "velo-tcp-mux" => super::velo_rows::velo_tcp(y, workload).await?,
-            other => anyhow::bail!("unknown path {other}"),
-        };
-        cells.push(Cell::new(path, x, y, &report));
+    for (path, shape) in grid {
+        bar.set_message(format!("{path} {} X={} Y={}", shape.mode, shape.x, shape.y));
+        cells.push(measure(path, shape).await);
         bar.inc(1);
     }
     bar.finish_and_clear();
+    let verdicts = verdicts(&cells);
     std::fs::create_dir_all(&args.out)?;
     let json_path = args.out.join("sweep.json");
-    std::fs::write(&json_path, serde_json::to_string_pretty(&cells)?)?;
-    let cpu = plot::lines(
-        "CPU per record vs streams per peer",
-        "streams per peer (X)",
-        "CPU µs per record",
-        &series(&cells, |c| c.cpu_us_per_record),
-        true,
-    );
-    std::fs::write(args.out.join("cpu_per_record.svg"), cpu)?;
-    let p99 = plot::lines(
-        "p99 one-way latency vs streams per peer",
-        "streams per peer (X)",
-        "p99 latency µs",
-        &series(&cells, |c| c.p99_us),
-        true,
-    );
-    std::fs::write(args.out.join("p99_latency.svg"), p99)?;
-    let pngs = rasterize(&args.out, &["cpu_per_record", "p99_latency"]);
+    let document = SweepJson {
+        environment: environment.clone(),
+        cells: &cells,
+        verdicts: &verdicts,
+    };
+    std::fs::write(&json_path, serde_json::to_string_pretty(&document)?)?;
+    let grid_cells: Vec<Cell> = cells.iter().filter(|c| c.mode == "grid").cloned().collect();
+    let plots = [
+        (
+            "cpu_per_record",
+            "CPU per record vs streams per peer",
+            "CPU µs per record",
+            0,
+        ),
+        (
+            "p50_latency",
+            "p50 one-way latency vs streams per peer",
+            "p50 latency µs",
+            1,
+        ),
+        (
+            "p99_latency",
+            "p99 one-way latency vs streams per peer",
+            "p99 latency µs",
+            2,
+        ),
+    ];
+    for (name, title, y_label, metric) in plots {
+        let pick = |c: &Cell| match metric {
+            0 => c.cpu_us_per_record,
+            1 => c.p50_us,
+            _ => c.p99_us,
+        };
+        let svg = plot::lines(
+            title,
+            "streams per peer (X)",
+            y_label,
+            &series(&grid_cells, pick),
+            true,
+        );
+        std::fs::write(args.out.join(format!("{name}.svg")), svg)?;
+    }
+    let pngs = rasterize(&args.out, &plots.map(|p| p.0));
     if json {
-        println!("{}", serde_json::to_string_pretty(&cells)?);
+        println!("{}", serde_json::to_string_pretty(&document)?);
         return Ok(());
     }
     println!(
-        "{:<11} {:>5} {:>3} {:>10} {:>9} {:>8} {:>9} {:>9} {:>8} {:>5}",
-        "path", "X", "Y", "records/s", "CPU µs/r", "rec/bat", "p50 µs", "p99 µs", "RSS MiB", "fds"
+        "CPUs {}, open files limit {}; soft provider = user space on loopback, not hardware",
+        environment.cpus_allowed, environment.nofile_limit
+    );
+    println!(
+        "{:<15} {:<12} {:>5} {:>3} {:>10} {:>9} {:>8} {:>9} {:>9} {:>8} {:>5}",
+        "path",
+        "mode",
+        "X",
+        "Y",
+        "records/s",
+        "CPU µs/r",
+        "rec/bat",
+        "p50 µs",
+        "p99 µs",
+        "RSS MiB",
+        "fds"
     );
     for c in &cells {
+        if let Some(err) = &c.error {
+            println!(
+                "{:<15} {:<12} {:>5} {:>3} failed: {err}",
+                c.path, c.mode, c.x, c.y
+            );
+            continue;
+        }
         println!(
-            "{:<11} {:>5} {:>3} {:>10.0} {:>9.2} {:>8.1} {:>9.1} {:>9.1} {:>8.1} {:>5}",
+            "{:<15} {:<12} {:>5} {:>3} {:>10.0} {:>9.2} {:>8.1} {:>9.1} {:>9.1} {:>8.1} {:>5}",
             c.path,
+            c.mode,
             c.x,
             c.y,
             c.records_per_sec,
@@ -250,24 +515,152 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
             c.fds
         );
     }
+    println!();
+    for v in &verdicts {
+        let holds = match v.holds {
+            Some(true) => "holds",
+            Some(false) => "DOES NOT HOLD",
+            None => "unknown",
+        };
+        println!(
+            "{holds:<13} {:<15} {:.2} ({}): {}",
+            v.path, v.ratio, v.measure, v.criterion
+        );
+    }
     println!(
-        "wrote {} and the plots cpu_per_record.svg, p99_latency.svg beside it ({pngs})",
+        "wrote {} and the plots cpu_per_record, p50_latency, p99_latency (.svg) beside it ({pngs})",
         json_path.display()
     );
     Ok(())
 }
 
-/// One line per (path, Y): points (X, metric).
+fn find<'a>(cells: &'a [Cell], path: &str, mode: &str, x: u64, y: u64) -> Option<&'a Cell> {
+    cells
+        .iter()
+        .find(|c| c.path == path && c.mode == mode && c.x == x && c.y == y && c.ok())
+}
+
+/// The V6 criteria and targets, each a ratio of two cells of this run.
+fn verdicts(cells: &[Cell]) -> Vec<Verdict> {
+    let mut out = Vec::new();
+    let mut judge =
+        |criterion, path, measure: String, pair: Option<(f64, f64)>, holds: fn(f64) -> bool| {
+            let ratio = pair.map_or(f64::NAN, |(a, b)| a / b);
+            out.push(Verdict {
+                criterion,
+                path,
+                ratio,
+                measure,
+                holds: pair.map(|_| holds(ratio)),
+            });
+        };
+    for path in QPMUX_PATHS {
+        for y in [1, 8] {
+            let pair = |metric: fn(&Cell) -> f64| {
+                let (Some(at64), Some(at1)) = (
+                    find(cells, path, "grid", 64, y),
+                    find(cells, path, "grid", 1, y),
+                ) else {
+                    return None;
+                };
+                Some((metric(at64), metric(at1)))
+            };
+            judge(
+                "batching improves at X/Y = 64",
+                path,
+                format!("records per batch, X = 64 ÷ X = 1, Y = {y}"),
+                pair(|c| c.records_per_batch),
+                |r| r > 4.0,
+            );
+            judge(
+                "CPU falls at X/Y = 64",
+                path,
+                format!("CPU per record, X = 64 ÷ X = 1, Y = {y}"),
+                pair(|c| c.cpu_us_per_record),
+                |r| r < 0.5,
+            );
+            let mux = find(cells, VELO_MUX, "grid", 64, y).map(|c| c.cpu_us_per_record);
+            let ours = find(cells, path, "grid", 64, y).map(|c| c.cpu_us_per_record);
+            judge(
+                "target: CPU per record ≤ 0.5× velo's messenger mux at X/Y = 64",
+                path,
+                format!("CPU per record ÷ {VELO_MUX}'s, X = 64, Y = {y}"),
+                ours.zip(mux),
+                |r| r <= 0.5,
+            );
+        }
+    }
+    let against_per_stream = |path: &str, mode: &str, metric: fn(&Cell) -> f64| {
+        let ours = find(cells, path, mode, 1, 1)?;
+        let theirs = find(cells, PER_STREAM, mode, 1, 1)?;
+        Some((metric(ours), metric(theirs)))
+    };
+    for path in QPMUX_PATHS {
+        judge(
+            "p99 at X/Y = 1 within 2× the per-stream path",
+            path,
+            format!("p99 ÷ {PER_STREAM}'s, X = Y = 1, one pass per ms"),
+            against_per_stream(path, "latency-1ms", |c| c.p99_us),
+            |r| r <= 2.0,
+        );
+        judge(
+            "target: one saturating stream ≥ the per-stream path's records/s",
+            path,
+            format!("records/s ÷ {PER_STREAM}'s, X = Y = 1, back to back"),
+            against_per_stream(path, "saturate", |c| c.records_per_sec),
+            |r| r >= 1.0,
+        );
+        judge(
+            "target: p50 at X/Y = 1 ≤ the per-stream path's",
+            path,
+            format!("p50 ÷ {PER_STREAM}'s, X = Y = 1, one pass per ms"),
+            against_per_stream(path, "latency-1ms", |c| c.p50_us),
+            |r| r <= 1.0,
+        );
+        judge(
+            "target: p99 at X/Y = 1 ≤ the per-stream path's",
+            path,
+            format!("p99 ÷ {PER_STREAM}'s, X = Y = 1, one pass per ms"),
+            against_per_stream(path, "latency-1ms", |c| c.p99_us),
+            |r| r <= 1.0,
+        );
+    }
+    for path in [QPMUX_PATHS[0], QPMUX_PATHS[1], VELO_MUX, PER_STREAM] {
+        let slow = find(cells, path, "hol-slow", 64, 1).map(|c| c.p99_us);
+        let base = find(cells, path, "hol-baseline", 64, 1).map(|c| c.p99_us);
+        judge(
+            "no head-of-line blocking with mixed fast and slow consumers",
+            path,
+            "fast streams' p99 with 8 of 64 consumers slow (20 ms a record) ÷ with none".into(),
+            slow.zip(base),
+            |r| r <= 2.0,
+        );
+    }
+    out
+}
+
+/// One line per (path, Y): points (X, metric); a path that failed at some X
+/// says so in its legend.
 fn series(cells: &[Cell], metric: impl Fn(&Cell) -> f64) -> Vec<plot::Series> {
     let mut out: Vec<plot::Series> = Vec::new();
     for c in cells {
-        let name = format!("{} Y={}", c.path, c.y);
-        match out.iter_mut().find(|s| s.name == name) {
-            Some(s) => s.points.push((c.x as f64, metric(c))),
-            None => out.push(plot::Series {
-                name,
-                points: vec![(c.x as f64, metric(c))],
-            }),
+        let base = format!("{} Y={}", c.path, c.y);
+        let index = match out.iter().position(|s| s.name.starts_with(&base)) {
+            Some(i) => i,
+            None => {
+                out.push(plot::Series {
+                    name: base,
+                    points: Vec::new(),
+                });
+                out.len() - 1
+            }
+        };
+        let line = &mut out[index];
+        // The legend says where; how many streams it carried is in the JSON.
+        if c.ok() {
+            line.points.push((c.x as f64, metric(c)));
+        } else {
+            line.name += &format!(" (failed at X={})", c.x);
         }
     }
     out

@@ -1,15 +1,23 @@
-//! The velo rows of the demo: the same forward-pass workload through velo's
-//! own anchor streams, over velo's TCP transport (its messenger mux: the
-//! baseline qpmux is measured against) or over qpmux's RDMA path.
+//! The velo rows of the demo and the sweep: the same forward-pass workload
+//! through velo's own anchor streams over velo's TCP transports, either its
+//! messenger mux (every stream to a peer on one connection) or its
+//! per-stream path (`tcp-stream`: one connection per stream, selected with
+//! `MuxConfig { enabled: false, .. }`), the baselines qpmux is measured
+//! against.
 //!
 //! ```text
-//!  producer: per pass, every attached StreamSender sends one stamped item
+//!  attach every anchor ─► priming: one record per stream, all must arrive
+//!  producer: per pass, every fast StreamSender sends one stamped item
 //!  consumer per anchor: StreamAnchor::next ─► latency = now − stamp
 //! ```
+//!
+//! A per-stream path out of descriptors does not fail loudly: the dialer's
+//! socket opens but the listener cannot accept, so the stream is silent.
+//! Priming turns that into a [`StreamWall`] naming how many streams did work.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use tokio::sync::{Mutex, Notify};
@@ -17,32 +25,55 @@ use velo::Velo;
 use velo::streaming::StreamFrame;
 use velo::transports::tcp::TcpTransportBuilder;
 
-use crate::demo::{Report, Workload, open_fds, peak_rss, process_cpu, reset_peak_rss};
+use crate::demo::{
+    Report, StreamWall, Workload, open_fds, peak_rss, percentiles, process_cpu, reset_peak_rss,
+};
 
-async fn tcp_instance() -> anyhow::Result<Velo> {
+/// How long a run may go without a record arriving before it is declared
+/// stuck (a hang turned into a failure, not a measurement).
+const STALL: Duration = Duration::from_secs(5);
+
+/// Which of velo's streaming paths carries the anchors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VeloPath {
+    /// The messenger mux (`messenger-mux-v2`), velo's default.
+    MessengerMux,
+    /// One TCP connection per stream (`tcp-stream`).
+    PerStream,
+}
+
+async fn tcp_instance(path: VeloPath) -> anyhow::Result<Velo> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let transport = TcpTransportBuilder::new()
         .from_listener(listener)?
         .build()?;
-    Velo::builder()
+    let builder = Velo::builder()
         .add_transport(Arc::new(transport))
-        .build()
-        .await
+        .stream_bind_addr(std::net::Ipv4Addr::LOCALHOST.into());
+    let builder = match path {
+        VeloPath::MessengerMux => builder,
+        VeloPath::PerStream => builder.messenger_mux(velo::streaming::MuxConfig {
+            enabled: false,
+            ..Default::default()
+        })?,
+    };
+    builder.build().await
 }
 
 /// Runs `workload` from one velo instance to `peers` others over velo's TCP
-/// transport (`workload.streams` anchors on each).
-pub async fn velo_tcp(peers: u64, workload: Workload) -> anyhow::Result<Report> {
-    let producer = tcp_instance().await?;
+/// transports (`workload.streams` anchors on each). Fails with a
+/// [`StreamWall`] when the path cannot carry that many streams.
+pub async fn velo_tcp(path: VeloPath, peers: u64, workload: Workload) -> anyhow::Result<Report> {
+    let producer = tcp_instance(path).await?;
     let mut consumers = Vec::new();
     for _ in 0..peers {
-        let consumer = tcp_instance().await?;
+        let consumer = tcp_instance(path).await?;
         consumer.register_peer(producer.peer_info())?;
         producer.register_peer(consumer.peer_info())?;
         consumers.push(consumer);
     }
     let report = run(&producer, &consumers, workload).await;
-    let policy = || velo_ext::ShutdownPolicy::Timeout(std::time::Duration::from_secs(1));
+    let policy = || velo_ext::ShutdownPolicy::Timeout(Duration::from_secs(1));
     producer.graceful_shutdown(policy()).await;
     for consumer in &consumers {
         consumer.graceful_shutdown(policy()).await;
@@ -50,76 +81,169 @@ pub async fn velo_tcp(peers: u64, workload: Workload) -> anyhow::Result<Report> 
     report
 }
 
+/// Waits until `count` reaches `target`, failing when it stops moving for
+/// [`STALL`].
+async fn until_count(count: &AtomicU64, progress: &Notify, target: u64) -> Result<(), u64> {
+    loop {
+        let seen = count.load(Ordering::Relaxed);
+        if seen >= target {
+            return Ok(());
+        }
+        if tokio::time::timeout(STALL, progress.notified())
+            .await
+            .is_err()
+            && count.load(Ordering::Relaxed) == seen
+        {
+            return Err(seen);
+        }
+    }
+}
+
+/// A record: 8-byte stamp (nanoseconds since `origin`), 1 byte "priming".
+fn record(size: usize, origin: Instant, priming: bool) -> Vec<u8> {
+    let mut record = vec![0u8; size.max(16)];
+    let stamp = origin.elapsed().as_nanos() as u64;
+    record[..8].copy_from_slice(&stamp.to_be_bytes());
+    record[8] = u8::from(priming);
+    record
+}
+
 async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::Result<Report> {
     let origin = Instant::now();
+    let primed = Arc::new(AtomicU64::new(0));
     let received = Arc::new(AtomicU64::new(0));
     let progress = Arc::new(Notify::new());
-    let total = workload.streams * workload.passes * targets.len() as u64;
+    let wanted = workload.streams * targets.len() as u64;
+    let total = workload.fast_streams() * workload.passes * targets.len() as u64;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
     let mut senders = Vec::new();
-    let mut consumers = Vec::new();
-    for consumer in targets
+    // Fast consumers (awaited at the end); slow consumers and producers
+    // (stopped at the end).
+    let mut tasks = Vec::new();
+    let mut slow_tasks = Vec::new();
+    let mut slow_senders = Vec::new();
+    let wall = |carried: u64, reason: String| StreamWall {
+        carried,
+        wanted,
+        reason,
+    };
+    for (consumer, s) in targets
         .iter()
-        .flat_map(|t| std::iter::repeat_n(t, workload.streams as usize))
+        .flat_map(|t| (0..workload.streams).map(move |s| (t, s)))
     {
+        let slow = s < workload.slow_streams;
         let mut anchor = consumer.create_anchor::<Vec<u8>>();
-        senders.push(producer.attach_anchor::<Vec<u8>>(anchor.handle()).await?);
-        let (received, progress, latencies) =
-            (received.clone(), progress.clone(), latencies.clone());
-        consumers.push(tokio::spawn(async move {
+        let sender = match producer.attach_anchor::<Vec<u8>>(anchor.handle()).await {
+            Ok(sender) => sender,
+            Err(err) => {
+                abort_all(&tasks);
+                abort_all(&slow_tasks);
+                let carried = (senders.len() + slow_senders.len()) as u64;
+                return Err(wall(carried, format!("attach: {err}")).into());
+            }
+        };
+        let (primed, received, progress, latencies) = (
+            primed.clone(),
+            received.clone(),
+            progress.clone(),
+            latencies.clone(),
+        );
+        let delay = workload.slow_delay;
+        let consumer = tokio::spawn(async move {
             let mut local = Vec::new();
             while let Some(Ok(StreamFrame::Item(item))) = anchor.next().await {
-                let stamp = u64::from_be_bytes(item[..8].try_into().expect("stamped"));
-                local.push((origin.elapsed().as_nanos() as u64).saturating_sub(stamp));
-                received.fetch_add(1, Ordering::Relaxed);
+                if item.get(8) == Some(&1) {
+                    primed.fetch_add(1, Ordering::Relaxed);
+                } else if slow {
+                    tokio::time::sleep(delay).await;
+                    continue;
+                } else {
+                    let stamp = u64::from_be_bytes(item[..8].try_into().expect("stamped"));
+                    local.push((origin.elapsed().as_nanos() as u64).saturating_sub(stamp));
+                    received.fetch_add(1, Ordering::Relaxed);
+                }
                 progress.notify_one();
             }
             latencies.lock().await.extend(local);
+        });
+        if slow {
+            slow_tasks.push(consumer);
+            slow_senders.push(sender);
+        } else {
+            tasks.push(consumer);
+            senders.push(sender);
+        }
+    }
+    for tx in senders.iter().chain(&slow_senders) {
+        if let Err(err) = tx.send(record(workload.record_size, origin, true)).await {
+            abort_all(&tasks);
+            abort_all(&slow_tasks);
+            let carried = primed.load(Ordering::Relaxed);
+            return Err(wall(carried, format!("priming send: {err}")).into());
+        }
+    }
+    if let Err(carried) = until_count(&primed, &progress, wanted).await {
+        abort_all(&tasks);
+        abort_all(&slow_tasks);
+        let reason = format!(
+            "{} streams silent for {STALL:?} ({} descriptors open)",
+            wanted - carried,
+            open_fds()
+        );
+        return Err(wall(carried, reason).into());
+    }
+    for tx in slow_senders {
+        let (size, pace) = (workload.record_size, workload.pace);
+        slow_tasks.push(tokio::spawn(async move {
+            while tx.send(record(size, origin, false)).await.is_ok() {
+                if let Some(pace) = pace {
+                    tokio::time::sleep(pace).await;
+                }
+            }
         }));
     }
     reset_peak_rss();
     let cpu_before = process_cpu();
     let start = Instant::now();
-    let mut record = vec![0u8; workload.record_size.max(16)];
     for _ in 0..workload.passes {
         for tx in &senders {
-            let stamp = origin.elapsed().as_nanos() as u64;
-            record[..8].copy_from_slice(&stamp.to_be_bytes());
-            tx.send(record.clone()).await?;
+            tx.send(record(workload.record_size, origin, false)).await?;
         }
         if let Some(pace) = workload.pace {
             tokio::time::sleep(pace).await;
         }
     }
-    while received.load(Ordering::Relaxed) < total {
-        progress.notified().await;
+    if let Err(seen) = until_count(&received, &progress, total).await {
+        abort_all(&tasks);
+        abort_all(&slow_tasks);
+        anyhow::bail!("{seen} of {total} records arrived, then none for {STALL:?}");
     }
     let elapsed = start.elapsed();
     let cpu = process_cpu().saturating_sub(cpu_before);
     let (fds, rss) = (open_fds(), peak_rss());
+    abort_all(&slow_tasks);
     for tx in senders {
         tx.finalize()?;
     }
-    for c in consumers {
-        c.await?;
+    for task in tasks {
+        task.await?;
     }
-    let mut lat = std::mem::take(&mut *latencies.lock().await);
-    lat.sort_unstable();
-    let pick = |q: f64| {
-        lat.get(((lat.len() as f64 - 1.0) * q) as usize)
-            .map_or(std::time::Duration::ZERO, |&n| {
-                std::time::Duration::from_nanos(n)
-            })
-    };
+    let (p50, p99) = percentiles(std::mem::take(&mut *latencies.lock().await));
     Ok(Report {
         records: total,
         elapsed,
         cpu,
         // velo does not expose its batches; NaN prints as such.
         records_per_batch: f64::NAN,
-        p50: pick(0.5),
-        p99: pick(0.99),
+        p50,
+        p99,
         peak_rss: rss,
         fds,
     })
+}
+
+fn abort_all(tasks: &[tokio::task::JoinHandle<()>]) {
+    for task in tasks {
+        task.abort();
+    }
 }
