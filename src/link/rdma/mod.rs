@@ -19,6 +19,8 @@ pub mod credit;
 mod node;
 mod poller;
 pub mod registered;
+#[cfg(test)]
+mod tests;
 
 use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};

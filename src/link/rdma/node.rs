@@ -390,6 +390,33 @@ impl<D: Device + 'static> RdmaTransport<D> {
         self.node.epochs().device()
     }
 
+    /// Every counter of this node under its stable `qpmux_*` name
+    /// (docs/metrics.md): the mux's [`crate::mux::Stats::metrics`], the
+    /// connection manager's, and the registered-memory gauges.
+    pub fn metrics(&self) -> Vec<(&'static str, u64)> {
+        use crate::mux::MuxTransport;
+        let mut out = self.mux.stats().metrics();
+        let node = self.node.stats();
+        let registered = self.node.epochs().registered();
+        let as_u64 = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        out.extend([
+            ("qpmux_epochs_established_total", node.established),
+            ("qpmux_connections_refused_total", node.refused),
+            ("qpmux_dial_failures_total", node.dial_failures),
+            ("qpmux_dials_declined_total", node.declined),
+            ("qpmux_peer_restarts_total", node.restarts_seen),
+            ("qpmux_registered_bytes", as_u64(registered.in_use())),
+            ("qpmux_registered_max_bytes", as_u64(registered.max())),
+        ]);
+        out
+    }
+
+    /// Why the last link end could not be created (e.g. the
+    /// registered-memory bound), if one could not.
+    pub fn last_resource_error(&self) -> Option<RdmaError> {
+        self.node.epochs().last_error()
+    }
+
     /// Test hook: abortively closes the bootstrap TCP connection of the
     /// current link to `peer`. False if there is no live link.
     pub fn sever_bootstrap(&self, peer: PeerId) -> bool {
