@@ -95,7 +95,15 @@ fn resources(a: &Transport, b: &Transport) -> Resources {
 
 /// One round: S slots stream until `victim`'s QP dies under them. Returns
 /// the epoch that died.
-async fn round(a: &Transport, b: &Transport, n: u64, victim: Victim, dropped: &mut u64) -> Epoch {
+async fn round(
+    a: &Transport,
+    b: &Transport,
+    n: u64,
+    victim: Victim,
+    dropped: &mut u64,
+    phases: &mut [Duration; 3],
+) -> Epoch {
+    let t0 = Instant::now();
     let mut receivers = Vec::new();
     let mut producers = Vec::new();
     for s in 0..SLOTS {
@@ -121,6 +129,7 @@ async fn round(a: &Transport, b: &Transport, n: u64, victim: Victim, dropped: &m
         }
     }
     let epoch = a.mux().epoch(B).expect("link is up");
+    let t1 = Instant::now();
     let a_link = a.node().link(B).expect("a's link");
     let b_link = b.node().link(A).expect("b's link");
     assert_eq!((a_link.epoch(), b_link.epoch()), (epoch, epoch));
@@ -159,6 +168,7 @@ async fn round(a: &Transport, b: &Transport, n: u64, victim: Victim, dropped: &m
             "round {n}"
         );
     }
+    let t2 = Instant::now();
     *dropped += SLOTS;
     until(|| {
         a.mux().stats().slots_dropped >= *dropped && b.mux().stats().slots_dropped >= *dropped
@@ -174,6 +184,9 @@ async fn round(a: &Transport, b: &Transport, n: u64, victim: Victim, dropped: &m
         *dropped,
         "round {n}: none twice"
     );
+    phases[0] += t1 - t0;
+    phases[1] += t2 - t1;
+    phases[2] += t2.elapsed();
     epoch
 }
 
@@ -216,15 +229,21 @@ async fn repeated_qp_deaths_drop_each_live_slot_once_and_leak_nothing() {
     let started = Instant::now();
     let mut dropped = 0;
     let mut last = Epoch(0);
+    // Open to first record (includes the reconnect), fault to every
+    // terminal, counters settled.
+    let mut phases = [Duration::ZERO; 3];
     for n in 1..=rounds {
         let victim = match n % 3 {
             0 => Victim::Sender,
             1 => Victim::Receiver,
             _ => Victim::Both,
         };
-        let epoch = tokio::time::timeout(ROUND_TIMEOUT, round(&a, &b, n, victim, &mut dropped))
-            .await
-            .unwrap_or_else(|_| panic!("round {n} ({victim:?}) hung"));
+        let epoch = tokio::time::timeout(
+            ROUND_TIMEOUT,
+            round(&a, &b, n, victim, &mut dropped, &mut phases),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("round {n} ({victim:?}) hung"));
         assert!(epoch > last, "round {n}: epoch {epoch:?} after {last:?}");
         last = epoch;
     }
@@ -258,10 +277,12 @@ async fn repeated_qp_deaths_drop_each_live_slot_once_and_leak_nothing() {
     eprintln!(
         "qp_deaths: {rounds} rounds x {SLOTS} slots in {:.1} s ({:.1} ms/round); \
          reconnect (A) mean {mean_us} us, max {} us, buckets {:?}; \
+         phases per round (open→data, fault→terminals, counters) {:?}; \
          resources before = after = {before:?}",
         elapsed.as_secs_f64(),
         elapsed.as_secs_f64() * 1000.0 / rounds.max(1) as f64,
         sa.reconnect.max_us,
         sa.reconnect.buckets,
+        phases.map(|p| p / rounds.max(1) as u32),
     );
 }
