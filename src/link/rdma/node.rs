@@ -155,6 +155,23 @@ impl<D: Device + 'static> RdmaEpochs<D> {
         self.last_error.lock().expect("error slot poisoned").clone()
     }
 
+    /// A verbs failure while the node's registered bytes, this link's
+    /// included, exceed `limit` is most likely the memlock limit: that is
+    /// the error worth reporting (the verbs error is logged by the caller).
+    pub fn explain(&self, err: RdmaError, limit: Option<MemlockLimit>) -> RdmaError {
+        let RdmaError::Verbs(_) = err else {
+            return err;
+        };
+        let needed = self
+            .registered
+            .in_use()
+            .saturating_add(self.config.registered_bytes());
+        match limit.map(|limit| limit.check(needed)) {
+            Some(Err(memlock)) => memlock,
+            Some(Ok(())) | None => err,
+        }
+    }
+
     /// The device links are made on.
     pub fn device(&self) -> &D {
         &self.device
@@ -241,6 +258,7 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
         let end =
             PreparedEnd::within(&self.device, self.config, &self.registered).map_err(|err| {
                 tracing::warn!(%err, "creating the link's QP, CQ and MRs failed");
+                let err = self.explain(err, MemlockLimit::current());
                 *self.last_error.lock().expect("error slot poisoned") = Some(err);
                 ConnectError::Resources
             })?;

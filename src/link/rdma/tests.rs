@@ -198,3 +198,36 @@ fn each_link_runs_in_a_span_naming_its_epoch_and_both_qpns() {
         assert!(spans.contains(&want), "{want} not in {spans:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verbs_failure_past_the_memlock_limit_is_reported_as_the_limit() {
+    let epochs = RdmaEpochs::new(
+        device().await,
+        small(),
+        crate::link::tcp::TcpLinkConfig::default(),
+    );
+    let link = small().registered_bytes();
+    let verbs = RdmaError::Verbs(crate::verbs::VerbsError::DeviceClosed);
+    let tight = Some(MemlockLimit::Bytes(link as u64 - 1));
+    assert_eq!(
+        epochs.explain(verbs.clone(), tight),
+        RdmaError::MemlockTooSmall {
+            needed: link,
+            limit: link as u64 - 1,
+            needed_kib: (link as u64).div_ceil(1024),
+        }
+    );
+    let roomy = Some(MemlockLimit::Bytes(link as u64));
+    assert_eq!(epochs.explain(verbs.clone(), roomy), verbs, "not the limit");
+    assert_eq!(epochs.explain(verbs.clone(), None), verbs);
+    let limit = RdmaError::RegisteredLimit {
+        needed: 1,
+        in_use: 0,
+        max: 0,
+    };
+    assert_eq!(
+        epochs.explain(limit.clone(), tight),
+        limit,
+        "only verbs failures"
+    );
+}
