@@ -27,7 +27,7 @@ pub use engine::{Dialer, Mux, ProtocolError};
 pub use message::{MessageSink, OnFail, OutboundMessage};
 pub use protocol::{CloseReason, Epoch};
 pub use slot::{RecvError, SendError, SlotReceiver, SlotSender};
-pub use stats::{DropCounts, Stats};
+pub use stats::{DropCounts, RECONNECT_BUCKETS_US, ReconnectTimes, Stats};
 pub use surface::{
     AnchorId, AsMux, DropReason, Frame, MuxError, MuxTransport, PeerId, SessionId, StreamKey,
     Terminal,

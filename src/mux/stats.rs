@@ -1,6 +1,43 @@
-//! Counters, shared by every task of one mux, and their snapshot.
+//! Counters, shared by every task of one mux, and their snapshot; the
+//! snapshot exports itself under stable `qpmux_*` names (docs/metrics.md).
+//!
+//! ```text
+//!  peer tasks ─ Counters (atomics) ─ snapshot() ─► Stats ─ metrics() ─► [(qpmux_*, value)]
+//! ```
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Upper bounds (µs) of the reconnect-time histogram buckets; a last bucket
+/// takes everything above the largest.
+pub const RECONNECT_BUCKETS_US: [u64; 5] = [1_000, 10_000, 100_000, 1_000_000, 10_000_000];
+
+/// Metric names of the histogram buckets (cumulative, Prometheus style).
+const RECONNECT_BUCKET_NAMES: [&str; 6] = [
+    "qpmux_reconnect_seconds_bucket{le=\"0.001\"}",
+    "qpmux_reconnect_seconds_bucket{le=\"0.01\"}",
+    "qpmux_reconnect_seconds_bucket{le=\"0.1\"}",
+    "qpmux_reconnect_seconds_bucket{le=\"1\"}",
+    "qpmux_reconnect_seconds_bucket{le=\"10\"}",
+    "qpmux_reconnect_seconds_bucket{le=\"+Inf\"}",
+];
+
+/// Time from an epoch's death to the next epoch's start, over every peer
+/// (a graceful end is not a death and starts no measurement).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReconnectTimes {
+    /// Deaths followed by a next epoch (each one measured).
+    pub count: u64,
+    /// The latest measurement, µs.
+    pub last_us: u64,
+    /// The largest, µs.
+    pub max_us: u64,
+    /// The sum of all, µs.
+    pub total_us: u64,
+    /// Measurements per bucket of [`RECONNECT_BUCKETS_US`] (not cumulative),
+    /// the last one above every bound.
+    pub buckets: [u64; 6],
+}
 
 /// Drops by reason (records or slots that did not reach a consumer).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -45,6 +82,8 @@ pub struct Stats {
     pub opens_refused: u64,
     /// Records dropped, by reason.
     pub drops: DropCounts,
+    /// Time from each epoch death to the next epoch with that peer.
+    pub reconnect: ReconnectTimes,
 }
 
 impl Stats {
@@ -55,6 +94,46 @@ impl Stats {
         } else {
             self.records_sent as f64 / self.batches_sent as f64
         }
+    }
+
+    /// Every counter under its stable `qpmux_*` name (docs/metrics.md):
+    /// `_total` names are monotonic counters, the rest gauges; the reconnect
+    /// histogram is cumulative, as Prometheus exposes one.
+    pub fn metrics(&self) -> Vec<(&'static str, u64)> {
+        let mut out = vec![
+            ("qpmux_batches_sent_total", self.batches_sent),
+            ("qpmux_records_sent_total", self.records_sent),
+            ("qpmux_data_bytes_sent_total", self.data_bytes_sent),
+            ("qpmux_batches_received_total", self.batches_received),
+            ("qpmux_records_received_total", self.records_received),
+            ("qpmux_credit_stalls_total", self.credit_stalls),
+            ("qpmux_credit_updates_sent_total", self.credit_updates_sent),
+            ("qpmux_withheld_bytes", self.withheld_bytes),
+            ("qpmux_epoch_deaths_total", self.epoch_deaths),
+            ("qpmux_slots_dropped_total", self.slots_dropped),
+            ("qpmux_protocol_violations_total", self.protocol_violations),
+            ("qpmux_drops_unknown_slot_total", self.drops.unknown_slot),
+            (
+                "qpmux_drops_stale_generation_total",
+                self.drops.stale_generation,
+            ),
+            ("qpmux_drops_receiver_gone_total", self.drops.receiver_gone),
+            (
+                "qpmux_drops_no_message_handler_total",
+                self.drops.no_message_handler,
+            ),
+            ("qpmux_reconnects_total", self.reconnect.count),
+            ("qpmux_reconnect_last_microseconds", self.reconnect.last_us),
+            ("qpmux_reconnect_max_microseconds", self.reconnect.max_us),
+            ("qpmux_reconnect_seconds_count", self.reconnect.count),
+            ("qpmux_reconnect_microseconds_sum", self.reconnect.total_us),
+        ];
+        let mut cumulative = 0;
+        for (name, n) in RECONNECT_BUCKET_NAMES.iter().zip(self.reconnect.buckets) {
+            cumulative += n;
+            out.push((name, cumulative));
+        }
+        out
     }
 }
 
@@ -76,11 +155,30 @@ pub(crate) struct Counters {
     pub stale_generation: AtomicU64,
     pub receiver_gone: AtomicU64,
     pub no_message_handler: AtomicU64,
+    pub reconnects: AtomicU64,
+    pub reconnect_last_us: AtomicU64,
+    pub reconnect_max_us: AtomicU64,
+    pub reconnect_total_us: AtomicU64,
+    pub reconnect_buckets: [AtomicU64; 6],
 }
 
 impl Counters {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// One epoch death to next epoch start.
+    pub fn record_reconnect(&self, took: Duration) {
+        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        let bucket = RECONNECT_BUCKETS_US
+            .iter()
+            .position(|&bound| us <= bound)
+            .unwrap_or(RECONNECT_BUCKETS_US.len());
+        Counters::add(&self.reconnect_buckets[bucket], 1);
+        Counters::add(&self.reconnect_total_us, us);
+        self.reconnect_last_us.store(us, Ordering::Relaxed);
+        self.reconnect_max_us.fetch_max(us, Ordering::Relaxed);
+        Counters::add(&self.reconnects, 1);
     }
 
     pub fn snapshot(&self) -> Stats {
@@ -104,6 +202,64 @@ impl Counters {
                 receiver_gone: get(&self.receiver_gone),
                 no_message_handler: get(&self.no_message_handler),
             },
+            reconnect: ReconnectTimes {
+                count: get(&self.reconnects),
+                last_us: get(&self.reconnect_last_us),
+                max_us: get(&self.reconnect_max_us),
+                total_us: get(&self.reconnect_total_us),
+                buckets: self.reconnect_buckets.each_ref().map(get),
+            },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reconnect_times_land_in_last_max_sum_and_one_bucket() {
+        let counters = Counters::default();
+        counters.record_reconnect(Duration::from_micros(500));
+        counters.record_reconnect(Duration::from_millis(50));
+        counters.record_reconnect(Duration::from_secs(60));
+        counters.record_reconnect(Duration::from_millis(2));
+        let r = counters.snapshot().reconnect;
+        assert_eq!(r.count, 4);
+        assert_eq!(r.last_us, 2_000);
+        assert_eq!(r.max_us, 60_000_000);
+        assert_eq!(r.total_us, 500 + 50_000 + 60_000_000 + 2_000);
+        assert_eq!(r.buckets, [1, 1, 1, 0, 0, 1]);
+    }
+
+    #[test]
+    fn metric_names_are_unique_prefixed_and_the_histogram_is_cumulative() {
+        let counters = Counters::default();
+        Counters::add(&counters.slots_dropped, 7);
+        counters.record_reconnect(Duration::from_micros(500));
+        counters.record_reconnect(Duration::from_millis(50));
+        let metrics = counters.snapshot().metrics();
+        let mut names: Vec<_> = metrics.iter().map(|(n, _)| *n).collect();
+        assert!(names.iter().all(|n| n.starts_with("qpmux_")), "{names:?}");
+        let total = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), total, "no name twice");
+        let value = |name: &str| metrics.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
+        assert_eq!(value("qpmux_slots_dropped_total"), Some(7));
+        assert_eq!(value("qpmux_reconnects_total"), Some(2));
+        assert_eq!(
+            value("qpmux_reconnect_seconds_bucket{le=\"0.001\"}"),
+            Some(1)
+        );
+        assert_eq!(
+            value("qpmux_reconnect_seconds_bucket{le=\"0.01\"}"),
+            Some(1)
+        );
+        assert_eq!(value("qpmux_reconnect_seconds_bucket{le=\"0.1\"}"), Some(2));
+        assert_eq!(
+            value("qpmux_reconnect_seconds_bucket{le=\"+Inf\"}"),
+            Some(2)
+        );
     }
 }

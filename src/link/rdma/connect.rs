@@ -16,8 +16,10 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
+use tracing::Instrument;
 
 use super::credit::Credit;
+use super::registered::{RegisteredBudget, Registration};
 use super::{Handle, LinkStats, RECV_TAG, RdmaConfig, RdmaError, RdmaLink, Shared, State, poller};
 use crate::link::{EpochEnd, Link};
 use crate::mux::protocol::Epoch;
@@ -36,13 +38,27 @@ pub struct PreparedEnd<D: Device + 'static> {
     send_mrs: Vec<D::Mr>,
     recv_mrs: Vec<D::Mr>,
     pd: D::Pd,
+    registration: Registration,
 }
 
 impl<D: Device + 'static> PreparedEnd<D> {
     /// Creates the PD, one CQ for both queues, the QP (to INIT), one MR per
     /// send and receive buffer (no remote access), and posts every receive.
+    /// Not counted against any bound; a node uses [`PreparedEnd::within`].
     pub fn new(dev: &D, config: RdmaConfig) -> Result<PreparedEnd<D>, RdmaError> {
+        PreparedEnd::within(dev, config, &RegisteredBudget::unbounded())
+    }
+
+    /// As [`PreparedEnd::new`], first taking the buffers' bytes from `budget`
+    /// ([`RdmaError::RegisteredLimit`] before anything is created if they do
+    /// not fit). The bytes go back when the link's resources are destroyed.
+    pub fn within(
+        dev: &D,
+        config: RdmaConfig,
+        budget: &RegisteredBudget,
+    ) -> Result<PreparedEnd<D>, RdmaError> {
         config.validate()?;
+        let registration = budget.reserve(config.registered_bytes())?;
         let port = dev.query_port();
         let pd = dev.alloc_pd()?;
         let cq = dev.create_cq(config.cq_depth())?;
@@ -91,6 +107,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             send_mrs,
             recv_mrs,
             pd,
+            registration,
         })
     }
 
@@ -141,6 +158,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             send_mrs: self.send_mrs,
             recv_mrs: self.recv_mrs,
             _pd: self.pd,
+            _registration: self.registration,
             address: self.address,
             epoch,
             config,
@@ -151,8 +169,14 @@ impl<D: Device + 'static> PreparedEnd<D> {
             wake_poller: Notify::new(),
             detached: AtomicBool::new(false),
             on_end: Mutex::new(Vec::new()),
+            span: tracing::debug_span!(
+                "rdma_link",
+                %epoch,
+                qpn = self.address.qpn.value(),
+                peer_qpn = peer.qpn.value()
+            ),
         });
-        tokio::spawn(poller::run(shared.clone()));
+        tokio::spawn(poller::run(shared.clone()).instrument(shared.span.clone()));
         Ok(RdmaLink {
             handle: Arc::new(Handle { shared }),
         })

@@ -18,6 +18,9 @@ mod connect;
 pub mod credit;
 mod node;
 mod poller;
+pub mod registered;
+#[cfg(test)]
+mod tests;
 
 use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};
@@ -29,7 +32,8 @@ use tokio::sync::Notify;
 
 pub use self::connect::{PreparedEnd, pair};
 use self::credit::Credit;
-pub use self::node::{RdmaEpochs, RdmaNodeConfig, RdmaTransport};
+pub use self::node::{DEFAULT_MAX_REGISTERED, RdmaEpochs, RdmaNodeConfig, RdmaTransport};
+pub use self::registered::{MemlockLimit, RegisteredBudget, Registration};
 use super::{EpochEnd, Link, LinkError, LinkFault};
 use crate::mux::protocol::Epoch;
 use crate::verbs::{
@@ -99,6 +103,14 @@ impl RdmaConfig {
         self.sq_depth() + self.recv_depth
     }
 
+    /// Bytes one link end registers: every send and receive buffer
+    /// (saturating; an absurd config is refused by the budget, not wrapped).
+    pub fn registered_bytes(&self) -> usize {
+        self.send_buffers
+            .saturating_add(self.recv_depth)
+            .saturating_mul(self.max_batch)
+    }
+
     fn validate(&self) -> Result<(), RdmaError> {
         let checks = [
             (
@@ -136,6 +148,34 @@ pub enum RdmaError {
     /// Posting the initial receives failed.
     #[error(transparent)]
     Post(#[from] PostError),
+    /// The link's buffers would take the node past its registered-memory bound.
+    #[error(
+        "registering {needed} bytes for a link would exceed max_registered = {max} bytes \
+         ({in_use} already registered); raise RdmaNodeConfig::max_registered or shrink \
+         recv_depth, send_buffers or max_batch"
+    )]
+    RegisteredLimit {
+        /// Bytes the link end needs ((send_buffers + recv_depth) × max_batch).
+        needed: usize,
+        /// Bytes live links already hold.
+        in_use: usize,
+        /// The bound.
+        max: usize,
+    },
+    /// `RLIMIT_MEMLOCK` is below what the node may register.
+    #[error(
+        "ulimit -l (RLIMIT_MEMLOCK) is {limit} bytes but {needed} bytes may be registered: \
+         raise it to at least {needed_kib} KiB (ulimit -l {needed_kib}, systemd LimitMEMLOCK=, \
+         docker --ulimit memlock=) or lower max_registered"
+    )]
+    MemlockTooSmall {
+        /// Bytes that may be registered.
+        needed: usize,
+        /// The soft limit, in bytes.
+        limit: u64,
+        /// `needed` in KiB, rounded up: the `ulimit -l` value that suffices.
+        needed_kib: u64,
+    },
 }
 
 /// Traffic counters of one link end.
@@ -213,6 +253,8 @@ struct Shared<D: Device> {
     send_mrs: Vec<D::Mr>,
     recv_mrs: Vec<D::Mr>,
     _pd: D::Pd,
+    /// The node budget's bytes for the MRs above, given back after them.
+    _registration: Registration,
     address: QpAddress,
     epoch: Epoch,
     config: RdmaConfig,
@@ -223,6 +265,8 @@ struct Shared<D: Device> {
     wake_poller: Notify,
     detached: AtomicBool,
     on_end: Mutex<Vec<EndHook>>,
+    /// `rdma_link{epoch, qpn, peer_qpn}`: the poller and liveness tasks run in it.
+    span: tracing::Span,
 }
 
 /// The completion status as `ibv_wc_status` numbers it.
@@ -303,6 +347,8 @@ impl<D: Device + 'static> Shared<D> {
     /// The work of an end, outside the state lock: QP to ERR (flushing every
     /// WR), wake every waiter, tell the liveness hook.
     fn after_end(&self, reason: EpochEnd) {
+        let _in_link = self.span.enter();
+        tracing::debug!(%reason, "link end");
         if let Err(err) = self.qp.modify_to_error() {
             // No flush will come; do not let `recv` wait for one.
             tracing::debug!(%err, "moving the QP to ERR failed; the device is gone");
@@ -364,7 +410,7 @@ impl<D: Device + 'static> Shared<D> {
             inline: false,
         };
         self.qp.post_send(&[wr]).map_err(|err| {
-            tracing::warn!(%err, "post_send failed; ending the epoch");
+            tracing::warn!(%err, qpn = self.address.qpn.value(), "post_send failed; ending the epoch");
             EpochEnd::Fault(LinkFault::PostFailed)
         })
     }
@@ -396,7 +442,7 @@ impl<D: Device + 'static> Shared<D> {
             }],
         };
         if let Err(err) = self.qp.post_recv(&[wr]) {
-            tracing::warn!(%err, "post_recv failed; ending the epoch");
+            tracing::warn!(%err, qpn = self.address.qpn.value(), "post_recv failed; ending the epoch");
             return Err(EpochEnd::Fault(LinkFault::PostFailed));
         }
         st.recv_posted += 1;
@@ -495,6 +541,12 @@ impl<D: Device + 'static> RdmaLink<D> {
     /// This end's QP address (what its peer connected to).
     pub fn address(&self) -> QpAddress {
         self.shared().address
+    }
+
+    /// The link's tracing span, `rdma_link{epoch, qpn, peer_qpn}`: tasks
+    /// serving this link run in it, so their events carry the QPNs.
+    pub fn span(&self) -> &tracing::Span {
+        &self.shared().span
     }
 
     /// Calls `hook` once with the reason when the epoch ends (at once if it

@@ -25,8 +25,10 @@ use std::time::Duration;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
+use tracing::Instrument;
 
-use super::{PreparedEnd, RdmaConfig, RdmaLink};
+use super::registered::{MemlockLimit, RegisteredBudget};
+use super::{PreparedEnd, RdmaConfig, RdmaError, RdmaLink};
 use crate::link::bootstrap::{BootstrapError, ClusterKey, Endpoint, EndpointKind, RdmaEndpoint};
 use crate::link::tcp::{
     ConnectError, Connector, ConnectorConfig, EpochMaker, TcpLinkConfig, configure,
@@ -51,7 +53,14 @@ pub struct RdmaNodeConfig {
     pub liveness: TcpLinkConfig,
     /// The mux. Default [`MuxConfig::default`].
     pub mux: MuxConfig,
+    /// Bytes of registered memory the node's links may hold at once (each
+    /// link end registers [`RdmaConfig::registered_bytes`]); a link past it
+    /// is refused with [`RdmaError::RegisteredLimit`]. Default 1 GiB.
+    pub max_registered: usize,
 }
+
+/// Default of [`RdmaNodeConfig::max_registered`].
+pub const DEFAULT_MAX_REGISTERED: usize = 1 << 30;
 
 impl RdmaNodeConfig {
     /// Defaults for node `id`, without a cluster key.
@@ -62,7 +71,30 @@ impl RdmaNodeConfig {
             rdma: RdmaConfig::default(),
             liveness: TcpLinkConfig::default(),
             mux: MuxConfig::default(),
+            max_registered: DEFAULT_MAX_REGISTERED,
         }
+    }
+
+    /// What the node checks before it starts: one link fits under
+    /// `max_registered`, and `RLIMIT_MEMLOCK` (read from /proc/self/limits;
+    /// skipped where unreadable) admits `max_registered` bytes. Providers
+    /// that pin memory (ibverbs) fail registration past that limit; the soft
+    /// provider does not pin, so [`RdmaTransport::start`] only warns.
+    pub fn preflight(&self) -> Result<(), RdmaError> {
+        let link = self.rdma.registered_bytes();
+        if link > self.max_registered {
+            return Err(RdmaError::RegisteredLimit {
+                needed: link,
+                in_use: 0,
+                max: self.max_registered,
+            });
+        }
+        self.memlock_preflight(MemlockLimit::current())
+    }
+
+    /// The memlock half of [`RdmaNodeConfig::preflight`] against `limit`.
+    pub fn memlock_preflight(&self, limit: Option<MemlockLimit>) -> Result<(), RdmaError> {
+        limit.map_or(Ok(()), |limit| limit.check(self.max_registered))
     }
 
     /// Sets the cluster key (`None` if shorter than [`ClusterKey::MIN_LEN`]).
@@ -88,6 +120,10 @@ pub struct RdmaEpochs<D: Device + 'static> {
     liveness: TcpLinkConfig,
     /// Liveness controls by local QPN, while the link lives.
     live: Arc<Mutex<HashMap<u32, Arc<Liveness>>>>,
+    registered: RegisteredBudget,
+    /// Why the last link end could not be made (the handshake reports only
+    /// `Resources`).
+    last_error: Mutex<Option<RdmaError>>,
 }
 
 impl<D: Device + 'static> RdmaEpochs<D> {
@@ -98,6 +134,41 @@ impl<D: Device + 'static> RdmaEpochs<D> {
             config,
             liveness,
             live: Arc::new(Mutex::new(HashMap::new())),
+            registered: RegisteredBudget::unbounded(),
+            last_error: Mutex::new(None),
+        }
+    }
+
+    /// Bounds what live links may register together at `max` bytes.
+    pub fn with_max_registered(mut self, max: usize) -> RdmaEpochs<D> {
+        self.registered = RegisteredBudget::new(max);
+        self
+    }
+
+    /// The registered-memory budget links are taken from.
+    pub fn registered(&self) -> &RegisteredBudget {
+        &self.registered
+    }
+
+    /// Why the last link end could not be created, if one could not.
+    pub fn last_error(&self) -> Option<RdmaError> {
+        self.last_error.lock().expect("error slot poisoned").clone()
+    }
+
+    /// A verbs failure while the node's registered bytes, this link's
+    /// included, exceed `limit` is most likely the memlock limit: that is
+    /// the error worth reporting (the verbs error is logged by the caller).
+    pub fn explain(&self, err: RdmaError, limit: Option<MemlockLimit>) -> RdmaError {
+        let RdmaError::Verbs(_) = err else {
+            return err;
+        };
+        let needed = self
+            .registered
+            .in_use()
+            .saturating_add(self.config.registered_bytes());
+        match limit.map(|limit| limit.check(needed)) {
+            Some(Err(memlock)) => memlock,
+            Some(Ok(())) | None => err,
         }
     }
 
@@ -184,10 +255,13 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
     }
 
     fn prepare(&self) -> Result<(PreparedEnd<D>, Endpoint), ConnectError> {
-        let end = PreparedEnd::new(&self.device, self.config).map_err(|err| {
-            tracing::warn!(%err, "creating the link's QP, CQ and MRs failed");
-            ConnectError::Resources
-        })?;
+        let end =
+            PreparedEnd::within(&self.device, self.config, &self.registered).map_err(|err| {
+                tracing::warn!(%err, "creating the link's QP, CQ and MRs failed");
+                let err = self.explain(err, MemlockLimit::current());
+                *self.last_error.lock().expect("error slot poisoned") = Some(err);
+                ConnectError::Resources
+            })?;
         let qp = end.address();
         let (Ok(recv_depth), Ok(recv_buf_size)) = (
             u32::try_from(self.config.recv_depth),
@@ -239,7 +313,8 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
         self.lock().insert(qpn, ctl.clone());
         let wake = ctl.clone();
         link.on_end(move |_| wake.wake.notify_one());
-        tokio::spawn(liveness(link.clone(), stream, ctl, qpn, self.live.clone()));
+        let span = link.span().clone();
+        tokio::spawn(liveness(link.clone(), stream, ctl, qpn, self.live.clone()).instrument(span));
         Ok(link)
     }
 
@@ -302,8 +377,20 @@ pub struct RdmaTransport<D: Device + 'static> {
 impl<D: Device + 'static> RdmaTransport<D> {
     /// Binds the bootstrap listener, creates the mux, and wires them. Links
     /// are made on `device` lazily, when the mux first has work for a peer.
+    ///
+    /// Fails with `InvalidInput` when one link alone exceeds
+    /// `max_registered`; a memlock limit below it is logged as a warning
+    /// (see [`RdmaNodeConfig::preflight`]).
     pub async fn start(device: D, config: RdmaNodeConfig) -> io::Result<RdmaTransport<D>> {
-        let epochs = RdmaEpochs::new(device, config.rdma, config.liveness);
+        match config.preflight() {
+            Ok(()) => {}
+            Err(err @ RdmaError::MemlockTooSmall { .. }) => {
+                tracing::warn!(%err, "memlock preflight: registration may fail on a pinning provider");
+            }
+            Err(err) => return Err(io::Error::new(io::ErrorKind::InvalidInput, err)),
+        }
+        let epochs = RdmaEpochs::new(device, config.rdma, config.liveness)
+            .with_max_registered(config.max_registered);
         let node = Connector::bind_with(config.connector, epochs, config.bind).await?;
         let mux = Mux::new(config.mux, node.dialer());
         node.set_mux(mux.clone());
@@ -319,6 +406,33 @@ impl<D: Device + 'static> RdmaTransport<D> {
     /// The device this transport's links run on.
     pub fn device(&self) -> &D {
         self.node.epochs().device()
+    }
+
+    /// Every counter of this node under its stable `qpmux_*` name
+    /// (docs/metrics.md): the mux's [`crate::mux::Stats::metrics`], the
+    /// connection manager's, and the registered-memory gauges.
+    pub fn metrics(&self) -> Vec<(&'static str, u64)> {
+        use crate::mux::MuxTransport;
+        let mut out = self.mux.stats().metrics();
+        let node = self.node.stats();
+        let registered = self.node.epochs().registered();
+        let as_u64 = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        out.extend([
+            ("qpmux_epochs_established_total", node.established),
+            ("qpmux_connections_refused_total", node.refused),
+            ("qpmux_dial_failures_total", node.dial_failures),
+            ("qpmux_dials_declined_total", node.declined),
+            ("qpmux_peer_restarts_total", node.restarts_seen),
+            ("qpmux_registered_bytes", as_u64(registered.in_use())),
+            ("qpmux_registered_max_bytes", as_u64(registered.max())),
+        ]);
+        out
+    }
+
+    /// Why the last link end could not be created (e.g. the
+    /// registered-memory bound), if one could not.
+    pub fn last_resource_error(&self) -> Option<RdmaError> {
+        self.node.epochs().last_error()
     }
 
     /// Test hook: abortively closes the bootstrap TCP connection of the

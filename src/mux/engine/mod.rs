@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until};
+use tracing::Instrument;
 
 use self::core::PeerCore;
 pub use self::error::ProtocolError;
@@ -291,16 +292,25 @@ impl<L: Link> AsMux for Mux<L> {
 
 async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
     let peer = entry.control.peer;
+    // When the last epoch died (not a graceful end): the reconnect clock.
+    let mut died: Option<Instant> = None;
     loop {
         let Some(link) = wait_for_link(&shared, &entry).await else {
             tracing::debug!(?peer, "mux peer task retired");
             return;
         };
+        if let Some(at) = died.take() {
+            shared.counters.record_reconnect(at.elapsed());
+        }
         let epoch = link.epoch();
         let span = tracing::debug_span!("epoch", ?peer, %epoch);
-        let _guard = span.enter();
-        let end = run_epoch(&shared, &entry, link).await;
+        // Instrumented, not entered: a guard held across an await leaks the
+        // span into whatever else runs on this thread.
+        let end = run_epoch(&shared, &entry, link).instrument(span).await;
         tracing::debug!(?peer, %epoch, %end, "epoch ended");
+        if !matches!(end, EpochEnd::Closed | EpochEnd::Shutdown) {
+            died = Some(Instant::now());
+        }
     }
 }
 

@@ -121,6 +121,8 @@ pub(crate) struct DeviceShared {
     /// Wakes the driver when the last handle is gone.
     shutdown: Arc<Notify>,
     next_lkey: AtomicU32,
+    /// Regions registered and not yet released (fault tests count leaks).
+    mrs: Arc<mr::MrTally>,
 }
 
 impl DeviceShared {
@@ -130,6 +132,7 @@ impl DeviceShared {
             kick: Arc::new(Notify::new()),
             shutdown: Arc::new(Notify::new()),
             next_lkey: AtomicU32::new(0x100),
+            mrs: Arc::default(),
         }
     }
 
@@ -226,6 +229,17 @@ impl SoftDevice {
         self.shared.core().qp_count()
     }
 
+    /// Memory regions registered on this device and not yet released (a
+    /// region lives until its last handle and every WR naming it are gone).
+    pub fn mr_count(&self) -> usize {
+        self.shared.mrs.regions.load(Ordering::Relaxed)
+    }
+
+    /// Bytes in those regions.
+    pub fn mr_bytes(&self) -> usize {
+        self.shared.mrs.bytes.load(Ordering::Relaxed)
+    }
+
     /// Counters summed over every live QP (RNR NAKs, rewinds, ...).
     pub fn counters(&self) -> QpCounters {
         self.shared.core().total_counters()
@@ -270,7 +284,7 @@ impl Device for SoftDevice {
             });
         }
         Ok(SoftMr {
-            mem: Arc::new(mr::MrMem::new(len)),
+            mem: Arc::new(mr::MrMem::counted(len, self.shared.mrs.clone())),
             lkey: Lkey(self.shared.next_lkey.fetch_add(1, Ordering::Relaxed)),
             len,
             access,

@@ -11,22 +11,57 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{ArcMutexGuard, Mutex, MutexGuard, RawMutex};
 
 use crate::verbs::{AccessFlags, Lkey, MemoryRegion, VerbsError};
+
+/// Regions and bytes registered on one device and not yet released.
+#[derive(Debug, Default)]
+pub(crate) struct MrTally {
+    pub regions: AtomicUsize,
+    pub bytes: AtomicUsize,
+}
 
 /// The bytes of one region.
 #[derive(Debug)]
 pub(crate) struct MrMem {
     // parking_lot for its owned guard (`SoftMrGuard`); it does not poison.
     bytes: Arc<Mutex<Box<[u8]>>>,
+    len: usize,
+    /// The device's tally, released when the last WR or handle lets go.
+    tally: Option<Arc<MrTally>>,
+}
+
+impl Drop for MrMem {
+    fn drop(&mut self) {
+        if let Some(tally) = &self.tally {
+            tally.regions.fetch_sub(1, Ordering::Relaxed);
+            tally.bytes.fetch_sub(self.len, Ordering::Relaxed);
+        }
+    }
 }
 
 impl MrMem {
+    /// An uncounted region (engine unit tests, which have no device).
+    #[cfg(test)]
     pub fn new(len: usize) -> MrMem {
         MrMem {
             bytes: Arc::new(Mutex::new(vec![0u8; len].into_boxed_slice())),
+            len,
+            tally: None,
+        }
+    }
+
+    /// A region counted in `tally` until it is released.
+    pub fn counted(len: usize, tally: Arc<MrTally>) -> MrMem {
+        tally.regions.fetch_add(1, Ordering::Relaxed);
+        tally.bytes.fetch_add(len, Ordering::Relaxed);
+        MrMem {
+            bytes: Arc::new(Mutex::new(vec![0u8; len].into_boxed_slice())),
+            len,
+            tally: Some(tally),
         }
     }
 

@@ -1,0 +1,233 @@
+//! Node-level checks of the registered-memory bound, the memlock preflight,
+//! the `rdma_link` span and the node's metric export, on soft devices over
+//! loopback UDP.
+
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
+
+use tracing::Subscriber;
+use tracing::field::Field;
+use tracing::span::{Attributes, Id};
+use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+
+use super::*;
+use crate::link::Node;
+use crate::mux::{Frame, MuxTransport, PeerId, StreamKey, Terminal};
+use crate::verbs::soft::SoftDevice;
+use crate::verbs::soft::udp::UdpConfig;
+
+const A: PeerId = PeerId(1);
+const B: PeerId = PeerId(2);
+const C: PeerId = PeerId(3);
+
+fn small() -> RdmaConfig {
+    RdmaConfig {
+        recv_depth: 16,
+        max_batch: 16 * 1024,
+        send_buffers: 8,
+        ..RdmaConfig::strict()
+    }
+}
+
+async fn device() -> SoftDevice {
+    SoftDevice::open_udp(UdpConfig::default())
+        .await
+        .expect("soft device on loopback")
+}
+
+async fn node(id: PeerId, max_registered: usize) -> RdmaTransport<SoftDevice> {
+    let config = RdmaNodeConfig {
+        rdma: small(),
+        max_registered,
+        ..RdmaNodeConfig::new(id)
+    };
+    RdmaTransport::start(device().await, config)
+        .await
+        .expect("start")
+}
+
+fn metric(t: &RdmaTransport<SoftDevice>, name: &str) -> Option<u64> {
+    t.metrics()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| v)
+}
+
+#[test]
+fn one_link_end_registers_its_send_and_receive_buffers() {
+    assert_eq!(small().registered_bytes(), 24 * 16 * 1024);
+    let absurd = RdmaConfig {
+        max_batch: usize::MAX,
+        ..small()
+    };
+    assert_eq!(absurd.registered_bytes(), usize::MAX, "saturates");
+}
+
+#[test]
+fn the_preflight_names_the_ulimit_a_node_needs() {
+    let config = RdmaNodeConfig::new(A);
+    let err = config
+        .memlock_preflight(Some(MemlockLimit::Bytes(8 << 20)))
+        .expect_err("8 MiB < 1 GiB");
+    assert_eq!(
+        err,
+        RdmaError::MemlockTooSmall {
+            needed: DEFAULT_MAX_REGISTERED,
+            limit: 8 << 20,
+            needed_kib: 1 << 20,
+        }
+    );
+    assert!(err.to_string().contains("ulimit -l 1048576"), "{err}");
+    assert_eq!(
+        config.memlock_preflight(Some(MemlockLimit::Unlimited)),
+        Ok(())
+    );
+    assert_eq!(config.memlock_preflight(None), Ok(()), "no procfs: skipped");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_one_link_exceeds_max_registered_does_not_start() {
+    let link = small().registered_bytes();
+    let config = RdmaNodeConfig {
+        rdma: small(),
+        max_registered: link - 1,
+        ..RdmaNodeConfig::new(A)
+    };
+    let err = match RdmaTransport::start(device().await, config).await {
+        Ok(_) => panic!("a link can never fit"),
+        Err(err) => err,
+    };
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+    let text = err.to_string();
+    assert!(text.contains("max_registered"), "{text}");
+    assert!(text.contains(&link.to_string()), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_past_max_registered_is_refused_with_the_bytes_needed() {
+    let link = small().registered_bytes();
+    // Room for one link end, not two.
+    let a = node(A, link + link / 2).await;
+    let b = node(B, usize::MAX).await;
+    let c = node(C, usize::MAX).await;
+    for peer in [&b, &c] {
+        assert_eq!(a.register(&peer.address()), Ok(peer.node().id()));
+        assert_eq!(peer.register(&a.address()), Ok(A));
+    }
+    a.node().connect(B).await.expect("the first link fits");
+    assert_eq!(metric(&a, "qpmux_registered_bytes"), Some(link as u64));
+    assert!(a.node().connect(C).await.is_err(), "the second does not");
+    assert_eq!(
+        a.last_resource_error(),
+        Some(RdmaError::RegisteredLimit {
+            needed: link,
+            in_use: link,
+            max: link + link / 2,
+        })
+    );
+    assert_eq!(c.device().qp_count(), 0, "refused before the handshake");
+    assert_eq!(
+        metric(&a, "qpmux_registered_max_bytes"),
+        Some((link + link / 2) as u64)
+    );
+    // B's link still streams.
+    let key = StreamKey::new(1, 1);
+    let mut rx = b.mux().bind(key).expect("bind");
+    let mut tx = a.mux().open(B, key).expect("open");
+    tx.send(bytes::Bytes::from_static(b"fits"))
+        .await
+        .expect("send");
+    tx.finish(Terminal::Finalized).expect("finish");
+    assert_eq!(rx.recv().await, Some(Frame::Data("fits".into())));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_end_gives_its_bytes_back_when_its_resources_are_destroyed() {
+    let dev = device().await;
+    let link = small().registered_bytes();
+    let budget = RegisteredBudget::new(link);
+    let end = PreparedEnd::within(&dev, small(), &budget).expect("fits");
+    assert_eq!(budget.in_use(), link);
+    let refused = PreparedEnd::within(&dev, small(), &budget).err();
+    assert_eq!(
+        refused,
+        Some(RdmaError::RegisteredLimit {
+            needed: link,
+            in_use: link,
+            max: link
+        })
+    );
+    assert_eq!(dev.qp_count(), 1, "nothing created for the refused end");
+    drop(end);
+    assert_eq!((budget.in_use(), dev.qp_count(), dev.mr_count()), (0, 0, 0));
+    assert!(PreparedEnd::within(&dev, small(), &budget).is_ok());
+}
+
+/// Records each new span as "name field=value ...".
+#[derive(Clone, Default)]
+struct SpanLog(Arc<Mutex<Vec<String>>>);
+
+impl<S: Subscriber> Layer<S> for SpanLog {
+    fn on_new_span(&self, attrs: &Attributes<'_>, _id: &Id, _ctx: Context<'_, S>) {
+        let mut line = attrs.metadata().name().to_owned();
+        attrs.record(&mut |field: &Field, value: &dyn std::fmt::Debug| {
+            let _ = write!(line, " {}={:?}", field.name(), value);
+        });
+        self.0.lock().expect("span log").push(line);
+    }
+}
+
+#[test]
+fn each_link_runs_in_a_span_naming_its_epoch_and_both_qpns() {
+    let log = SpanLog::default();
+    let subscriber = tracing_subscriber::registry().with(log.clone());
+    let (qpn_a, qpn_b) = tracing::subscriber::with_default(subscriber, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let (da, db) = (device().await, device().await);
+            let (a, b) = pair(&da, &db, Epoch(3), small()).expect("pair");
+            (a.address().qpn.value(), b.address().qpn.value())
+        })
+    });
+    let spans = log.0.lock().expect("span log").clone();
+    for (me, peer) in [(qpn_a, qpn_b), (qpn_b, qpn_a)] {
+        let want = format!("rdma_link epoch=e3 qpn={me} peer_qpn={peer}");
+        assert!(spans.contains(&want), "{want} not in {spans:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verbs_failure_past_the_memlock_limit_is_reported_as_the_limit() {
+    let epochs = RdmaEpochs::new(
+        device().await,
+        small(),
+        crate::link::tcp::TcpLinkConfig::default(),
+    );
+    let link = small().registered_bytes();
+    let verbs = RdmaError::Verbs(crate::verbs::VerbsError::DeviceClosed);
+    let tight = Some(MemlockLimit::Bytes(link as u64 - 1));
+    assert_eq!(
+        epochs.explain(verbs.clone(), tight),
+        RdmaError::MemlockTooSmall {
+            needed: link,
+            limit: link as u64 - 1,
+            needed_kib: (link as u64).div_ceil(1024),
+        }
+    );
+    let roomy = Some(MemlockLimit::Bytes(link as u64));
+    assert_eq!(epochs.explain(verbs.clone(), roomy), verbs, "not the limit");
+    assert_eq!(epochs.explain(verbs.clone(), None), verbs);
+    let limit = RdmaError::RegisteredLimit {
+        needed: 1,
+        in_use: 0,
+        max: 0,
+    };
+    assert_eq!(
+        epochs.explain(limit.clone(), tight),
+        limit,
+        "only verbs failures"
+    );
+}

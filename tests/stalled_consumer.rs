@@ -1,0 +1,213 @@
+//! A stalled consumer under a fast producer: node B binds S slots and stops
+//! reading; node A's producers send as fast as they can. Over the stall the
+//! process's resident memory (/proc/self/status VmRSS, both nodes live in
+//! this process) may grow by no more than the configured budgets plus the
+//! link's rings plus a stated slack; the producers are back-pressured (their
+//! sends pend, nothing is dropped or fails). When the consumer resumes,
+//! every record arrives in order.
+//!
+//! Stall length: `QPMUX_STALL_SECS` (default 3). Results:
+//! docs/reliability-inproc.md.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use qpmux::link::Node;
+use qpmux::link::rdma::{RdmaConfig, RdmaNodeConfig, RdmaTransport};
+use qpmux::mux::{Frame, MuxConfig, MuxTransport, PeerId, StreamKey, Terminal};
+use qpmux::verbs::soft::SoftDevice;
+use qpmux::verbs::soft::udp::UdpConfig;
+
+type Transport = RdmaTransport<SoftDevice>;
+
+const A: PeerId = PeerId(1);
+const B: PeerId = PeerId(2);
+const SLOTS: u64 = 4;
+const RECORD: usize = 4 * 1024;
+/// Records per slot: 4 MiB, many times what the budgets let through.
+const RECORDS: u32 = 1024;
+const SLOT_WINDOW: u32 = 64 * 1024;
+const SLOT_BUDGET: usize = 256 * 1024;
+const PEER_BUDGET: usize = 1024 * 1024;
+const RECV_DEPTH: usize = 16;
+const SEND_BUFFERS: usize = 8;
+const MAX_BATCH: usize = 16 * 1024;
+/// Allocator arenas, tokio and the test's own bookkeeping: not a budget,
+/// a stated allowance (measured growth is reported next to it).
+const SLACK: u64 = 16 << 20;
+
+fn config(id: PeerId) -> RdmaNodeConfig {
+    RdmaNodeConfig {
+        rdma: RdmaConfig {
+            recv_depth: RECV_DEPTH,
+            max_batch: MAX_BATCH,
+            send_buffers: SEND_BUFFERS,
+            ..RdmaConfig::strict()
+        },
+        mux: MuxConfig {
+            slot_window: SLOT_WINDOW,
+            slot_budget: SLOT_BUDGET,
+            peer_budget: PEER_BUDGET,
+            ..MuxConfig::default()
+        },
+        ..RdmaNodeConfig::new(id)
+    }
+}
+
+async fn transport(id: PeerId) -> Transport {
+    let device = SoftDevice::open_udp(UdpConfig::default())
+        .await
+        .expect("soft device on loopback");
+    RdmaTransport::start(device, config(id))
+        .await
+        .expect("bind")
+}
+
+/// Resident set size in bytes.
+fn rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("procfs");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS line");
+    kib * 1024
+}
+
+fn record(slot: u64, n: u32) -> Bytes {
+    let mut v = vec![(n % 251) as u8; RECORD];
+    v[..8].copy_from_slice(&slot.to_be_bytes());
+    v[8..12].copy_from_slice(&n.to_be_bytes());
+    Bytes::from(v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_consumer_back_pressures_the_producer_within_the_byte_budgets() {
+    let stall = Duration::from_secs(
+        std::env::var("QPMUX_STALL_SECS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(3),
+    );
+    let a = transport(A).await;
+    let b = transport(B).await;
+    assert_eq!(a.register(&b.address()), Ok(B));
+    assert_eq!(b.register(&a.address()), Ok(A));
+
+    let mut receivers = Vec::new();
+    let mut senders = Vec::new();
+    for s in 0..SLOTS {
+        let key = StreamKey::new(7, s);
+        receivers.push(b.mux().bind(key).expect("bind"));
+        senders.push(a.mux().open(B, key).expect("open"));
+    }
+    // Link up and every slot open before the baseline.
+    for (s, tx) in senders.iter_mut().enumerate() {
+        tx.send(record(s as u64, 0)).await.expect("send");
+    }
+    for rx in &mut receivers {
+        assert!(matches!(rx.recv().await, Some(Frame::Data(_))));
+    }
+    let baseline = rss();
+
+    let accepted = Arc::new(AtomicU64::new(0));
+    let producers: Vec<_> = senders
+        .into_iter()
+        .enumerate()
+        .map(|(s, mut tx)| {
+            let accepted = accepted.clone();
+            tokio::spawn(async move {
+                for n in 1..RECORDS {
+                    tx.send(record(s as u64, n)).await?;
+                    accepted.fetch_add(RECORD as u64, Ordering::Relaxed);
+                }
+                tx.finish(Terminal::Finalized)
+            })
+        })
+        .collect();
+
+    // The stall: nobody reads on B.
+    let mut peak = baseline;
+    let mut halfway = None;
+    let start = tokio::time::Instant::now();
+    while start.elapsed() < stall {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        peak = peak.max(rss());
+        if halfway.is_none() && start.elapsed() >= stall / 2 {
+            halfway = Some(accepted.load(Ordering::Relaxed));
+        }
+    }
+    let at_end = accepted.load(Ordering::Relaxed);
+    let stats = a.mux().stats();
+    assert!(
+        producers.iter().all(|p| !p.is_finished()),
+        "producers wait, none failed"
+    );
+    assert_eq!(
+        halfway,
+        Some(at_end),
+        "no progress while the consumer stalls"
+    );
+    assert!(stats.withheld_bytes > 0, "sends pending: {stats:?}");
+    assert_eq!(stats.slots_dropped, 0);
+    assert_eq!(b.mux().stats().slots_dropped, 0);
+    let accepted_bound = (PEER_BUDGET + SLOTS as usize * (SLOT_WINDOW as usize + RECORD)) as u64;
+    assert!(
+        at_end <= accepted_bound,
+        "accepted {at_end} bytes, budgets allow {accepted_bound}"
+    );
+
+    let budgets = PEER_BUDGET
+        + SLOTS as usize * (SLOT_BUDGET + SLOT_WINDOW as usize)
+        + 2 * (RECV_DEPTH + SEND_BUFFERS) * MAX_BATCH;
+    let bound = budgets as u64 + SLACK;
+    let growth = peak.saturating_sub(baseline);
+    eprintln!(
+        "stalled_consumer: stall {} s, accepted {} KiB then pending, RSS baseline {} KiB, \
+         peak growth {} KiB, bound {} KiB (budgets {} KiB + slack {} KiB)",
+        stall.as_secs(),
+        at_end / 1024,
+        baseline / 1024,
+        growth / 1024,
+        bound / 1024,
+        budgets / 1024,
+        SLACK / 1024,
+    );
+    assert!(growth <= bound, "RSS grew {growth} bytes, bound {bound}");
+
+    // Resume: everything arrives, in order, then the terminal.
+    let consumers: Vec<_> = receivers
+        .into_iter()
+        .enumerate()
+        .map(|(s, mut rx)| {
+            tokio::spawn(async move {
+                let mut next = 1u32;
+                loop {
+                    match rx.recv().await {
+                        Some(Frame::Data(d)) => {
+                            assert_eq!(d[..8], (s as u64).to_be_bytes());
+                            assert_eq!(u32::from_be_bytes(d[8..12].try_into().unwrap()), next);
+                            next += 1;
+                        }
+                        Some(Frame::Finalized) => return next,
+                        other => panic!("slot {s}: unexpected {other:?}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        for p in producers {
+            p.await.expect("producer").expect("no send failed");
+        }
+        for c in consumers {
+            assert_eq!(c.await.expect("consumer"), RECORDS);
+        }
+    })
+    .await
+    .expect("the resumed consumer drains everything");
+    assert_eq!(a.mux().stats().slots_dropped, 0);
+}
