@@ -18,7 +18,7 @@ skip() {
 }
 
 command -v docker >/dev/null || skip "no docker client"
-docker info >/dev/null 2>&1 || skip "no Docker engine running (docker info: $(docker info 2>&1 | grep -im1 error || true))"
+docker info >/dev/null 2>&1 || skip "no Docker engine running (docker info: $(docker info 2>&1 | grep -v "^ *$" | tail -n 1))"
 if docker compose version >/dev/null 2>&1; then
     COMPOSE=(docker compose)
 elif command -v docker-compose >/dev/null; then

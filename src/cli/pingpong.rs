@@ -108,6 +108,9 @@ pub struct PingpongArgs {
     /// libibverbs GID index (overrides the search for a RoCEv2 GID).
     #[arg(long)]
     pub gid_index: Option<u8>,
+    /// Bootstrap handshake timeout in seconds (raise it on emulated machines).
+    #[arg(long, default_value_t = 5)]
+    pub handshake_timeout: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -142,8 +145,10 @@ fn unhex(text: &str) -> anyhow::Result<Vec<u8>> {
         .collect()
 }
 
-async fn tcp_node(id: u64, bind: std::net::SocketAddr) -> anyhow::Result<TcpTransport> {
-    Ok(TcpTransport::bind(TcpNodeConfig::new(PeerId(id)), bind, MuxConfig::default()).await?)
+async fn tcp_node(id: u64, bind: SocketAddr, handshake: Duration) -> anyhow::Result<TcpTransport> {
+    let mut config = TcpNodeConfig::new(PeerId(id));
+    config.handshake_timeout = handshake;
+    Ok(TcpTransport::bind(config, bind, MuxConfig::default()).await?)
 }
 
 /// Serves pingpong sessions forever (or, in one process, until dropped).
@@ -303,18 +308,19 @@ fn source_address_toward(peer: SocketAddr) -> anyhow::Result<IpAddr> {
 pub async fn run(args: PingpongArgs, json: bool) -> anyhow::Result<()> {
     anyhow::ensure!(args.iters > 0, "--iters must be positive");
     let plan = Plan::of(&args).await?;
+    let handshake = Duration::from_secs(args.handshake_timeout);
     match (args.transport, args.provider) {
         (TransportKind::Tcp, Provider::Soft) => {
             let local = SocketAddr::new(plan.local, 0);
             if let Some(bind) = args.server {
-                return serve_forever(tcp_node(SERVER_ID, bind).await?).await;
+                return serve_forever(tcp_node(SERVER_ID, bind, handshake).await?).await;
             }
-            let client = tcp_node(CLIENT_ID, local).await?;
+            let client = tcp_node(CLIENT_ID, local, handshake).await?;
             let remote = args.client.is_some() || plan.server.is_some();
             let server = if remote {
                 None
             } else {
-                Some(tcp_node(SERVER_ID, local).await?)
+                Some(tcp_node(SERVER_ID, local, handshake).await?)
             };
             run_client(args, json, plan, client, server).await
         }
@@ -367,17 +373,18 @@ where
     F: Fn(IpAddr) -> Fut,
     Fut: Future<Output = anyhow::Result<D>>,
 {
+    let handshake = Duration::from_secs(args.handshake_timeout);
     if let Some(bind) = args.server {
-        let node = rdma_node(open(bind.ip()).await?, SERVER_ID, bind).await?;
+        let node = rdma_node(open(bind.ip()).await?, SERVER_ID, bind, handshake).await?;
         return serve_forever(node).await;
     }
     let local = SocketAddr::new(plan.local, 0);
-    let client = rdma_node(open(plan.local).await?, CLIENT_ID, local).await?;
+    let client = rdma_node(open(plan.local).await?, CLIENT_ID, local, handshake).await?;
     let remote = args.client.is_some() || plan.server.is_some();
     let server = if remote {
         None
     } else {
-        Some(rdma_node(open(plan.local).await?, SERVER_ID, local).await?)
+        Some(rdma_node(open(plan.local).await?, SERVER_ID, local, handshake).await?)
     };
     run_client(args, json, plan, client, server).await
 }
@@ -386,11 +393,13 @@ async fn rdma_node<D: Device + 'static>(
     device: D,
     id: u64,
     bind: SocketAddr,
+    handshake_timeout: Duration,
 ) -> anyhow::Result<RdmaTransport<D>> {
-    let config = RdmaNodeConfig {
+    let mut config = RdmaNodeConfig {
         bind,
         ..RdmaNodeConfig::new(PeerId(id))
     };
+    config.connector.handshake_timeout = handshake_timeout;
     Ok(RdmaTransport::start(device, config).await?)
 }
 

@@ -77,7 +77,7 @@ fi
 PRC=0
 if [ -x /mnt/share/in/qpmux ]; then
     Q=/mnt/share/in/qpmux
-    PP="pingpong --provider ibverbs --ibv-device rxe0 --iters ${PINGPONG_ITERS:-100} --size 64,4096,65536"
+    PP="pingpong --provider ibverbs --ibv-device rxe0 --handshake-timeout 60 --iters ${PINGPONG_ITERS:-100} --size 64,4096,65536"
     {
         unset QPMUX_IBV_TRACE; export NO_COLOR=1
         echo "\$ qpmux $PP"
