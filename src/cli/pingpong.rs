@@ -426,7 +426,9 @@ async fn run_client<N: Node>(
         Some(_) => format!("both ends in this process on {}", plan.local),
         None => format!("client {} to a remote server", plan.local),
     };
-    let sessions = args.size.len() as u64;
+    // Session 0 is a one-record warm-up: it pays for the link (bootstrap
+    // handshake, QP setup) so no measured row does.
+    let sessions = args.size.len() as u64 + 1;
     let server_task = local_server.map(|server| {
         tokio::spawn(async move {
             let served = serve(&server, sessions).await;
@@ -434,13 +436,14 @@ async fn run_client<N: Node>(
             served
         })
     });
+    client(&client_node, server_peer, 0, Test::Lat, 1, 1).await?;
     let mut lat_rows = Vec::new();
     let mut bw_rows = Vec::new();
-    for (session, &size) in args.size.iter().enumerate() {
+    for (session, &size) in (1u64..).zip(&args.size) {
         let (samples, elapsed) = client(
             &client_node,
             server_peer,
-            session as u64,
+            session,
             args.test,
             size,
             args.iters,
@@ -501,7 +504,7 @@ async fn run_client<N: Node>(
             );
             for r in &bw_rows {
                 println!(
-                    " {:>8} {:>10} {:>14.2} {:>14.4}",
+                    " {:>8} {:>10} {:>14.3} {:>14.6}",
                     r.bytes, r.iterations, r.bw_mib_s, r.msg_rate_mpps
                 );
             }

@@ -84,8 +84,8 @@ if [ -x /mnt/share/in/qpmux ]; then
         timeout 300 $Q $PP || PRC=1
         echo "\$ qpmux $PP --test bw"
         timeout 300 $Q $PP --test bw || PRC=1
-        echo "\$ qpmux pingpong --provider ibverbs --ibv-device rxe0 --server 127.0.0.1:7000 &"
-        $Q pingpong --provider ibverbs --ibv-device rxe0 --server 127.0.0.1:7000 >/tmp/server.log 2>&1 &
+        echo "\$ qpmux pingpong --provider ibverbs --ibv-device rxe0 --handshake-timeout 60 --server 127.0.0.1:7000 &"
+        $Q pingpong --provider ibverbs --ibv-device rxe0 --handshake-timeout 60 --server 127.0.0.1:7000 >/tmp/server.log 2>&1 &
         SERVER=$!
         echo "\$ qpmux $PP --connect 127.0.0.1:7000"
         timeout 300 $Q $PP --connect 127.0.0.1:7000 || PRC=1
