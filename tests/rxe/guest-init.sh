@@ -80,6 +80,8 @@ if [ -x /mnt/share/in/qpmux ]; then
     PP="pingpong --provider ibverbs --ibv-device rxe0 --handshake-timeout 60 --iters ${PINGPONG_ITERS:-100} --size 64,4096,65536"
     {
         unset QPMUX_IBV_TRACE; export NO_COLOR=1
+        echo "\$ qpmux devices"
+        $Q devices || PRC=1
         echo "\$ qpmux $PP"
         timeout 300 $Q $PP || PRC=1
         echo "\$ qpmux $PP --test bw"
