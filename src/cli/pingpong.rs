@@ -208,6 +208,7 @@ async fn client<N: Node>(
     };
     tx.send(Bytes::from_static(mode)).await?;
     let record = Bytes::from(vec![0xa5u8; size]);
+    let dropped_before = node.mux().stats().slots_dropped;
     let mut one_way = Vec::with_capacity(iters as usize);
     let start = Instant::now();
     match test {
@@ -215,7 +216,7 @@ async fn client<N: Node>(
             for _ in 0..iters {
                 let sent = Instant::now();
                 tx.send(record.clone()).await?;
-                match next_data(&mut rx).await {
+                match next_reply(node, dropped_before, &mut rx).await? {
                     Some(Frame::Data(echo)) if echo.len() == size => {}
                     other => anyhow::bail!("bad echo: {other:?}"),
                 }
@@ -228,7 +229,7 @@ async fn client<N: Node>(
                 tx.send(record.clone()).await?;
             }
             tx.finish(Terminal::Finalized)?;
-            match next_data(&mut rx).await {
+            match next_reply(node, dropped_before, &mut rx).await? {
                 Some(Frame::Data(count)) if count.as_ref() == iters.to_be_bytes() => {}
                 other => anyhow::bail!("bad bandwidth acknowledgement: {other:?}"),
             }
@@ -237,6 +238,31 @@ async fn client<N: Node>(
     let elapsed = start.elapsed();
     while rx.recv().await.is_some() {}
     Ok((one_way, elapsed))
+}
+
+/// The server's next reply. Fails once the mux drops a slot: an epoch ended
+/// under the run, the records it carried are gone, and no reply will come.
+async fn next_reply<N: Node>(
+    node: &N,
+    dropped_before: u64,
+    rx: &mut SlotReceiver,
+) -> anyhow::Result<Option<Frame>> {
+    let reply = next_data(rx);
+    tokio::pin!(reply);
+    let every = Duration::from_millis(50);
+    let mut check = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            frame = &mut reply => return Ok(frame),
+            _ = check.tick() => {
+                let dropped = node.mux().stats().slots_dropped - dropped_before;
+                anyhow::ensure!(
+                    dropped == 0,
+                    "the link to the server ended mid-run ({dropped} slot(s) dropped); no reply will come"
+                );
+            }
+        }
+    }
 }
 
 /// The next frame that is not a heartbeat (an idle slot's keepalive).
