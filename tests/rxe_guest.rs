@@ -1,6 +1,7 @@
 //! Kernel soft-RoCE parity: boots Debian's kernel in QEMU, creates `rxe0`, and
-//! runs the provider-generic verbs suite (`tests/verbs_ibv.rs`) against it
-//! through the libibverbs provider (`tests/rxe/run.sh`, docs/rxe.md). The
+//! runs the provider-generic verbs suite (`tests/verbs_ibv.rs`), the link
+//! suite (`tests/link_ibv.rs`) and `qpmux pingpong --provider ibverbs` against
+//! it through the libibverbs provider (`tests/rxe/run.sh`, docs/rxe.md). The
 //! guest's verdict is this test's verdict.
 //!
 //! Skips, printing why, without `--features ibverbs`, with `QPMUX_RXE=0`, or
@@ -10,8 +11,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The `verbs_ibv` test executable cargo built next to this one.
-fn sibling_test_binary() -> Option<PathBuf> {
+/// The newest test executable `name-*` cargo built next to this one whose
+/// `--list` names `probe` (a binary built without the feature lists none).
+fn sibling_test_binary(name: &str, probe: &str) -> Option<PathBuf> {
     let me = std::env::current_exe().ok()?;
     let dir = me.parent()?;
     let mut found: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(dir)
@@ -21,17 +23,16 @@ fn sibling_test_binary() -> Option<PathBuf> {
         .filter(|p| {
             p.file_name()
                 .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("verbs_ibv-") && !n.contains('.'))
+                .is_some_and(|n| n.starts_with(&format!("{name}-")) && !n.contains('.'))
         })
         .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p)))
         .collect();
     found.sort();
-    // Newest first; a binary built without the feature lists no suite tests.
     found.into_iter().rev().map(|(_, p)| p).find(|p| {
         Command::new(p)
             .arg("--list")
             .output()
-            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("ping_pong: test"))
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(probe))
     })
 }
 
@@ -51,13 +52,19 @@ fn verbs_suite_on_kernel_rxe_in_qemu() {
     if !cfg!(feature = "ibverbs") {
         return skip("built without --features ibverbs");
     }
-    let Some(bin) = sibling_test_binary() else {
+    let Some(bin) = sibling_test_binary("verbs_ibv", "ping_pong: test") else {
         return skip("the verbs_ibv test binary is not built (cargo test --features ibverbs)");
+    };
+    let Some(link_bin) = sibling_test_binary("link_ibv", "many_slots_in_order_without_rnr: test")
+    else {
+        return skip("the link_ibv test binary is not built (cargo test --features ibverbs)");
     };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/rxe/run.sh");
     let out = Command::new("bash")
         .arg(&script)
         .env("RXE_TEST_BIN", &bin)
+        .env("RXE_LINK_BIN", &link_bin)
+        .env("RXE_QPMUX_BIN", env!("CARGO_BIN_EXE_qpmux"))
         .output()
         .expect("run tests/rxe/run.sh");
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -70,6 +77,6 @@ fn verbs_suite_on_kernel_rxe_in_qemu() {
                 .find_map(|l| l.strip_prefix("SKIP: "))
                 .unwrap_or("tests/rxe/run.sh skipped"),
         ),
-        other => panic!("the verbs suite failed on kernel rxe (run.sh exit {other:?}); see above"),
+        other => panic!("the guest run failed on kernel rxe (run.sh exit {other:?}); see above"),
     }
 }

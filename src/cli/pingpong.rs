@@ -6,9 +6,12 @@
 //!  server ─ slot (PONG, n) ─► client: echoes every record (lat) or one ack (bw)
 //! ```
 //!
-//! Both ends in one process by default; `--server` and `--client` run them
-//! in two (the server prints its address blob in hex for the client).
+//! Both ends in one process by default; `--server` and `--client` (the
+//! server's hex address blob) or `--connect` (its bootstrap address) run them
+//! in two. `--provider` picks the verbs provider under `--transport rdma`.
 
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -16,16 +19,24 @@ use clap::{Args as ClapArgs, ValueEnum};
 use serde::Serialize;
 
 use crate::link::Node;
+use crate::link::rdma::{RdmaNodeConfig, RdmaTransport};
 use crate::link::tcp::{TcpNodeConfig, TcpTransport};
 use crate::mux::{Frame, MuxConfig, MuxTransport, PeerId, SlotReceiver, StreamKey, Terminal};
+use crate::verbs::Device;
+use crate::verbs::soft::SoftDevice;
+use crate::verbs::soft::udp::UdpConfig;
 
 const PING_ANCHOR: u64 = 0x5049_4e47; // "PING"
 const PONG_ANCHOR: u64 = 0x504f_4e47; // "PONG"
 
+/// The server's node id; a client started with `--connect` assumes it.
+const SERVER_ID: u64 = 1;
+const CLIENT_ID: u64 = 2;
+
 /// Which transport carries the test.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
 pub enum TransportKind {
-    /// The mux over an RC QP per peer (soft provider), bootstrapped over TCP.
+    /// The mux over an RC QP per peer (`--provider`), bootstrapped over TCP.
     Rdma,
     /// The mux over TCP links.
     Tcp,
@@ -40,12 +51,33 @@ pub enum Test {
     Bw,
 }
 
+/// The verbs provider under `--transport rdma`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+pub enum Provider {
+    /// qpmux's soft RoCEv2 over UDP: no device needed.
+    Soft,
+    /// libibverbs (build with `--features ibverbs`): kernel rxe or a RoCE NIC.
+    Ibverbs,
+}
+
+impl Provider {
+    fn name(self) -> &'static str {
+        match self {
+            Provider::Soft => "soft",
+            Provider::Ibverbs => "ibverbs",
+        }
+    }
+}
+
 /// Arguments of `qpmux pingpong`.
 #[derive(Debug, Clone, ClapArgs)]
 pub struct PingpongArgs {
     /// Transport under test.
     #[arg(long, value_enum, default_value_t = TransportKind::Rdma)]
     pub transport: TransportKind,
+    /// Verbs provider of `--transport rdma`.
+    #[arg(long, value_enum, default_value_t = Provider::Soft)]
+    pub provider: Provider,
     /// Latency or bandwidth.
     #[arg(long, value_enum, default_value_t = Test::Lat)]
     pub test: Test,
@@ -61,6 +93,24 @@ pub struct PingpongArgs {
     /// Run only the client, against a server's hex address blob.
     #[arg(long)]
     pub client: Option<String>,
+    /// Run only the client, against the server listening at HOST:PORT.
+    #[arg(long, conflicts_with = "client")]
+    pub connect: Option<String>,
+    /// Local IP of this end: the soft device's GID and the bootstrap
+    /// listener (default: 127.0.0.1, the `--server` IP, or the source address
+    /// toward `--connect`); with ibverbs, use this address's RoCEv2 GID.
+    #[arg(long)]
+    pub bind: Option<IpAddr>,
+    /// libibverbs device, e.g. `rxe0` (default: the device routing to
+    /// `--connect`, else the first with a RoCEv2 GID).
+    #[arg(long)]
+    pub ibv_device: Option<String>,
+    /// libibverbs GID index (overrides the search for a RoCEv2 GID).
+    #[arg(long)]
+    pub gid_index: Option<u8>,
+    /// Bootstrap handshake timeout in seconds (raise it on emulated machines).
+    #[arg(long, default_value_t = 5)]
+    pub handshake_timeout: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -95,8 +145,10 @@ fn unhex(text: &str) -> anyhow::Result<Vec<u8>> {
         .collect()
 }
 
-async fn tcp_node(id: u64, bind: std::net::SocketAddr) -> anyhow::Result<TcpTransport> {
-    Ok(TcpTransport::bind(TcpNodeConfig::new(PeerId(id)), bind, MuxConfig::default()).await?)
+async fn tcp_node(id: u64, bind: SocketAddr, handshake: Duration) -> anyhow::Result<TcpTransport> {
+    let mut config = TcpNodeConfig::new(PeerId(id));
+    config.handshake_timeout = handshake;
+    Ok(TcpTransport::bind(config, bind, MuxConfig::default()).await?)
 }
 
 /// Serves pingpong sessions forever (or, in one process, until dropped).
@@ -156,6 +208,7 @@ async fn client<N: Node>(
     };
     tx.send(Bytes::from_static(mode)).await?;
     let record = Bytes::from(vec![0xa5u8; size]);
+    let dropped_before = node.mux().stats().slots_dropped;
     let mut one_way = Vec::with_capacity(iters as usize);
     let start = Instant::now();
     match test {
@@ -163,7 +216,7 @@ async fn client<N: Node>(
             for _ in 0..iters {
                 let sent = Instant::now();
                 tx.send(record.clone()).await?;
-                match next_data(&mut rx).await {
+                match next_reply(node, dropped_before, &mut rx).await? {
                     Some(Frame::Data(echo)) if echo.len() == size => {}
                     other => anyhow::bail!("bad echo: {other:?}"),
                 }
@@ -176,7 +229,7 @@ async fn client<N: Node>(
                 tx.send(record.clone()).await?;
             }
             tx.finish(Terminal::Finalized)?;
-            match next_data(&mut rx).await {
+            match next_reply(node, dropped_before, &mut rx).await? {
                 Some(Frame::Data(count)) if count.as_ref() == iters.to_be_bytes() => {}
                 other => anyhow::bail!("bad bandwidth acknowledgement: {other:?}"),
             }
@@ -185,6 +238,31 @@ async fn client<N: Node>(
     let elapsed = start.elapsed();
     while rx.recv().await.is_some() {}
     Ok((one_way, elapsed))
+}
+
+/// The server's next reply. Fails once the mux drops a slot: an epoch ended
+/// under the run, the records it carried are gone, and no reply will come.
+async fn next_reply<N: Node>(
+    node: &N,
+    dropped_before: u64,
+    rx: &mut SlotReceiver,
+) -> anyhow::Result<Option<Frame>> {
+    let reply = next_data(rx);
+    tokio::pin!(reply);
+    let every = Duration::from_millis(50);
+    let mut check = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            frame = &mut reply => return Ok(frame),
+            _ = check.tick() => {
+                let dropped = node.mux().stats().slots_dropped - dropped_before;
+                anyhow::ensure!(
+                    dropped == 0,
+                    "the link to the server ended mid-run ({dropped} slot(s) dropped); no reply will come"
+                );
+            }
+        }
+    }
 }
 
 /// The next frame that is not a heartbeat (an idle slot's keepalive).
@@ -213,33 +291,142 @@ fn lat_row(size: usize, mut samples: Vec<Duration>) -> LatRow {
     }
 }
 
+/// Where the ends of one `qpmux pingpong` run live.
+struct Plan {
+    /// The local IP of every node this process starts.
+    local: IpAddr,
+    /// The remote server's bootstrap address (`--connect`).
+    server: Option<SocketAddr>,
+}
+
+impl Plan {
+    async fn of(args: &PingpongArgs) -> anyhow::Result<Plan> {
+        let server = match &args.connect {
+            Some(target) => Some(
+                tokio::net::lookup_host(target.as_str())
+                    .await?
+                    .next()
+                    .ok_or_else(|| anyhow::anyhow!("{target} resolves to no address"))?,
+            ),
+            None => None,
+        };
+        let local = match (args.bind, args.server, server) {
+            (Some(ip), _, _) => ip,
+            (None, Some(listen), _) => listen.ip(),
+            (None, None, Some(server)) => source_address_toward(server)?,
+            (None, None, None) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        };
+        Ok(Plan { local, server })
+    }
+}
+
+/// The local address the kernel routes from toward `peer` (nothing is sent).
+fn source_address_toward(peer: SocketAddr) -> anyhow::Result<IpAddr> {
+    let any: SocketAddr = match peer {
+        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+    };
+    let probe = std::net::UdpSocket::bind(any)?;
+    probe.connect(peer)?;
+    Ok(probe.local_addr()?.ip())
+}
+
 pub async fn run(args: PingpongArgs, json: bool) -> anyhow::Result<()> {
     anyhow::ensure!(args.iters > 0, "--iters must be positive");
-    let loopback: std::net::SocketAddr = "127.0.0.1:0".parse().expect("literal");
-    match args.transport {
-        TransportKind::Rdma => {
+    let plan = Plan::of(&args).await?;
+    let handshake = Duration::from_secs(args.handshake_timeout);
+    match (args.transport, args.provider) {
+        (TransportKind::Tcp, Provider::Soft) => {
+            let local = SocketAddr::new(plan.local, 0);
             if let Some(bind) = args.server {
-                return serve_forever(super::rdma_node_at(1, bind).await?).await;
+                return serve_forever(tcp_node(SERVER_ID, bind, handshake).await?).await;
             }
-            let client = super::rdma_node(2).await?;
-            let server = match args.client {
-                Some(_) => None,
-                None => Some(super::rdma_node(1).await?),
+            let client = tcp_node(CLIENT_ID, local, handshake).await?;
+            let remote = args.client.is_some() || plan.server.is_some();
+            let server = if remote {
+                None
+            } else {
+                Some(tcp_node(SERVER_ID, local, handshake).await?)
             };
-            run_client(args, json, client, server).await
+            run_client(args, json, plan, client, server).await
         }
-        TransportKind::Tcp => {
-            if let Some(bind) = args.server {
-                return serve_forever(tcp_node(1, bind).await?).await;
+        (TransportKind::Tcp, Provider::Ibverbs) => {
+            anyhow::bail!("--provider applies to --transport rdma only")
+        }
+        (TransportKind::Rdma, Provider::Soft) => {
+            run_rdma(args, json, plan, |ip| async move {
+                let config = UdpConfig {
+                    bind: SocketAddr::new(ip, 0),
+                    ..UdpConfig::default()
+                };
+                Ok(SoftDevice::open_udp(config).await?)
+            })
+            .await
+        }
+        (TransportKind::Rdma, Provider::Ibverbs) => {
+            #[cfg(feature = "ibverbs")]
+            {
+                use crate::verbs::ibv::{IbvConfig, IbvDevice};
+                let config = IbvConfig {
+                    device: args.ibv_device.clone(),
+                    gid_index: args.gid_index,
+                    source: args.bind,
+                    // A loopback server shares this host's devices: no route picks one.
+                    peer: plan.server.map(|s| s.ip()).filter(|ip| !ip.is_loopback()),
+                    ..IbvConfig::default()
+                };
+                run_rdma(args, json, plan, move |_| {
+                    let config = config.clone();
+                    async move { Ok(IbvDevice::open(config)?) }
+                })
+                .await
             }
-            let client = tcp_node(2, loopback).await?;
-            let server = match args.client {
-                Some(_) => None,
-                None => Some(tcp_node(1, loopback).await?),
-            };
-            run_client(args, json, client, server).await
+            #[cfg(not(feature = "ibverbs"))]
+            anyhow::bail!("--provider ibverbs needs a build with --features ibverbs")
         }
     }
+}
+
+/// `--transport rdma` on devices from `open(local IP)`.
+async fn run_rdma<D, F, Fut>(
+    args: PingpongArgs,
+    json: bool,
+    plan: Plan,
+    open: F,
+) -> anyhow::Result<()>
+where
+    D: Device + 'static,
+    F: Fn(IpAddr) -> Fut,
+    Fut: Future<Output = anyhow::Result<D>>,
+{
+    let handshake = Duration::from_secs(args.handshake_timeout);
+    if let Some(bind) = args.server {
+        let node = rdma_node(open(bind.ip()).await?, SERVER_ID, bind, handshake).await?;
+        return serve_forever(node).await;
+    }
+    let local = SocketAddr::new(plan.local, 0);
+    let client = rdma_node(open(plan.local).await?, CLIENT_ID, local, handshake).await?;
+    let remote = args.client.is_some() || plan.server.is_some();
+    let server = if remote {
+        None
+    } else {
+        Some(rdma_node(open(plan.local).await?, SERVER_ID, local, handshake).await?)
+    };
+    run_client(args, json, plan, client, server).await
+}
+
+async fn rdma_node<D: Device + 'static>(
+    device: D,
+    id: u64,
+    bind: SocketAddr,
+    handshake_timeout: Duration,
+) -> anyhow::Result<RdmaTransport<D>> {
+    let mut config = RdmaNodeConfig {
+        bind,
+        ..RdmaNodeConfig::new(PeerId(id))
+    };
+    config.connector.handshake_timeout = handshake_timeout;
+    Ok(RdmaTransport::start(device, config).await?)
 }
 
 async fn serve_forever<N: Node>(node: N) -> anyhow::Result<()> {
@@ -250,15 +437,24 @@ async fn serve_forever<N: Node>(node: N) -> anyhow::Result<()> {
 async fn run_client<N: Node>(
     args: PingpongArgs,
     json: bool,
+    plan: Plan,
     client_node: N,
     local_server: Option<N>,
 ) -> anyhow::Result<()> {
-    let server_peer = match (&args.client, &local_server) {
-        (Some(blob), _) => client_node.register(&unhex(blob)?)?,
-        (None, Some(server)) => client_node.register(&server.address())?,
-        (None, None) => anyhow::bail!("no server to measure against"),
+    let server_blob = match (&args.client, plan.server, &local_server) {
+        (Some(blob), _, _) => unhex(blob)?,
+        (None, Some(addr), _) => crate::link::address::encode(PeerId(SERVER_ID), addr),
+        (None, None, Some(server)) => server.address(),
+        (None, None, None) => anyhow::bail!("no server to measure against"),
     };
-    let sessions = args.size.len() as u64;
+    let server_peer = client_node.register(&server_blob)?;
+    let where_ = match local_server {
+        Some(_) => format!("both ends in this process on {}", plan.local),
+        None => format!("client {} to a remote server", plan.local),
+    };
+    // Session 0 is a one-record warm-up: it pays for the link (bootstrap
+    // handshake, QP setup) so no measured row does.
+    let sessions = args.size.len() as u64 + 1;
     let server_task = local_server.map(|server| {
         tokio::spawn(async move {
             let served = serve(&server, sessions).await;
@@ -266,13 +462,14 @@ async fn run_client<N: Node>(
             served
         })
     });
+    client(&client_node, server_peer, 0, Test::Lat, 1, 1).await?;
     let mut lat_rows = Vec::new();
     let mut bw_rows = Vec::new();
-    for (session, &size) in args.size.iter().enumerate() {
+    for (session, &size) in (1u64..).zip(&args.size) {
         let (samples, elapsed) = client(
             &client_node,
             server_peer,
-            session as u64,
+            session,
             args.test,
             size,
             args.iters,
@@ -302,10 +499,11 @@ async fn run_client<N: Node>(
         }
         return Ok(());
     }
-    println!(
-        "qpmux pingpong over {:?} (the mux's slot path; user space, loopback)",
-        args.transport
-    );
+    let carrier = match args.transport {
+        TransportKind::Rdma => format!("rdma, provider {}", args.provider.name()),
+        TransportKind::Tcp => "tcp".to_string(),
+    };
+    println!("qpmux pingpong over {carrier} (the mux's slot path; {where_})");
     match args.test {
         Test::Lat => {
             println!(
@@ -332,7 +530,7 @@ async fn run_client<N: Node>(
             );
             for r in &bw_rows {
                 println!(
-                    " {:>8} {:>10} {:>14.2} {:>14.4}",
+                    " {:>8} {:>10} {:>14.3} {:>14.6}",
                     r.bytes, r.iterations, r.bw_mib_s, r.msg_rate_mpps
                 );
             }

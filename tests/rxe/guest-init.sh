@@ -1,7 +1,9 @@
 #!/bin/sh
 # PID 1 of the rxe test guest (copied into the initramfs by tests/rxe/run.sh).
-# Loads rdma_rxe, creates rxe0, runs /mnt/share/in/verbs_ibv against it and
-# writes the verdict (PASS / FAIL / SETUP-FAIL) to /mnt/share/out/verdict.
+# Loads rdma_rxe, creates rxe0, runs /mnt/share/in/verbs_ibv (verbs suite),
+# link_ibv (link suite) and `qpmux pingpong --provider ibverbs` against it,
+# then the soft↔rxe interop on rxe1, and writes the verdict (PASS / FAIL /
+# SETUP-FAIL) to /mnt/share/out/verdict.
 export PATH=/usr/sbin:/usr/bin
 # Debian's busybox-static prefers its own applets to $PATH: use iproute2's ip.
 ip() { /usr/sbin/ip "$@"; }
@@ -56,9 +58,45 @@ ibv_devinfo -d rxe0 2>&1 | grep -E 'state|active_mtu|link_layer' | sed 's/^/    
 cd /tmp
 export QPMUX_IBV_DEVICE=rxe0 QPMUX_IBV_REQUIRE=1 QPMUX_IBV_TRACE=1 RUST_BACKTRACE=0
 ARGS=$(cat /mnt/share/in/args 2>/dev/null)
+PINGPONG_ITERS=$(cat /mnt/share/in/pingpong_iters 2>/dev/null)
 log "running verbs_ibv $ARGS"
 /mnt/share/in/verbs_ibv --test-threads=2 $ARGS >/mnt/share/out/suite.log 2>&1
 RC=$?
+# The mux over RDMA links on rxe0. One test at a time: rxe's RNR counter is
+# device-wide.
+LRC=0
+if [ -x /mnt/share/in/link_ibv ]; then
+    log "running link_ibv"
+    /mnt/share/in/link_ibv --test-threads=1 >/mnt/share/out/link.log 2>&1 || LRC=1
+    grep -qE '^test result: ok\. [1-9]' /mnt/share/out/link.log || LRC=1
+    echo "link rc=$LRC" >>/mnt/share/out/link.log
+    log "link rc=$LRC"
+fi
+# qpmux pingpong over rxe0: both ends in one process, then server and client
+# as two processes (bootstrap over TCP on lo, RDMA through rxe0's loopback).
+PRC=0
+if [ -x /mnt/share/in/qpmux ]; then
+    Q=/mnt/share/in/qpmux
+    PP="pingpong --provider ibverbs --ibv-device rxe0 --handshake-timeout 60 --iters ${PINGPONG_ITERS:-100} --size 64,4096,65536"
+    {
+        unset QPMUX_IBV_TRACE; export NO_COLOR=1
+        echo "\$ qpmux devices"
+        $Q devices || PRC=1
+        echo "\$ qpmux $PP"
+        timeout 300 $Q $PP || PRC=1
+        echo "\$ qpmux $PP --test bw"
+        timeout 300 $Q $PP --test bw || PRC=1
+        echo "\$ qpmux pingpong --provider ibverbs --ibv-device rxe0 --handshake-timeout 60 --server 127.0.0.1:7000 &"
+        $Q pingpong --provider ibverbs --ibv-device rxe0 --handshake-timeout 60 --server 127.0.0.1:7000 >/tmp/server.log 2>&1 &
+        SERVER=$!
+        echo "\$ qpmux $PP --connect 127.0.0.1:7000"
+        timeout 300 $Q $PP --connect 127.0.0.1:7000 || PRC=1
+        kill $SERVER 2>/dev/null
+        sed 's/^/server: /' /tmp/server.log
+        echo "pingpong rc=$PRC"
+    } >/mnt/share/out/pingpong.log 2>&1
+    log "pingpong rc=$PRC"
+fi
 # Tests that disturb the device (a link flap) run alone, afterwards.
 QPMUX_IBV_FLAP_NETDEV=$DEV /mnt/share/in/verbs_ibv --ignored --exact async_events_report_port_flap --nocapture \
     >>/mnt/share/out/suite.log 2>&1 || RC=1
@@ -104,7 +142,7 @@ for c in /sys/class/infiniband/rxe0/ports/1/hw_counters/*; do
     echo "${c##*/} $(cat "$c")"
 done >/mnt/share/out/hw_counters.txt 2>/dev/null
 # A binary built without --features ibverbs has no tests: that is no pass.
-if [ $RC = 0 ] && [ $IRC = 0 ] && grep -qE '^test result: ok\. [1-9]' /mnt/share/out/suite.log; then
+if [ $RC = 0 ] && [ $IRC = 0 ] && [ $LRC = 0 ] && [ $PRC = 0 ] && grep -qE '^test result: ok\. [1-9]' /mnt/share/out/suite.log; then
     VERDICT=PASS
 else
     VERDICT=FAIL

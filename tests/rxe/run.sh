@@ -1,18 +1,22 @@
 #!/bin/bash
-# tests/rxe/run.sh — run qpmux's provider-generic verbs suite (tests/verbs_ibv.rs,
-# built with --features ibverbs) against real kernel soft-RoCE (rdma_rxe) inside
+# tests/rxe/run.sh — run qpmux's provider-generic verbs suite (tests/verbs_ibv.rs),
+# link suite (tests/link_ibv.rs) and `qpmux pingpong --provider ibverbs`, all
+# built with --features ibverbs, against real kernel soft-RoCE (rdma_rxe) inside
 # a QEMU guest booted from Debian's own kernel package. See docs/rxe.md.
 #
 # Exit status: 0 the guest suite passed, 1 it failed, 77 skipped (reason on stderr).
 #
 # Environment:
 #   QPMUX_RXE=0          skip
-#   RXE_TEST_BIN=path    test binary to run in the guest (default: cargo builds it)
+#   RXE_TEST_BIN=path    verbs suite binary to run in the guest (default: cargo builds it)
+#   RXE_LINK_BIN=path    link suite binary (default: cargo builds it with RXE_TEST_BIN)
+#   RXE_QPMUX_BIN=path   qpmux binary for the guest's pingpong (likewise)
 #   RXE_TEST_ARGS="..."  extra libtest arguments (filters, --test-threads=N)
+#   RXE_PINGPONG_ITERS=100  iterations per size of the guest's pingpong runs
 #   RXE_WORK=dir         cache and work dir (default: target/rxe)
 #   RXE_ACCEL=auto|kvm|tcg   (auto: kvm when /dev/kvm works with vmx/svm)
 #   RXE_NET=dummy|virtio netdev under rxe0 (dummy: no NIC, rxe loops back)
-#   RXE_TIMEOUT=480      wall-clock bound of the guest run, seconds
+#   RXE_TIMEOUT=900      wall-clock bound of the guest run, seconds
 #   RXE_INSTALL=1        apt-get install missing host packages first
 set -euo pipefail
 
@@ -20,7 +24,7 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 W=${RXE_WORK:-$ROOT/target/rxe}
 ACCEL=${RXE_ACCEL:-auto}
 NET=${RXE_NET:-dummy}
-TIMEOUT=${RXE_TIMEOUT:-480}
+TIMEOUT=${RXE_TIMEOUT:-900}
 T0=$(date +%s)
 say() { echo "[rxe $(( $(date +%s) - T0 ))s] $*" >&2; }
 skip() { echo "SKIP: $*" >&2; exit 77; }
@@ -84,12 +88,20 @@ fi
 
 # ------------------------------------------------------------- 3. the test binary
 BIN=${RXE_TEST_BIN:-}
+LINK_BIN=${RXE_LINK_BIN:-}
+QPMUX_BIN=${RXE_QPMUX_BIN:-}
 if [ -z "$BIN" ]; then
-    say "cargo test --features ibverbs --test verbs_ibv --no-run"
-    BIN=$(cd "$ROOT" && cargo test -q --features ibverbs --test verbs_ibv --no-run --message-format=json \
-        | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
+    say "cargo test --features ibverbs --test verbs_ibv --test link_ibv --no-run"
+    built=$(cd "$ROOT" && cargo test -q --features ibverbs --test verbs_ibv --test link_ibv --no-run \
+        --message-format=json | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
+    BIN=$(echo "$built" | grep '/verbs_ibv-' | tail -1)
+    LINK_BIN=$(echo "$built" | grep '/link_ibv-' | tail -1)
+    QPMUX_BIN=$ROOT/target/debug/qpmux
 fi
 [ -x "$BIN" ] || { echo "no test binary ($BIN)" >&2; exit 1; }
+for b in "$LINK_BIN" "$QPMUX_BIN"; do
+    [ -z "$b" ] || [ -x "$b" ] || { echo "no binary $b" >&2; exit 1; }
+done
 
 # ------------------------------------------------------------- 4. initramfs
 S=$W/initramfs
@@ -108,7 +120,9 @@ add_elf /usr/lib/x86_64-linux-gnu/libibverbs.so.1
 add_file /etc/libibverbs.d/rxe.driver
 add_elf "$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so | head -1)"
 # The test binary runs from the 9p share; its libraries go in the image.
-for l in $(ldd "$BIN" | awk '$2=="=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}'); do add_file "$l"; done
+for b in "$BIN" $LINK_BIN $QPMUX_BIN; do
+    for l in $(ldd "$b" | awk '$2=="=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}'); do add_file "$l"; done
+done
 cp /bin/busybox "$S/usr/bin/busybox"
 for a in $(/bin/busybox --list); do
     [ -e "$S/usr/bin/$a" ] || [ -e "$S/usr/sbin/$a" ] || ln -s busybox "$S/usr/bin/$a"
@@ -137,14 +151,19 @@ chmod +x "$S/init"
 SH=$W/share
 rm -rf "$SH"; mkdir -p "$SH/in" "$SH/out"
 cp "$BIN" "$SH/in/verbs_ibv"
+[ -z "$LINK_BIN" ] || cp "$LINK_BIN" "$SH/in/link_ibv"
+[ -z "$QPMUX_BIN" ] || cp "$QPMUX_BIN" "$SH/in/qpmux"
 printf '%s\n' "${RXE_TEST_ARGS:-}" >"$SH/in/args"
+printf '%s\n' "${RXE_PINGPONG_ITERS:-100}" >"$SH/in/pingpong_iters"
 if [ "$ACCEL" = auto ]; then
     ACCEL=tcg
     if [ -w /dev/kvm ] && grep -qwE 'vmx|svm' /proc/cpuinfo; then ACCEL=kvm; fi
 fi
+# no_timer_check: under TCG on a busy host the kernel's IO-APIC timer check
+# can fail and panic the boot ("IO-APIC + timer doesn't work!").
 QEMU=(qemu-system-x86_64 -m 1024 -smp 2 -nographic -no-reboot
       -kernel "$KIMG" -initrd "$W/initrd.gz"
-      -append "console=ttyS0 quiet panic=-1 rxe.net=$NET"
+      -append "console=ttyS0 quiet panic=-1 no_timer_check rxe.net=$NET"
       -virtfs "local,path=$SH,mount_tag=share,security_model=none,id=share")
 if [ "$ACCEL" = kvm ]; then QEMU+=(-enable-kvm -cpu host); else QEMU+=(-accel tcg -cpu max); fi
 if [ "$NET" = virtio ]; then QEMU+=(-nic user,model=virtio-net-pci); else QEMU+=(-nic none); fi
@@ -158,6 +177,8 @@ if [ -f "$SH/out/suite.log" ]; then
     grep -E '^(test |test result|failures:|---- |thread .* panicked)' "$SH/out/suite.log" >&2 || true
 fi
 grep -E '^(test interop|interop rc|soft device stats)' "$SH/out/interop.log" >&2 2>/dev/null || true
+grep -E '^(test |test result|---- |thread .* panicked|link rc)' "$SH/out/link.log" >&2 2>/dev/null || true
+[ -f "$SH/out/pingpong.log" ] && cat "$SH/out/pingpong.log" >&2
 VERDICT=$(cat "$SH/out/verdict" 2>/dev/null || echo "none")
 case $VERDICT in
     PASS) say "PASS"; exit 0 ;;
