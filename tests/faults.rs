@@ -105,11 +105,16 @@ impl Proc {
     fn verdict(&mut self, within: Duration) -> Value {
         let until = Instant::now() + within;
         while self.child.try_wait().expect("try_wait").is_none() {
-            assert!(Instant::now() < until, "node still running after {within:?}");
+            assert!(
+                Instant::now() < until,
+                "node still running after {within:?}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         // The reader thread may still hold the last line.
-        self.wait_for("verdict", Duration::from_secs(2), |e| e["event"] == "verdict")
+        self.wait_for("verdict", Duration::from_secs(2), |e| {
+            e["event"] == "verdict"
+        })
     }
 }
 
@@ -170,7 +175,13 @@ impl Net {
     fn spawn(&mut self, host: char, name: &str, args: &[String]) -> Proc {
         let stderr = std::fs::File::create(self.file(&format!("{name}.err"))).expect("stderr");
         let mut child = Command::new("ip")
-            .args(["netns", "exec", &self.ns(host), env!("CARGO_BIN_EXE_qpmux"), "--json"])
+            .args([
+                "netns",
+                "exec",
+                &self.ns(host),
+                env!("CARGO_BIN_EXE_qpmux"),
+                "--json",
+            ])
             .args(args)
             .stdout(Stdio::piped())
             .stderr(stderr)
@@ -365,7 +376,10 @@ fn an_impaired_path_loses_duplicates_and_reorders_no_record() {
     assert_eq!(count(&b_verdict, "streams"), slots, "one stream per slot");
     assert_eq!(b_verdict["epochs_seen"], serde_json::json!([1]));
     for fault in ["dropped", "duplicated", "held", "reordered"] {
-        assert!(count(&relay_stats, fault) > 0, "relay {fault}: {relay_stats}");
+        assert!(
+            count(&relay_stats, fault) > 0,
+            "relay {fault}: {relay_stats}"
+        );
     }
     assert_eq!(count(&relay_stats, "seed"), seed);
     let sender = &a_verdict["counters"];
@@ -441,7 +455,10 @@ fn a_partition_past_the_retry_budget_drops_each_slot_once_and_relinks() {
     assert_one_drop_per_slot("sender", &a, slots, 1);
     assert_eq!(b_verdict["epochs_seen"], serde_json::json!([1, 2]));
     assert_eq!(a_verdict["epochs_seen"], serde_json::json!([1, 2]));
-    assert!(count(&a_verdict["counters"], "ack_timeouts") > 0, "{a_verdict}");
+    assert!(
+        count(&a_verdict["counters"], "ack_timeouts") > 0,
+        "{a_verdict}"
+    );
     assert!(
         reconnect_ms < 10_000,
         "relinked {reconnect_ms} ms after the heal"

@@ -220,7 +220,11 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
         tokio::spawn(async move {
             let mut buf = vec![0u8; 65_536];
             while let Ok((n, from)) = socket.recv_from(&mut buf).await {
-                if arrived_tx.send((index, from, buf[..n].into())).await.is_err() {
+                if arrived_tx
+                    .send((index, from, buf[..n].into()))
+                    .await
+                    .is_err()
+                {
                     break;
                 }
             }

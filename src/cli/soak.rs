@@ -25,8 +25,7 @@ use serde::Serialize;
 use crate::link::Node;
 use crate::link::rdma::{RdmaConfig, RdmaNodeConfig, RdmaTransport};
 use crate::mux::{
-    CloseReason, DropReason, Frame, MuxError, MuxTransport, PeerId, SendError, StreamKey,
-    Terminal,
+    CloseReason, DropReason, Frame, MuxError, MuxTransport, PeerId, SendError, StreamKey, Terminal,
 };
 use crate::verbs::soft::udp::UdpConfig;
 use crate::verbs::soft::{QpCounters, SoftDevice};
@@ -392,15 +391,12 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
             }
         }
     }
-    let all = futures_join(tasks);
-    // The receiver gives up a little after the sender would have finished.
-    let grace = match args.role {
-        Role::Send => Duration::ZERO,
-        Role::Recv => Duration::from_secs(5),
-    };
-    let finished = tokio::time::timeout_at((deadline + grace).into(), all)
-        .await
-        .unwrap_or(0);
+    // Senders stop at the deadline by themselves (a send may still wait a
+    // moment for credit); the receiver gives up a little after that.
+    let finished = Arc::new(AtomicU64::new(0));
+    let all = futures_join(tasks, finished.clone());
+    let _ = tokio::time::timeout_at((deadline + Duration::from_secs(5)).into(), all).await;
+    let finished = finished.load(Ordering::Relaxed) as u32;
     if let (Role::Send, Some(done)) = (args.role, &args.done_file) {
         // Accepted is not delivered: stay up until the receiver is done.
         let until = Instant::now() + Duration::from_secs(10);
@@ -439,15 +435,13 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Awaits every slot task; returns how many finished their slot.
-async fn futures_join(tasks: Vec<tokio::task::JoinHandle<bool>>) -> u32 {
-    let mut finished = 0;
+/// Awaits every slot task, counting those that finished their slot.
+async fn futures_join(tasks: Vec<tokio::task::JoinHandle<bool>>, finished: Arc<AtomicU64>) {
     for task in tasks {
         if task.await.unwrap_or(false) {
-            finished += 1;
+            finished.fetch_add(1, Ordering::Relaxed);
         }
     }
-    finished
 }
 
 /// Reports epoch changes, peer restarts, progress and provider counters.
@@ -568,11 +562,14 @@ async fn send_slot(
             if !more || Instant::now() >= deadline {
                 break tx.finish(Terminal::Finalized).err();
             }
-            match tx
-                .send(record(slot, stream, seq, args.record_size))
-                .await
-            {
-                Ok(()) => {
+            let sent = tokio::time::timeout_at(
+                deadline.into(),
+                tx.send(record(slot, stream, seq, args.record_size)),
+            );
+            match sent.await {
+                // Waited for credit past the deadline: finish now.
+                Err(_) => break tx.finish(Terminal::Finalized).err(),
+                Ok(Ok(())) => {
                     seq += 1;
                     shared.records.fetch_add(1, Ordering::Relaxed);
                     if seq % 64 == 0 {
@@ -580,7 +577,7 @@ async fn send_slot(
                         tokio::task::yield_now().await;
                     }
                 }
-                Err(err) => break Some(err),
+                Ok(Err(err)) => break Some(err),
             }
             if !pace.is_zero() {
                 tokio::time::sleep(pace).await;
