@@ -358,12 +358,9 @@ fn an_impaired_path_loses_duplicates_and_reorders_no_record() {
     let _ = Command::new("kill")
         .args(["-TERM", &relay.child.id().to_string()])
         .status();
-    let relay_stats: Value = {
-        let final_line = relay.wait_for("relay stats", Duration::from_secs(5), |e| {
-            e["event"] == "relay_stats"
-        });
-        final_line
-    };
+    let relay_stats = relay.wait_for("relay stats", Duration::from_secs(5), |e| {
+        e["event"] == "relay_stats"
+    });
     eprintln!(
         "impaired: {slots} slots x {records} records in {wall:?}; relay {relay_stats}; \
          sender counters {}; receiver counters {}",
