@@ -398,8 +398,9 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
     let _ = tokio::time::timeout_at((deadline + Duration::from_secs(5)).into(), all).await;
     let finished = finished.load(Ordering::Relaxed) as u32;
     if let (Role::Send, Some(done)) = (args.role, &args.done_file) {
-        // Accepted is not delivered: stay up until the receiver is done.
-        let until = Instant::now() + Duration::from_secs(10);
+        // Accepted is not delivered: stay up until the receiver is done
+        // (it gives up 5 s past the deadline, so this wait ends too).
+        let until = deadline + Duration::from_secs(10);
         while !done.exists() && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
