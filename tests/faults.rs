@@ -109,6 +109,9 @@ impl Proc {
                 Instant::now() < until,
                 "node still running after {within:?}"
             );
+            if let Some(stall) = self.of_kind("stall").first() {
+                panic!("stalled: {stall}");
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
         // The reader thread may still hold the last line.

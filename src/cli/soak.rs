@@ -97,6 +97,10 @@ pub struct SoakArgs {
     /// `TCP_USER_TIMEOUT` of the liveness connection, in milliseconds.
     #[arg(long, default_value_t = 5000)]
     pub liveness_timeout_ms: u64,
+    /// Receiver: seconds without a record before a `stall` event reports
+    /// the link's credit and the mux's counters (once per stall).
+    #[arg(long, default_value_t = 10)]
+    pub stall_s: u64,
     /// Largest dial backoff, in milliseconds.
     #[arg(long, default_value_t = 500)]
     pub backoff_max_ms: u64,
@@ -133,6 +137,16 @@ enum Event<'a> {
     },
     Progress {
         records: u64,
+        t_ms: u64,
+    },
+    Stall {
+        records: u64,
+        idle_s: u64,
+        epoch: Option<u64>,
+        link_credit: String,
+        link_stats: String,
+        link_end: String,
+        mux: String,
         t_ms: u64,
     },
     Verdict(&'a Verdict),
@@ -364,7 +378,17 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
     write_atomically(&args.addr_file, &hex(&node.address()))?;
     let blob = read_peer_blob(&args.peer_file, deadline).await?;
     let peer = node.register(&blob)?;
-    let watcher = tokio::spawn(watch(node.clone(), peer, shared.clone()));
+    let watcher = tokio::spawn(watch(
+        node.clone(),
+        peer,
+        shared.clone(),
+        // A sender's count stops once its slots are queued; only the
+        // receiver's count stops for a stall.
+        match args.role {
+            Role::Recv => Some(Duration::from_secs(args.stall_s)),
+            Role::Send => None,
+        },
+    ));
 
     let mut tasks = Vec::new();
     match args.role {
@@ -446,8 +470,10 @@ async fn futures_join(tasks: Vec<tokio::task::JoinHandle<bool>>, finished: Arc<A
 }
 
 /// Reports epoch changes, peer restarts, progress and provider counters.
-async fn watch(node: Arc<Soft>, peer: PeerId, shared: Arc<Shared>) {
+async fn watch(node: Arc<Soft>, peer: PeerId, shared: Arc<Shared>, stall_after: Option<Duration>) {
     let mut epoch: Option<u64> = None;
+    let mut moved = (0u64, Instant::now());
+    let mut stall_reported = false;
     let mut restarts = 0;
     let mut last_progress = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(5));
@@ -479,6 +505,24 @@ async fn watch(node: Arc<Soft>, peer: PeerId, shared: Arc<Shared>) {
             });
         }
         sample_counters(&node, &shared);
+        let records = shared.records.load(Ordering::Relaxed);
+        if records != moved.0 {
+            moved = (records, Instant::now());
+            stall_reported = false;
+        } else if !stall_reported && stall_after.is_some_and(|after| moved.1.elapsed() >= after) {
+            stall_reported = true;
+            let link = node.node().link(peer);
+            shared.emit(&Event::Stall {
+                records,
+                idle_s: moved.1.elapsed().as_secs(),
+                epoch,
+                link_credit: format!("{:?}", link.as_ref().map(|l| l.credit())),
+                link_stats: format!("{:?}", link.as_ref().map(|l| l.stats())),
+                link_end: format!("{:?}", link.as_ref().map(|l| l.end_reason())),
+                mux: format!("{:?}", node.mux().stats()),
+                t_ms: unix_ms(),
+            });
+        }
         if last_progress.elapsed() >= Duration::from_millis(250) {
             last_progress = Instant::now();
             shared.emit(&Event::Progress {
