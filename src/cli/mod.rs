@@ -4,6 +4,7 @@
 //!  bin/qpmux.rs ─► cli::main ─► demo     (default; streams over each node kind, one table)
 //!                            ├► devices  (providers, devices, ports, GIDs)
 //!                            ├► pingpong (latency / bandwidth, perftest-shaped)
+//!                            ├► soak / relay (one node of the fault harness; UDP impairment)
 //!                            └► bench sweep (V5 grid: JSON + SVG plots)
 //! ```
 //!
@@ -13,6 +14,8 @@ mod demo;
 mod devices;
 mod pingpong;
 mod plot;
+mod relay;
+mod soak;
 mod sweep;
 #[cfg(feature = "velo")]
 mod velo_rows;
@@ -68,6 +71,10 @@ pub enum Command {
     Devices,
     /// Latency or bandwidth between two endpoints (perftest-style table).
     Pingpong(pingpong::PingpongArgs),
+    /// One node of a long stream check: per-slot order, JSON-line events.
+    Soak(soak::SoakArgs),
+    /// UDP impairment relay between peers (loss, duplication, jitter, reordering).
+    Relay(relay::RelayArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -100,6 +107,8 @@ pub fn main() -> anyhow::Result<()> {
             Some(Command::Demo(demo_args)) => demo::run(demo_args, args.json).await,
             Some(Command::Devices) => devices::run(args.json).await,
             Some(Command::Pingpong(pingpong_args)) => pingpong::run(pingpong_args, args.json).await,
+            Some(Command::Soak(soak_args)) => soak::run(soak_args, args.json).await,
+            Some(Command::Relay(relay_args)) => relay::run(relay_args).await,
             Some(Command::Bench(BenchCommand::Sweep(sweep_args))) => {
                 sweep::run(sweep_args, args.json).await
             }

@@ -1,0 +1,507 @@
+//! Multi-host faults: `qpmux soak` nodes in network namespaces A and B,
+//! routed through R, where the faults are made (docs/faults.md).
+//!
+//! ```text
+//!  A (soak send) ── veth ── R: forward | tproxy ─► qpmux relay | nft drop ── veth ── B (soak recv)
+//! ```
+//!
+//! Each scenario reads the nodes' JSON-line events and asserts its verdict
+//! from them. Needs root, `ip` and `nft`; otherwise it prints why and skips
+//! (QPMUX_FAULTS_REQUIRE=1 turns a skip into a failure, for CI).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+
+const A_IP: &str = "10.77.1.2";
+const B_IP: &str = "10.77.2.2";
+const A_UDP: u16 = 7101;
+const B_UDP: u16 = 7102;
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/faults/netns.sh")
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_millis() as u64
+}
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Why this machine cannot run the scenarios, if it cannot.
+fn unavailable() -> Option<String> {
+    let uid = Command::new("id").arg("-u").output();
+    match uid {
+        Ok(out) if String::from_utf8_lossy(&out.stdout).trim() == "0" => {}
+        _ => return Some("not root".into()),
+    }
+    for tool in ["ip", "nft"] {
+        let found = Command::new(tool)
+            .arg("-V")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok();
+        if !found {
+            return Some(format!("no `{tool}` command"));
+        }
+    }
+    None
+}
+
+/// A process's JSON-line events, with the time each was read.
+type Events = Arc<Mutex<Vec<Value>>>;
+
+/// One qpmux process in a namespace.
+struct Proc {
+    child: Child,
+    events: Events,
+}
+
+impl Proc {
+    fn events(&self) -> Vec<Value> {
+        self.events.lock().expect("events").clone()
+    }
+
+    fn of_kind(&self, kind: &str) -> Vec<Value> {
+        self.events()
+            .into_iter()
+            .filter(|e| e["event"] == kind)
+            .collect()
+    }
+
+    /// Waits until `pred` holds for one of the events; returns it.
+    fn wait_for(&self, what: &str, within: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+        let until = Instant::now() + within;
+        loop {
+            if let Some(e) = self.events().into_iter().find(|e| pred(e)) {
+                return e;
+            }
+            assert!(Instant::now() < until, "no {what} within {within:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn progress(&self) -> u64 {
+        self.of_kind("progress")
+            .last()
+            .and_then(|e| e["records"].as_u64())
+            .unwrap_or(0)
+    }
+
+    /// Waits for the process to exit and returns its verdict.
+    fn verdict(&mut self, within: Duration) -> Value {
+        let until = Instant::now() + within;
+        while self.child.try_wait().expect("try_wait").is_none() {
+            assert!(
+                Instant::now() < until,
+                "node still running after {within:?}"
+            );
+            if let Some(stall) = self.of_kind("stall").first() {
+                panic!("stalled: {stall}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // The reader thread may still hold the last line.
+        self.wait_for("verdict", Duration::from_secs(2), |e| {
+            e["event"] == "verdict"
+        })
+    }
+}
+
+/// Namespaces A, R, B and the processes in them; all torn down on drop.
+struct Net {
+    tag: String,
+    dir: PathBuf,
+    procs: Vec<u32>,
+}
+
+impl Net {
+    /// Sets the namespaces up, or says why not (printed by the caller).
+    fn up(scenario: &str) -> Result<Net, String> {
+        if let Some(reason) = unavailable() {
+            return Err(reason);
+        }
+        // Short: interface names are at most 15 bytes.
+        let tag = format!("{}{}", std::process::id() % 100_000, &scenario[..1]);
+        let dir = std::env::temp_dir().join(format!("qpmux-faults-{tag}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let net = Net {
+            tag,
+            dir,
+            procs: Vec::new(),
+        };
+        net.script(&["up"])?;
+        Ok(net)
+    }
+
+    fn script(&self, args: &[&str]) -> Result<(), String> {
+        let mut full = vec![args[0], self.tag.as_str()];
+        full.extend_from_slice(&args[1..]);
+        let out = Command::new("sh")
+            .arg(script())
+            .args(&full)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "netns.sh {full:?}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    }
+
+    fn ns(&self, host: char) -> String {
+        format!("qf-{host}-{}", self.tag)
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Starts `qpmux ARGS` in namespace `host`; stdout parsed as events.
+    fn spawn(&mut self, host: char, name: &str, args: &[String]) -> Proc {
+        let stderr = std::fs::File::create(self.file(&format!("{name}.err"))).expect("stderr");
+        let mut child = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.ns(host),
+                env!("CARGO_BIN_EXE_qpmux"),
+                "--json",
+            ])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn ip netns exec");
+        self.procs.push(child.id());
+        let events: Events = Arc::default();
+        let out = child.stdout.take().expect("piped");
+        let sink = events.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if let Ok(event) = serde_json::from_str::<Value>(&line) {
+                    sink.lock().expect("events").push(event);
+                }
+            }
+        });
+        Proc { child, events }
+    }
+
+    /// Arguments of a soak node on host `a` (sender) or `b` (receiver).
+    fn soak(&self, host: char, extra: &[String]) -> Vec<String> {
+        let (role, id, ip, udp, own, peer) = match host {
+            'a' => ("send", "1", A_IP, A_UDP, "a.addr", "b.addr"),
+            _ => ("recv", "2", B_IP, B_UDP, "b.addr", "a.addr"),
+        };
+        let mut args: Vec<String> = [
+            "soak",
+            "--role",
+            role,
+            "--id",
+            id,
+            "--bind",
+            &format!("{ip}:7000"),
+            "--udp-port",
+            &udp.to_string(),
+            "--addr-file",
+            &self.file(own).display().to_string(),
+            "--peer-file",
+            &self.file(peer).display().to_string(),
+            "--done-file",
+            &self.file("done").display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend_from_slice(extra);
+        args
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for pid in &self.procs {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+        if let Err(err) = self.script(&["down"]) {
+            eprintln!("teardown: {err}");
+        }
+        if std::env::var_os("QPMUX_FAULTS_KEEP").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// The namespaces, or `None` after printing why the scenario is skipped.
+fn net_or_skip(scenario: &str) -> Option<Net> {
+    match Net::up(scenario) {
+        Ok(net) => Some(net),
+        Err(reason) => {
+            assert!(
+                std::env::var_os("QPMUX_FAULTS_REQUIRE").is_none(),
+                "QPMUX_FAULTS_REQUIRE is set but {scenario} cannot run: {reason}"
+            );
+            eprintln!("skipping {scenario}: {reason}");
+            None
+        }
+    }
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+fn count(v: &Value, field: &str) -> u64 {
+    v[field]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{field} in {v}"))
+}
+
+/// Asserts a clean verdict: no violation, every slot finished.
+fn assert_clean(who: &str, verdict: &Value) {
+    for field in ["duplicates", "gaps", "bad_records", "violation_count"] {
+        assert_eq!(count(verdict, field), 0, "{who}: {field} in {verdict}");
+    }
+    assert_eq!(verdict["ok"], true, "{who}: {verdict}");
+    assert_eq!(
+        count(verdict, "slots_finished"),
+        count(verdict, "slots"),
+        "{who}: {verdict}"
+    );
+}
+
+/// Exactly one `Dropped` per slot, all for `epoch`.
+fn assert_one_drop_per_slot(who: &str, node: &Proc, slots: u64, epoch: u64) {
+    let drops = node.of_kind("dropped");
+    let mut per_slot = vec![0u64; slots as usize];
+    for d in &drops {
+        assert_eq!(count(d, "epoch"), epoch, "{who}: {d}");
+        per_slot[count(d, "slot") as usize] += 1;
+    }
+    assert!(
+        per_slot.iter().all(|&n| n == 1),
+        "{who}: Dropped per slot {per_slot:?}"
+    );
+}
+
+/// 1% loss, 1% duplication, 1% held back 3 ms and 0–5 ms jitter through
+/// the relay, 64 slots: every record arrives once, in order, intact, and
+/// the provider's retransmissions show the faults were there.
+#[test]
+fn an_impaired_path_loses_duplicates_and_reorders_no_record() {
+    let Some(mut net) = net_or_skip("impaired") else {
+        return;
+    };
+    let slots = env_u64("QPMUX_FAULTS_SLOTS", 64);
+    let records = env_u64("QPMUX_FAULTS_RECORDS", 100);
+    let seed = env_u64("QPMUX_FAULTS_SEED", 0x5eed);
+    let bound = env_u64("QPMUX_FAULTS_SECONDS", 50);
+    net.script(&["tproxy", &A_UDP.to_string(), &B_UDP.to_string()])
+        .expect("tproxy rules");
+    let stats = net.file("relay.json");
+    let relay_args = strings(&[
+        "relay",
+        "--peer",
+        &format!("{A_IP}:{A_UDP}"),
+        "--peer",
+        &format!("{B_IP}:{B_UDP}"),
+        "--loss",
+        "0.01",
+        "--dup",
+        "0.01",
+        "--reorder",
+        "0.01",
+        "--jitter-us",
+        "5000",
+        "--seed",
+        &seed.to_string(),
+        "--stats-file",
+        &stats.display().to_string(),
+    ]);
+    let relay = net.spawn('r', "relay", &relay_args);
+    relay.wait_for("relay start", Duration::from_secs(10), |e| {
+        e["event"] == "relay_start"
+    });
+    let shape = strings(&[
+        "--slots",
+        &slots.to_string(),
+        "--records",
+        &records.to_string(),
+        "--duration-s",
+        &bound.to_string(),
+    ]);
+    let started = Instant::now();
+    let mut b = net.spawn('b', "b", &net.soak('b', &shape));
+    let mut a = net.spawn('a', "a", &net.soak('a', &shape));
+    let within = Duration::from_secs(bound + 15);
+    let b_verdict = b.verdict(within);
+    let a_verdict = a.verdict(within);
+    let wall = started.elapsed();
+    let _ = Command::new("kill")
+        .args(["-TERM", &relay.child.id().to_string()])
+        .status();
+    let relay_stats = relay.wait_for("relay stats", Duration::from_secs(5), |e| {
+        e["event"] == "relay_stats"
+    });
+    eprintln!(
+        "impaired: {slots} slots x {records} records in {wall:?}; relay {relay_stats}; \
+         sender counters {}; receiver counters {}",
+        a_verdict["counters"], b_verdict["counters"]
+    );
+    assert_clean("receiver", &b_verdict);
+    assert_clean("sender", &a_verdict);
+    assert_eq!(count(&b_verdict, "records"), slots * records, "{b_verdict}");
+    assert_eq!(count(&b_verdict, "dropped"), 0, "{b_verdict}");
+    assert_eq!(count(&b_verdict, "streams"), slots, "one stream per slot");
+    assert_eq!(b_verdict["epochs_seen"], serde_json::json!([1]));
+    for fault in ["dropped", "duplicated", "held", "reordered"] {
+        assert!(
+            count(&relay_stats, fault) > 0,
+            "relay {fault}: {relay_stats}"
+        );
+    }
+    assert_eq!(count(&relay_stats, "seed"), seed);
+    let sender = &a_verdict["counters"];
+    let receiver = &b_verdict["counters"];
+    assert!(
+        count(sender, "retransmit_rewinds") > 0,
+        "losses made the sender retransmit: {sender}"
+    );
+    assert!(
+        count(receiver, "duplicates_received") + count(receiver, "seq_naks_sent") > 0,
+        "the receiver saw duplicates or gaps: {receiver}"
+    );
+}
+
+/// Soak arguments for the link-death scenarios: a paced open-ended stream
+/// and an RC retry budget of about 4 × 67 ms.
+fn paced(slots: u64, seconds: u64) -> Vec<String> {
+    strings(&[
+        "--slots",
+        &slots.to_string(),
+        "--records",
+        "0",
+        "--pace-us",
+        "5000",
+        "--duration-s",
+        &seconds.to_string(),
+        "--rc-timeout",
+        "14",
+        "--rc-retry",
+        "3",
+        "--liveness-timeout-ms",
+        "3000",
+        "--backoff-max-ms",
+        "200",
+    ])
+}
+
+/// A partition longer than the RC retry budget, then heal: one Dropped per
+/// live slot on each side, a new epoch, and new streams that finish.
+#[test]
+fn a_partition_past_the_retry_budget_drops_each_slot_once_and_relinks() {
+    let Some(mut net) = net_or_skip("partition") else {
+        return;
+    };
+    let slots = 16;
+    let args = paced(slots, 10);
+    let mut b = net.spawn('b', "b", &net.soak('b', &args));
+    let mut a = net.spawn('a', "a", &net.soak('a', &args));
+    let up = Duration::from_secs(15);
+    a.wait_for("first epoch", up, |e| e["event"] == "epoch_up");
+    b.wait_for("records", up, |e| {
+        e["event"] == "progress" && e["records"].as_u64() > Some(slots * 10)
+    });
+    net.script(&["partition", "on"]).expect("partition");
+    // Past the RC retry budget (about 270 ms), short of TCP_USER_TIMEOUT.
+    std::thread::sleep(Duration::from_millis(1500));
+    net.script(&["partition", "off"]).expect("heal");
+    let healed = unix_ms();
+    let relinked = a.wait_for("second epoch", up, |e| {
+        e["event"] == "epoch_up" && e["epoch"] == 2
+    });
+    let reconnect_ms = count(&relinked, "t_ms").saturating_sub(healed);
+    eprintln!("partition: relinked {reconnect_ms} ms after the heal");
+    let before = b.progress();
+    b.wait_for("records of the new epoch", up, |e| {
+        e["event"] == "progress" && e["records"].as_u64() > Some(before + slots * 10)
+    });
+    let b_verdict = b.verdict(Duration::from_secs(30));
+    let a_verdict = a.verdict(Duration::from_secs(30));
+    assert_clean("receiver", &b_verdict);
+    assert_clean("sender", &a_verdict);
+    assert_one_drop_per_slot("receiver", &b, slots, 1);
+    assert_one_drop_per_slot("sender", &a, slots, 1);
+    assert_eq!(b_verdict["epochs_seen"], serde_json::json!([1, 2]));
+    assert_eq!(a_verdict["epochs_seen"], serde_json::json!([1, 2]));
+    assert!(
+        count(&a_verdict["counters"], "ack_timeouts") > 0,
+        "{a_verdict}"
+    );
+    assert!(
+        reconnect_ms < 10_000,
+        "relinked {reconnect_ms} ms after the heal"
+    );
+}
+
+/// kill -9 of the sender mid-stream, restart on the same address: the
+/// receiver drops each slot once, sees the new incarnation, and the
+/// restarted sender's streams finish.
+#[test]
+fn a_killed_peer_restarted_on_its_address_is_a_new_incarnation_and_streams_resume() {
+    let Some(mut net) = net_or_skip("kill") else {
+        return;
+    };
+    let slots = 16;
+    let mut b = net.spawn('b', "b", &net.soak('b', &paced(slots, 20)));
+    let mut a = net.spawn('a', "a", &net.soak('a', &paced(slots, 30)));
+    let up = Duration::from_secs(15);
+    let first = a.wait_for("start", up, |e| e["event"] == "start");
+    b.wait_for("records", up, |e| {
+        e["event"] == "progress" && e["records"].as_u64() > Some(slots * 10)
+    });
+    a.child.kill().expect("kill -9");
+    let _ = a.child.wait();
+    let killed = unix_ms();
+    b.wait_for("epoch down", up, |e| e["event"] == "epoch_down");
+    let mut a2 = net.spawn('a', "a2", &net.soak('a', &paced(slots, 3)));
+    let second = a2.wait_for("restart", up, |e| e["event"] == "start");
+    assert_ne!(first["incarnation"], second["incarnation"]);
+    b.wait_for("new incarnation", up, |e| e["event"] == "peer_restarted");
+    let relinked = b.wait_for("second epoch", up, |e| {
+        e["event"] == "epoch_up" && e["epoch"] == 2
+    });
+    eprintln!(
+        "kill: relinked {} ms after kill -9",
+        count(&relinked, "t_ms").saturating_sub(killed)
+    );
+    let a2_verdict = a2.verdict(Duration::from_secs(30));
+    let b_verdict = b.verdict(Duration::from_secs(30));
+    assert_clean("receiver", &b_verdict);
+    assert_clean("restarted sender", &a2_verdict);
+    assert_one_drop_per_slot("receiver", &b, slots, 1);
+    assert_eq!(count(&b_verdict, "restarts_seen"), 1, "{b_verdict}");
+    assert_eq!(b_verdict["epochs_seen"], serde_json::json!([1, 2]));
+    assert_eq!(count(&a2_verdict, "dropped"), 0, "{a2_verdict}");
+}
