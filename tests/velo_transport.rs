@@ -514,7 +514,10 @@ async fn observability_counts_admitted_frames_and_names_rejections() {
             .expect("delivered"),
     );
     assert_eq!(a_counts.outbound.load(Ordering::SeqCst), 1);
-    assert_eq!(b_counts.inbound.load(Ordering::SeqCst), 1);
+    until("the message is counted", || {
+        b_counts.inbound.load(Ordering::SeqCst) == 1
+    })
+    .await;
     // Drain-rejected: a rejection, not inbound traffic.
     b.streams.shutdown_state.begin_drain();
     assert!(send(&a, b.id, MessageType::Message, b"two", &errors).is_admitted());
@@ -524,8 +527,12 @@ async fn observability_counts_admitted_frames_and_names_rejections() {
         *b_counts.rejected.lock().expect("lock"),
         [velo_ext::TransportRejection::DrainRejected]
     );
-    // The echo arrived at A as inbound traffic; both sends were outbound.
-    assert_eq!(a_counts.inbound.load(Ordering::SeqCst), 1);
+    // The echo arrived at A as inbound traffic (counted right after velo
+    // has it, so wait for the count); both sends were outbound.
+    until("the echo is counted", || {
+        a_counts.inbound.load(Ordering::SeqCst) == 1
+    })
+    .await;
     assert_eq!(a_counts.outbound.load(Ordering::SeqCst), 2);
     // A pre-wire failure is a send error, not outbound traffic.
     a.transport.unregister(b.id);
