@@ -146,6 +146,11 @@ async fn ten_thousand_item_anchor_stream_over_velos_messenger_mux<K: Kind>() {
     let items = collect(anchor).await;
     produce.await.expect("producer");
     assert_eq!(items, (0..10_000).collect::<Vec<_>>());
+    // velo's messenger mux grants a slot 32 records of credit, so 10,000
+    // items took at least 10,000 / 32 qpmux messages; velo's per-stream TCP
+    // path (its fallback) would have left qpmux nearly idle.
+    let stats = consumer_qp.as_mux().expect("mux").stats();
+    assert!(stats.records_received >= 10_000 / 32, "{stats:?}");
     kind.assert_clean(consumer_qp.node());
     kind.assert_clean(producer_qp.node());
 }
