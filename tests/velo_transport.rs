@@ -308,6 +308,13 @@ async fn frames_for_an_unreachable_peer_are_reported<K: Kind>() {
         let got = friend.streams.message_stream.recv_async().await;
         assert_eq!(&got.expect("delivered").payload[..], b"hi");
         until(why, || errors.count() == usize::from(N)).await;
+        let said = errors
+            .last
+            .lock()
+            .expect("lock")
+            .clone()
+            .unwrap_or_default();
+        assert!(said.contains("unreachable"), "{why}: {said}");
         assert_eq!(ok.count(), 0, "{why}: the reachable peer lost nothing");
         assert_eq!(
             a.transport

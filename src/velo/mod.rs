@@ -120,8 +120,9 @@ pub enum AdapterError {
     /// Sent after `shutdown`.
     #[error("qpmux transport is shut down")]
     ShutDown,
-    /// The epoch ended before the message was written.
-    #[error("qpmux epoch ended before the message was written")]
+    /// The message was never written: its epoch ended, no epoch reached the
+    /// peer within `dial_wait`, or the peer was unregistered or shut down.
+    #[error("qpmux did not write the message (epoch ended, peer unreachable, or peer gone)")]
     NotWritten,
     /// The mux refused the stream.
     #[error(transparent)]
