@@ -1,27 +1,38 @@
-//! QpmuxFrameTransport: velo streams as native mux slots.
+//! QpmuxFrameTransport: velo streams as native mux slots, on every node kind
+//! (`mem::…`, `tcp::…`, `rdma::…`).
 #![cfg(feature = "velo")]
+
+#[macro_use]
+#[path = "common/velo_nodes.rs"]
+mod velo_nodes;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
-use qpmux::link::mem::{MemConfig, MemFabric, MemNode};
-use qpmux::link::{EpochEnd, LinkFault};
-use qpmux::mux::{AsMux, MuxConfig, PeerId};
+use qpmux::link::Node;
+use qpmux::mux::{AsMux, PeerId};
 use qpmux::velo::{QpmuxFrameTransport, QpmuxTransport, VeloConfig, velo_frames};
 use velo::messenger::Messenger;
 use velo::streaming::{AnchorManager, AnchorManagerBuilder, FrameTransport, StreamFrame};
 use velo_ext::Transport;
+use velo_nodes::{Kind, Shape, collect};
 
-struct Worker {
+velo_kinds!(
+    ten_thousand_items_through_the_native_mux_frame_transport,
+    raw_channels_keep_fifo_and_epoch_death_is_velos_dropped,
+);
+
+struct Worker<N: Node> {
     messenger: Arc<Messenger>,
-    transport: Arc<QpmuxTransport<MemNode>>,
-    frames: Arc<QpmuxFrameTransport<MemNode>>,
+    transport: Arc<QpmuxTransport<N>>,
+    frames: Arc<QpmuxFrameTransport<N>>,
 }
 
-async fn worker(fabric: &Arc<MemFabric>, id: u64) -> Worker {
-    let node = Arc::new(fabric.node(PeerId(id), MuxConfig::default()));
-    let transport = Arc::new(QpmuxTransport::new(node, VeloConfig::default()));
+async fn worker<K: Kind>(kind: &K, id: u64) -> Worker<K::Node> {
+    let transport = Arc::new(QpmuxTransport::new(
+        kind.node(id).await,
+        VeloConfig::default(),
+    ));
     let frames = Arc::new(transport.frame_transport(VeloConfig::default()));
     let messenger = Messenger::builder()
         .add_transport(transport.clone() as Arc<dyn Transport>)
@@ -35,7 +46,7 @@ async fn worker(fabric: &Arc<MemFabric>, id: u64) -> Worker {
     }
 }
 
-fn join(a: &Worker, b: &Worker) {
+fn join<N: Node>(a: &Worker<N>, b: &Worker<N>) {
     a.messenger
         .register_peer(b.messenger.peer_info())
         .expect("a registers b");
@@ -44,7 +55,7 @@ fn join(a: &Worker, b: &Worker) {
         .expect("b registers a");
 }
 
-fn anchors(w: &Worker) -> Arc<AnchorManager> {
+fn anchors<N: Node>(w: &Worker<N>) -> Arc<AnchorManager> {
     let manager = Arc::new(
         AnchorManagerBuilder::default()
             .worker_id(w.messenger.instance_id().worker_id())
@@ -58,14 +69,13 @@ fn anchors(w: &Worker) -> Arc<AnchorManager> {
     manager
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ten_thousand_items_through_the_native_mux_frame_transport() {
-    let fabric = MemFabric::new(MemConfig::default());
-    let a = worker(&fabric, 1).await;
-    let b = worker(&fabric, 2).await;
+async fn ten_thousand_items_through_the_native_mux_frame_transport<K: Kind>() {
+    let kind = K::new(Shape::Default);
+    let a = worker(&kind, 1).await;
+    let b = worker(&kind, 2).await;
     join(&a, &b);
     let (am_a, am_b) = (anchors(&a), anchors(&b));
-    let mut anchor = am_a.create_anchor::<u32>();
+    let anchor = am_a.create_anchor::<u32>();
     let sender = am_b
         .attach_stream_anchor::<u32>(anchor.handle())
         .await
@@ -76,26 +86,20 @@ async fn ten_thousand_items_through_the_native_mux_frame_transport() {
         }
         sender.finalize().expect("finalize");
     });
-    let mut items = Vec::with_capacity(10_000);
-    while let Some(frame) = anchor.next().await {
-        match frame.expect("no stream error") {
-            StreamFrame::Item(v) => items.push(v),
-            StreamFrame::Finalized => break,
-            other => panic!("unexpected frame {other:?}"),
-        }
-    }
+    let items = collect(anchor).await;
     produce.await.expect("producer");
     assert_eq!(items, (0..10_000).collect::<Vec<_>>());
     // The items rode native slots, not velo's messenger mux.
     let stats = a.transport.as_mux().expect("mux").stats();
     assert!(stats.records_received >= 10_000, "{stats:?}");
+    kind.assert_clean(a.transport.node());
+    kind.assert_clean(b.transport.node());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn raw_channels_keep_fifo_and_epoch_death_is_velos_dropped() {
-    let fabric = MemFabric::new(MemConfig::default());
-    let a = worker(&fabric, 1).await;
-    let b = worker(&fabric, 2).await;
+async fn raw_channels_keep_fifo_and_epoch_death_is_velos_dropped<K: Kind>() {
+    let kind = K::new(Shape::Default);
+    let a = worker(&kind, 1).await;
+    let b = worker(&kind, 2).await;
     join(&a, &b);
     let worker_a = a.messenger.instance_id().worker_id();
 
@@ -132,7 +136,10 @@ async fn raw_channels_keep_fifo_and_epoch_death_is_velos_dropped() {
     let tx = b.frames.connect(worker_a, 7, 2).await.expect("connect");
     tx.send_async(items[0].clone()).await.expect("open");
     assert_eq!(rx.recv_async().await.expect("first item"), items[0]);
-    assert!(fabric.kill(PeerId(1), PeerId(2), EpochEnd::Fault(LinkFault::Injected)));
+    assert!(
+        kind.kill(a.transport.node(), PeerId(2)),
+        "a live link to kill"
+    );
     let last = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
             let frame = rx.recv_async().await.expect("a terminal comes");
@@ -147,7 +154,8 @@ async fn raw_channels_keep_fifo_and_epoch_death_is_velos_dropped() {
     let decoded: StreamFrame<u32> = rmp_serde::from_slice(&last).expect("velo decodes it");
     assert!(matches!(decoded, StreamFrame::Dropped));
 
-    // A sender velo drops without a terminal also ends as Dropped.
+    // A sender velo drops without a terminal also ends as Dropped (on the
+    // next epoch: the node redials).
     let rx = a.frames.bind(7, 3).await.expect("bind");
     let tx = b.frames.connect(worker_a, 7, 3).await.expect("connect");
     drop(tx);

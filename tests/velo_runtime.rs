@@ -1,65 +1,33 @@
-//! Real velo instances over qpmux mem nodes in one process.
+//! Real velo instances over qpmux in one process, on every node kind (mem,
+//! TCP, RDMA on the soft provider): `mem::…`, `tcp::…`, `rdma::…`.
 #![cfg(feature = "velo")]
+
+#[macro_use]
+#[path = "common/velo_nodes.rs"]
+mod velo_nodes;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::StreamExt;
-use qpmux::link::mem::{MemConfig, MemFabric, MemNode};
-use qpmux::link::{EpochEnd, LinkFault, Node};
-use qpmux::mux::{MuxConfig, PeerId};
-use qpmux::velo::{QpmuxTransport, VeloConfig};
-use velo::streaming::StreamFrame;
+use qpmux::mux::{AsMux, PeerId};
+use qpmux::velo::VeloConfig;
 use velo::{Handler, Velo};
+use velo_nodes::{Kind, Shape, collect, echo, join, unary, until, velo, velo_on};
 
-type Qp = Arc<QpmuxTransport<MemNode>>;
+velo_kinds!(
+    an_active_message_a_unary_echo_and_a_600k_unary,
+    eleven_hundred_messages_arrive_in_order_through_a_saturated_gate,
+    ten_thousand_item_anchor_stream_over_velos_messenger_mux,
+    a_killed_link_leaves_the_survivor_working_with_a_third_instance,
+    draining_refuses_new_messages_and_finishes_the_ones_in_flight,
+    a_peer_with_only_tcp_is_reached_through_the_fallback,
+);
 
-async fn instance(fabric: &Arc<MemFabric>, id: u64, config: VeloConfig) -> (Velo, Qp) {
-    let node = Arc::new(fabric.node(PeerId(id), MuxConfig::default()));
-    let transport = Arc::new(QpmuxTransport::new(node, config));
-    let velo = Velo::builder()
-        .add_transport(transport.clone())
-        .build()
-        .await
-        .expect("velo builds over qpmux");
-    (velo, transport)
-}
-
-fn join(a: &Velo, b: &Velo) {
-    a.register_peer(b.peer_info()).expect("a registers b");
-    b.register_peer(a.peer_info()).expect("b registers a");
-}
-
-/// Waits for `cond`, failing (not hanging) after a generous bound.
-async fn until(label: &str, mut cond: impl FnMut() -> bool) {
-    tokio::time::timeout(Duration::from_secs(30), async {
-        while !cond() {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    })
-    .await
-    .unwrap_or_else(|_| panic!("never reached: {label}"));
-}
-
-fn echo(name: &str) -> Handler {
-    Handler::unary_handler(name, |ctx| Ok(Some(ctx.payload))).build()
-}
-
-async fn unary(client: &Velo, server: &Velo, name: &str, payload: Bytes) -> anyhow::Result<Bytes> {
-    client
-        .unary(name)?
-        .raw_payload(payload)
-        .instance(server.instance_id())
-        .send()
-        .await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn active_message_unary_echo_and_a_600k_unary_through_rendezvous() {
-    let fabric = MemFabric::new(MemConfig::default());
-    let (server, _) = instance(&fabric, 1, VeloConfig::default()).await;
-    let (client, qp) = instance(&fabric, 2, VeloConfig::default()).await;
+async fn an_active_message_a_unary_echo_and_a_600k_unary<K: Kind>() {
+    let kind = K::new(Shape::Default);
+    let (server, _) = velo(&kind, 1, VeloConfig::default()).await;
+    let (client, qp) = velo(&kind, 2, VeloConfig::default()).await;
     join(&client, &server);
     assert_eq!(
         client
@@ -111,24 +79,19 @@ async fn active_message_unary_echo_and_a_600k_unary_through_rendezvous() {
         .expect("600 KiB echo");
     assert_eq!(back, big);
     // Both directions rode the mux message class.
-    use qpmux::mux::AsMux;
     assert!(qp.as_mux().expect("mux surface").epoch(PeerId(1)).is_some());
+    kind.assert_clean(qp.node());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn eleven_hundred_messages_arrive_in_order_through_a_saturated_gate() {
+async fn eleven_hundred_messages_arrive_in_order_through_a_saturated_gate<K: Kind>() {
     const N: u32 = 1_100;
-    let fabric = MemFabric::new(MemConfig {
-        credits: 2,
-        max_batch: 4 * 1024,
-        send_buffers: 2,
-    });
+    let kind = K::new(Shape::Tight);
     let tiny = VeloConfig {
         message_channel: 2,
         ..VeloConfig::default()
     };
-    let (server, _) = instance(&fabric, 1, VeloConfig::default()).await;
-    let (client, _) = instance(&fabric, 2, tiny).await;
+    let (server, _) = velo(&kind, 1, VeloConfig::default()).await;
+    let (client, _) = velo(&kind, 2, tiny).await;
     join(&client, &server);
     let seen = Arc::new(Mutex::new(Vec::new()));
     let sink = seen.clone();
@@ -164,13 +127,12 @@ async fn eleven_hundred_messages_arrive_in_order_through_a_saturated_gate() {
     assert_eq!(*seen.lock().expect("lock"), (0..N).collect::<Vec<_>>());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ten_thousand_item_anchor_stream_over_velos_messenger_mux_on_qpmux() {
-    let fabric = MemFabric::new(MemConfig::default());
-    let (consumer, _) = instance(&fabric, 1, VeloConfig::default()).await;
-    let (producer, _) = instance(&fabric, 2, VeloConfig::default()).await;
+async fn ten_thousand_item_anchor_stream_over_velos_messenger_mux<K: Kind>() {
+    let kind = K::new(Shape::Default);
+    let (consumer, consumer_qp) = velo(&kind, 1, VeloConfig::default()).await;
+    let (producer, producer_qp) = velo(&kind, 2, VeloConfig::default()).await;
     join(&producer, &consumer);
-    let mut anchor = consumer.create_anchor::<u32>();
+    let anchor = consumer.create_anchor::<u32>();
     let sender = producer
         .attach_anchor::<u32>(anchor.handle())
         .await
@@ -181,23 +143,22 @@ async fn ten_thousand_item_anchor_stream_over_velos_messenger_mux_on_qpmux() {
         }
         sender.finalize().expect("finalize");
     });
-    let mut items = Vec::with_capacity(10_000);
-    while let Some(frame) = anchor.next().await {
-        match frame.expect("no stream error") {
-            StreamFrame::Item(v) => items.push(v),
-            StreamFrame::Finalized => break,
-            other => panic!("unexpected frame {other:?}"),
-        }
-    }
+    let items = collect(anchor).await;
     produce.await.expect("producer");
     assert_eq!(items, (0..10_000).collect::<Vec<_>>());
+    // velo's messenger mux grants a slot 32 records of credit, so 10,000
+    // items took at least 10,000 / 32 qpmux messages; velo's per-stream TCP
+    // path (its fallback) would have left qpmux nearly idle.
+    let stats = consumer_qp.as_mux().expect("mux").stats();
+    assert!(stats.records_received >= 10_000 / 32, "{stats:?}");
+    kind.assert_clean(consumer_qp.node());
+    kind.assert_clean(producer_qp.node());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_link_leaves_the_survivor_working_with_a_third_instance() {
-    let fabric = MemFabric::new(MemConfig::default());
-    let (a, _) = instance(&fabric, 1, VeloConfig::default()).await;
-    let (b, _) = instance(&fabric, 2, VeloConfig::default()).await;
+async fn a_killed_link_leaves_the_survivor_working_with_a_third_instance<K: Kind>() {
+    let kind = K::new(Shape::Default);
+    let (a, a_qp) = velo(&kind, 1, VeloConfig::default()).await;
+    let (b, _) = velo(&kind, 2, VeloConfig::default()).await;
     join(&a, &b);
     b.register_handler(echo("echo")).expect("register echo");
     a.wait_for_handler(b.instance_id(), "echo")
@@ -217,7 +178,7 @@ async fn a_killed_link_leaves_the_survivor_working_with_a_third_instance() {
             .send();
         inflight.push(tokio::spawn(fut));
     }
-    assert!(fabric.kill(PeerId(1), PeerId(2), EpochEnd::Fault(LinkFault::Injected)));
+    assert!(kind.kill(a_qp.node(), PeerId(2)), "a live link to kill");
     for request in inflight {
         // Each resolves: answered before the kill, or failed by velo (no hang).
         let outcome = tokio::time::timeout(Duration::from_secs(30), request).await;
@@ -226,7 +187,7 @@ async fn a_killed_link_leaves_the_survivor_working_with_a_third_instance() {
             tracing::debug!(%error, "request lost with the link");
         }
     }
-    let (c, _) = instance(&fabric, 3, VeloConfig::default()).await;
+    let (c, _) = velo(&kind, 3, VeloConfig::default()).await;
     join(&a, &c);
     c.register_handler(echo("echo"))
         .expect("register echo on c");
@@ -235,7 +196,7 @@ async fn a_killed_link_leaves_the_survivor_working_with_a_third_instance() {
         .expect("echo visible on c");
     let reply = unary(&a, &c, "echo", Bytes::from_static(b"survivor")).await;
     assert_eq!(reply.expect("a reaches c"), Bytes::from_static(b"survivor"));
-    // The mem fabric redials: a new epoch to b serves later requests too.
+    // b is alive, so the node redials: a new epoch serves later requests.
     let again = unary(&a, &b, "echo", Bytes::from_static(b"again")).await;
     assert_eq!(
         again.expect("a reaches b on a new epoch"),
@@ -243,11 +204,10 @@ async fn a_killed_link_leaves_the_survivor_working_with_a_third_instance() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn draining_refuses_new_messages_and_finishes_the_ones_in_flight() {
-    let fabric = MemFabric::new(MemConfig::default());
-    let (server, server_qp) = instance(&fabric, 1, VeloConfig::default()).await;
-    let (client, _) = instance(&fabric, 2, VeloConfig::default()).await;
+async fn draining_refuses_new_messages_and_finishes_the_ones_in_flight<K: Kind>() {
+    let kind = K::new(Shape::Default);
+    let (server, server_qp) = velo(&kind, 1, VeloConfig::default()).await;
+    let (client, _) = velo(&kind, 2, VeloConfig::default()).await;
     join(&client, &server);
     let (started_tx, started_rx) = flume::unbounded::<()>();
     let (release_tx, release_rx) = flume::unbounded::<()>();
@@ -304,15 +264,14 @@ async fn draining_refuses_new_messages_and_finishes_the_ones_in_flight() {
     server
         .graceful_shutdown(velo::ShutdownPolicy::Timeout(Duration::from_secs(5)))
         .await;
-    assert_eq!(
-        server_qp.node().mux().peer_count(),
-        0,
-        "every peer task retired"
-    );
+    use qpmux::link::Node;
+    until("every peer task retired", || {
+        server_qp.node().mux().peer_count() == 0
+    })
+    .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_with_only_tcp_is_reached_through_the_fallback() {
+async fn a_peer_with_only_tcp_is_reached_through_the_fallback<K: Kind>() {
     use velo::transports::tcp::TcpTransportBuilder;
     let tcp = || {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -324,10 +283,13 @@ async fn a_peer_with_only_tcp_is_reached_through_the_fallback() {
                 .expect("tcp transport"),
         )
     };
-    let fabric = MemFabric::new(MemConfig::default());
-    let node = Arc::new(fabric.node(PeerId(1), MuxConfig::default()));
+    let kind = K::new(Shape::Default);
+    let qpmux = Arc::new(qpmux::velo::QpmuxTransport::new(
+        kind.node(1).await,
+        VeloConfig::default(),
+    ));
     let both = Velo::builder()
-        .add_transport(Arc::new(QpmuxTransport::new(node, VeloConfig::default())))
+        .add_transport(qpmux)
         .add_transport(tcp())
         .build()
         .await
@@ -353,5 +315,21 @@ async fn a_peer_with_only_tcp_is_reached_through_the_fallback() {
     assert_eq!(
         reply.expect("reached over tcp"),
         Bytes::from_static(b"fallback")
+    );
+    // The same instance still reaches a qpmux peer over qpmux.
+    let (peer, _) = velo_on(kind.node(2).await, VeloConfig::default()).await;
+    join(&both, &peer);
+    assert_eq!(
+        both.primary_transport_key(peer.instance_id()).as_deref(),
+        Some("qpmux-rc")
+    );
+    peer.register_handler(echo("echo")).expect("register echo");
+    both.wait_for_handler(peer.instance_id(), "echo")
+        .await
+        .expect("echo visible");
+    let reply = unary(&both, &peer, "echo", Bytes::from_static(b"qpmux")).await;
+    assert_eq!(
+        reply.expect("reached over qpmux"),
+        Bytes::from_static(b"qpmux")
     );
 }

@@ -28,6 +28,7 @@ pub use stream::{QpmuxFrameTransport, velo_frames};
 pub use transport::QpmuxTransport;
 
 use crate::link::RegisterError;
+use crate::mux::MuxConfig;
 
 /// The key qpmux publishes its node address under in velo's `WorkerAddress`
 /// (does not collide with `tcp`, `tcp-stream`, `ucx`, `messenger-mux-v2`).
@@ -39,9 +40,10 @@ pub struct VeloConfig {
     /// Capacity of one peer's outbound message channel (per epoch), in
     /// messages; past it, sends queue in velo's admission gate. Default 256.
     pub message_channel: usize,
-    /// Largest `header + payload` of one active message. Must be at most the
-    /// node's `MuxConfig::max_record` minus [`wire::OVERHEAD`]. Default
-    /// 16 MiB − 6, the mux default's limit.
+    /// Largest `header + payload` of one active message: the node's
+    /// `MuxConfig::max_record` minus [`wire::OVERHEAD`] (a longer one is a
+    /// protocol violation at the receiver). [`VeloConfig::for_mux`] derives
+    /// it; the default is 16 MiB − 6, the mux default's limit.
     pub max_message_size: usize,
     /// Longest `Transport::closed` waits for the mux's peer tasks. Default 1 s.
     pub close_wait: Duration,
@@ -51,16 +53,30 @@ pub struct VeloConfig {
     /// How often dead lanes (epochs that ended with no send since) are
     /// retired, which reports any frame left in their channel. Default 20 ms.
     pub lane_sweep: Duration,
+    /// How long frames queued for a peer wait for an epoch when none is up
+    /// (the node keeps redialing a refused or misconfigured peer forever);
+    /// then they are reported through `on_error`, and the next send waits
+    /// afresh. Default 10 s, two of the nodes' default handshake timeouts.
+    pub dial_wait: Duration,
 }
 
 impl Default for VeloConfig {
     fn default() -> Self {
+        VeloConfig::for_mux(&MuxConfig::default())
+    }
+}
+
+impl VeloConfig {
+    /// The defaults, with `max_message_size` the largest message a mux
+    /// built with `mux` (the node's config) accepts.
+    pub fn for_mux(mux: &MuxConfig) -> VeloConfig {
         VeloConfig {
             message_channel: 256,
-            max_message_size: 16 * 1024 * 1024 - wire::OVERHEAD,
+            max_message_size: mux.max_record.saturating_sub(wire::OVERHEAD),
             close_wait: Duration::from_secs(1),
             stream_channel: 64,
             lane_sweep: Duration::from_millis(20),
+            dial_wait: Duration::from_secs(10),
         }
     }
 }
@@ -104,8 +120,9 @@ pub enum AdapterError {
     /// Sent after `shutdown`.
     #[error("qpmux transport is shut down")]
     ShutDown,
-    /// The epoch ended before the message was written.
-    #[error("qpmux epoch ended before the message was written")]
+    /// The message was never written: its epoch ended, no epoch reached the
+    /// peer within `dial_wait`, or the peer was unregistered or shut down.
+    #[error("qpmux did not write the message (epoch ended, peer unreachable, or peer gone)")]
     NotWritten,
     /// The mux refused the stream.
     #[error(transparent)]

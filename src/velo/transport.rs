@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -38,7 +38,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// How often `closed` looks for the mux's peer tasks to be gone.
 const CLOSE_POLL: Duration = Duration::from_millis(5);
 
-/// Retires dead lanes every `lane_sweep` until the transport is gone or shut down.
+/// Sweeps the lanes every `lane_sweep` until the transport is gone or shut down.
 async fn sweep_lanes<N: Node>(inner: Weak<Inner<N>>, every: Duration) {
     loop {
         tokio::time::sleep(every).await;
@@ -48,7 +48,7 @@ async fn sweep_lanes<N: Node>(inner: Weak<Inner<N>>, every: Duration) {
         if inner.shut_down.load(Ordering::Acquire) {
             return;
         }
-        inner.retire_dead_lanes();
+        inner.sweep();
     }
 }
 
@@ -56,6 +56,14 @@ async fn sweep_lanes<N: Node>(inner: Weak<Inner<N>>, every: Duration) {
 struct Lane {
     tx: flume::Sender<OutboundMessage>,
     gate: AdmissionGate<OutboundMessage>,
+    /// Since when frames have waited here with no epoch to the peer.
+    unreached_since: Option<Instant>,
+}
+
+impl Lane {
+    fn has_frames(&self) -> bool {
+        !self.tx.is_empty() || self.gate.queued_len() > 0
+    }
 }
 
 /// What `start` hands us.
@@ -171,6 +179,7 @@ impl<N: Node> Inner<N> {
             Lane {
                 tx,
                 gate: gate.clone(),
+                unreached_since: None,
             },
         );
         drop(lanes);
@@ -181,23 +190,55 @@ impl<N: Node> Inner<N> {
         Some(gate)
     }
 
-    /// Retires every lane whose epoch ended. The mux drains the channel and
-    /// drops its receiver, but a frame the gate's driver slips in between the
-    /// two stays in the buffer until the last sender goes: dropping the lane
-    /// frees it, and the frame reports itself.
-    fn retire_dead_lanes(&self) {
-        let dead: Vec<Lane> = {
-            let mut lanes = lock(&self.lanes);
-            let peers: Vec<PeerId> = lanes
-                .iter()
-                .filter(|(_, lane)| lane.tx.is_disconnected())
-                .map(|(peer, _)| *peer)
-                .collect();
-            peers.iter().filter_map(|peer| lanes.remove(peer)).collect()
-        };
+    /// Retires every lane whose epoch ended, and every lane whose frames
+    /// have waited `dial_wait` for an epoch that never came.
+    ///
+    /// Dead lanes: the mux drains the channel and drops its receiver, but a
+    /// frame the gate's driver slips in between the two stays in the buffer
+    /// until the last sender goes; dropping the lane frees it, and the frame
+    /// reports itself. Unreached lanes: the node keeps redialing a refused
+    /// or misconfigured peer forever, so this is where their frames end.
+    fn sweep(&self) {
+        let now = Instant::now();
+        let mux = self.node.mux();
+        let mut dead = Vec::new();
+        let mut unreached = Vec::new();
+        let mut lanes = lock(&self.lanes);
+        for (peer, lane) in lanes.iter_mut() {
+            if lane.tx.is_disconnected() {
+                dead.push(*peer);
+            } else if !lane.has_frames() || mux.epoch(*peer).is_some() {
+                lane.unreached_since = None;
+            } else {
+                let since = *lane.unreached_since.get_or_insert(now);
+                if now.duration_since(since) >= self.config.dial_wait {
+                    unreached.push(*peer);
+                }
+            }
+        }
+        let dead: Vec<Lane> = dead.iter().filter_map(|peer| lanes.remove(peer)).collect();
+        let unreached: Vec<(PeerId, Lane)> = unreached
+            .into_iter()
+            .filter_map(|peer| Some((peer, lanes.remove(&peer)?)))
+            .collect();
+        // Failing a gate resolves velo's tickets, which may send: not under the lock.
+        drop(lanes);
         for lane in dead {
             lane.gate.fail_all(AdmissionError::ChannelClosed);
         }
+        for (peer, lane) in unreached {
+            tracing::warn!(?peer, wait = ?self.config.dial_wait, "peer not reached; its queued frames are reported");
+            lane.gate.fail_all(AdmissionError::ChannelClosed);
+            self.free_channel(peer);
+        }
+    }
+
+    /// Makes the mux drop the receiver of `peer`'s channel (its sender went
+    /// with the lane), so every frame still in it reports itself now.
+    fn free_channel(&self, peer: PeerId) {
+        let (closed_tx, closed_rx) = flume::bounded(1);
+        drop(closed_tx);
+        self.node.mux().install_messages(peer, closed_rx);
     }
 
     fn note_connected(&self, peer: PeerId) {
@@ -402,11 +443,7 @@ impl<N: Node> Transport for QpmuxTransport<N> {
         lock(&self.inner.connected).remove(&peer);
         if let Some(lane) = lane {
             lane.gate.fail_all(AdmissionError::ChannelClosed);
-            // Replacing the mux's receiver frees the old channel now (its
-            // sender went with the lane), so what sat in it reports too.
-            let (closed_tx, closed_rx) = flume::bounded(1);
-            drop(closed_tx);
-            self.inner.node.mux().install_messages(peer, closed_rx);
+            self.inner.free_channel(peer);
         }
         self.inner.node.unregister(peer);
         self.inner.registered_gauge();
