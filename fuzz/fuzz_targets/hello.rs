@@ -280,6 +280,23 @@ fuzz_target!(|input: Input| {
         pump(&input, &mut listener, &mut dialer, &mut wires);
     }
 
+    if trace_on() {
+        let mut reached = Vec::new();
+        for (name, hit) in [
+            ("listener_established", listener.established.is_some()),
+            ("dialer_established", dialer.established.is_some()),
+            ("listener_failed", listener.failed),
+            ("dialer_failed", dialer.failed),
+            ("keyed", input.keyed),
+            ("tampered", tampered),
+        ] {
+            if hit {
+                reached.push(name);
+            }
+        }
+        eprintln!("reached: {}", reached.join(" "));
+    }
+
     // Authentication: under a key, what a side established is the other side.
     if input.keyed {
         if let Some(e) = &dialer.established {
@@ -303,3 +320,10 @@ fuzz_target!(|input: Input| {
         }
     }
 });
+
+/// `FUZZ_TRACE=1` prints what each run reached (replay a corpus with
+/// `-runs=0` to see how deep it goes).
+fn trace_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("FUZZ_TRACE").is_some())
+}

@@ -534,4 +534,37 @@ fuzz_target!(|input: Input| {
     for action in input.actions.iter().take(STEPS_CAP) {
         h.act(action);
     }
+    if trace_on() {
+        let c = h.qp.counters();
+        let mut reached = Vec::new();
+        for (name, hit) in [
+            ("recv_ok", h.recv_successes > 0),
+            (
+                "send_ok",
+                h.sends
+                    .iter()
+                    .any(|(id, s)| *s && h.completed_sends.contains(id)),
+            ),
+            ("err", h.qp.state() == QpState::Err),
+            ("rnr_nak_sent", c.rnr_naks_sent > 0),
+            ("rnr_nak_received", c.rnr_naks_received > 0),
+            ("seq_nak_sent", c.seq_naks_sent > 0),
+            ("rewind", c.retransmit_rewinds > 0),
+            ("ack_timeout", c.ack_timeouts > 0),
+            ("duplicate", c.duplicates_received > 0),
+            ("request_out", h.last_sent.is_some()),
+        ] {
+            if hit {
+                reached.push(name);
+            }
+        }
+        eprintln!("reached: {}", reached.join(" "));
+    }
 });
+
+/// `FUZZ_TRACE=1` prints what each run reached (replay a corpus with
+/// `-runs=0` to see how deep it goes).
+fn trace_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("FUZZ_TRACE").is_some())
+}

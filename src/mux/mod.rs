@@ -23,6 +23,8 @@ mod stats;
 pub mod surface;
 
 pub use config::{FlushPolicy, MuxConfig};
+#[doc(hidden)]
+pub use engine::fuzzing;
 pub use engine::{Dialer, Mux};
 pub use message::{MessageSink, OnFail, OutboundMessage};
 pub use protocol::{CloseReason, Epoch};
