@@ -53,14 +53,16 @@ for target in $SMOKE_TARGETS; do
     fi
 
     corpus=$(mktemp -d)
-    if ! cargo fuzz run "${FLAGS[@]}" "$target" "$corpus" -- "${LIBFUZZER[@]}" \
-        -max_total_time="$SMOKE_SECS" -print_final_stats=1 2>&1 |
-        grep -E '^(Done|stat::number_of_executed_units|stat::peak_rss_mb|==|SUMMARY|thread)|panicked|Crash|crash-'; then
-        :
-    fi
-    if [[ ${PIPESTATUS[0]} -ne 0 ]]; then
+    log=$(mktemp)
+    cargo fuzz run "${FLAGS[@]}" "$target" "$corpus" -- "${LIBFUZZER[@]}" \
+        -max_total_time="$SMOKE_SECS" -print_final_stats=1 >"$log" 2>&1
+    rc=$?
+    grep -E '^(Done|stat::(number_of_executed_units|peak_rss_mb))' "$log"
+    if ((rc != 0)); then
+        tail -n 40 "$log"
         failed+=("$target")
     fi
+    rm -f "$log"
     rm -rf "$corpus"
     stage "$target: fuzz ${SMOKE_SECS}s"
 done

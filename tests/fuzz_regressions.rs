@@ -36,11 +36,13 @@ fn saved_inputs(target: &str) -> Vec<Vec<u8>> {
     inputs
 }
 
-/// The `batch` target's property.
-fn batch_property(data: &[u8]) {
-    if let Ok(view) = BatchView::new_checked(data) {
-        assert_eq!(view.records().count(), usize::from(view.record_count()));
-    }
+/// The `batch` target's property; true when the batch was accepted.
+fn batch_property(data: &[u8]) -> bool {
+    let Ok(view) = BatchView::new_checked(data) else {
+        return false;
+    };
+    assert_eq!(view.records().count(), usize::from(view.record_count()));
+    true
 }
 
 fn gid(n: u8) -> Gid {
@@ -56,11 +58,47 @@ fn ctx(from: u8, to: u8) -> IcrcContext {
     }
 }
 
-/// The `roce` target's property (IPv4 context, bytes as given).
-fn roce_property(data: &[u8]) {
-    let ctx = ctx(1, 2);
-    let Ok(pkt) = Packet::parse(&ctx, data) else {
-        return;
+/// The `roce` target's ICRC contexts (`fuzz/fuzz_targets/roce.rs`).
+fn roce_context(ipv6: bool) -> IcrcContext {
+    let (src, dst) = if ipv6 {
+        let mut a = [0u8; 16];
+        a[0] = 0xfe;
+        a[1] = 0x80;
+        let mut b = a;
+        a[15] = 1;
+        b[15] = 2;
+        (Gid(a), Gid(b))
+    } else {
+        (gid(1), gid(2))
+    };
+    IcrcContext {
+        src,
+        dst,
+        src_port: 49152,
+        dst_port: 4791,
+    }
+}
+
+/// The `roce` target's input: a mode byte (bit 0: IPv6 context, bit 1:
+/// re-seal the ICRC), then the UDP payload.
+fn roce_target(data: &[u8]) -> bool {
+    let Some((&mode, rest)) = data.split_first() else {
+        return false;
+    };
+    let ctx = roce_context(mode & 1 != 0);
+    let mut bytes = rest.to_vec();
+    if mode & 2 != 0 && bytes.len() >= 12 + ICRC_LEN {
+        let end = bytes.len() - ICRC_LEN;
+        let crc = icrc(&ctx, &bytes[..end]);
+        bytes[end..].copy_from_slice(&crc.to_le_bytes());
+    }
+    roce_property(&ctx, &bytes)
+}
+
+/// The `roce` target's property on one payload; true when it parsed.
+fn roce_property(ctx: &IcrcContext, data: &[u8]) -> bool {
+    let Ok(pkt) = Packet::parse(ctx, data) else {
+        return false;
     };
     let repr = pkt.repr;
     let pad = usize::from(repr.bth.pad_count);
@@ -69,24 +107,26 @@ fn roce_property(data: &[u8]) {
         data.len()
     );
     let mut out = vec![0xa5; repr.header_len() + pkt.payload.len() + 3 + ICRC_LEN];
-    let n = repr.emit(&ctx, pkt.payload, &mut out);
-    let again = Packet::parse(&ctx, &out[..n]).expect("an emitted packet parses");
+    let n = repr.emit(ctx, pkt.payload, &mut out);
+    let again = Packet::parse(ctx, &out[..n]).expect("an emitted packet parses");
     assert_eq!(again.repr, repr);
     assert_eq!(again.payload, pkt.payload);
+    true
 }
 
 #[test]
 fn saved_batch_inputs_hold_the_property() {
-    for input in saved_inputs("batch") {
-        batch_property(&input);
-    }
+    let inputs = saved_inputs("batch");
+    let accepted = inputs.iter().filter(|i| batch_property(i)).count();
+    // The saved set reaches past the decoder's checks, not just its errors.
+    assert!(inputs.is_empty() || accepted > 0);
 }
 
 #[test]
 fn saved_roce_inputs_hold_the_property() {
-    for input in saved_inputs("roce") {
-        roce_property(&input);
-    }
+    let inputs = saved_inputs("roce");
+    let accepted = inputs.iter().filter(|i| roce_target(i)).count();
+    assert!(inputs.is_empty() || accepted > 0);
 }
 
 fn request(opcode: Opcode, dest: Qpn, psn: Psn, imm: Option<u32>) -> PacketRepr {
@@ -175,7 +215,7 @@ fn roce_parser_names_each_hostile_shape() {
     for cut in 0..good.len() {
         assert!(Packet::parse(&ctx, &good[..cut]).is_err());
     }
-    roce_property(&good);
+    assert!(roce_property(&ctx, &good));
 }
 
 #[test]
