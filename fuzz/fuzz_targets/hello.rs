@@ -306,18 +306,12 @@ fuzz_target!(|input: Input| {
             assert_eq!(e.peer, dialer_fields(&input));
         }
     }
-    if let (Some(d), Some(l)) = (&dialer.established, &listener.established) {
-        if input.keyed || !tampered {
-            assert_eq!(d.epoch, l.epoch);
-            let want = Epoch(
-                input
-                    .dialer_proposes
-                    .max(input.listener_proposes)
-                    .min(u64::MAX - 1),
-            )
-            .next();
-            assert_eq!(d.epoch, want);
-        }
+    if let (Some(d), Some(l)) = (&dialer.established, &listener.established)
+        && (input.keyed || !tampered)
+    {
+        assert_eq!(d.epoch, l.epoch);
+        let proposals = input.dialer_proposes.max(input.listener_proposes);
+        assert_eq!(d.epoch, Epoch(proposals.min(u64::MAX - 1)).next());
     }
 });
 
