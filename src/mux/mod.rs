@@ -23,8 +23,6 @@ mod stats;
 pub mod surface;
 
 pub use config::{FlushPolicy, MuxConfig};
-#[doc(hidden)]
-pub use engine::fuzzing;
 pub use engine::{Dialer, Mux};
 pub use message::{MessageSink, OnFail, OutboundMessage};
 pub use protocol::{CloseReason, Epoch};
@@ -34,3 +32,6 @@ pub use surface::{
     AnchorId, AsMux, DropReason, Frame, MuxError, MuxTransport, PeerId, SessionId, StreamKey,
     Terminal,
 };
+
+#[doc(hidden)]
+pub use engine::fuzzing;
