@@ -32,3 +32,6 @@ pub use surface::{
     AnchorId, AsMux, DropReason, Frame, MuxError, MuxTransport, PeerId, SessionId, StreamKey,
     Terminal,
 };
+
+#[doc(hidden)]
+pub use engine::fuzzing;

@@ -16,6 +16,8 @@
 
 mod core;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

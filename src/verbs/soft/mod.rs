@@ -23,6 +23,8 @@ use tokio::sync::Notify;
 mod cq;
 mod device;
 mod engine;
+#[doc(hidden)]
+pub mod fuzzing;
 mod mr;
 pub mod sim;
 pub mod udp;
