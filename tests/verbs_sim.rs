@@ -202,7 +202,7 @@ fn relay_impairment(seed: u64) -> SimHarness {
 
 /// Default RC settings (timeout 14 ≈ 67 ms, retry_cnt 7) under the relay's
 /// impairment: no RETRY_EXC_ERR, every message once and in order.
-/// `QPMUX_SIM_REORDER_MESSAGES=N` sizes the run (default 2,000 per seed,
+/// `QPMUX_SIM_REORDER_MESSAGES=N` sizes the run (default 1,000 per seed,
 /// seeds 0 and 1, or `QPMUX_SIM_SEED`); it prints virtual time and packets
 /// sent, the goodput measurement of docs/soft-provider.md.
 #[tokio::test]
@@ -210,7 +210,7 @@ async fn heavy_reordering_with_loss_never_exhausts_retries() {
     let count = std::env::var("QPMUX_SIM_REORDER_MESSAGES")
         .ok()
         .map(|s| s.parse().expect("QPMUX_SIM_REORDER_MESSAGES is a count"))
-        .unwrap_or(2_000);
+        .unwrap_or(1_000);
     let seeds = match std::env::var("QPMUX_SIM_SEED") {
         Ok(s) => vec![s.parse().expect("QPMUX_SIM_SEED is a u64")],
         Err(_) => vec![0, 1],
