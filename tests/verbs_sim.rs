@@ -37,6 +37,7 @@ impl SimHarness {
             duplicate: 0.05,
             ack_delay: Duration::from_micros(50),
             partitioned: false,
+            ..LinkConfig::default()
         });
         h
     }
@@ -196,6 +197,11 @@ fn relay_impairment(seed: u64) -> SimHarness {
         duplicate: 0.01,
         ack_delay: Duration::ZERO,
         partitioned: false,
+        packet_gap: Duration::from_micros(
+            std::env::var("QPMUX_SIM_PACKET_GAP_US")
+                .map_or(0, |s| s.parse().expect("QPMUX_SIM_PACKET_GAP_US is µs")),
+        ),
+        max_backlog: Duration::from_millis(2),
     });
     h
 }
@@ -203,8 +209,10 @@ fn relay_impairment(seed: u64) -> SimHarness {
 /// Default RC settings (timeout 14 ≈ 67 ms, retry_cnt 7) under the relay's
 /// impairment: no RETRY_EXC_ERR, every message once and in order.
 /// `QPMUX_SIM_REORDER_MESSAGES=N` sizes the run (default 1,000 per seed,
-/// seeds 0 and 1, or `QPMUX_SIM_SEED`); it prints virtual time and packets
-/// sent, the goodput measurement of docs/soft-provider.md.
+/// seeds 0 and 1, or `QPMUX_SIM_SEED`; `QPMUX_SIM_PACKET_GAP_US=G` limits
+/// each direction to one packet per G µs with 2 ms of queue); it prints
+/// virtual time and packets sent, the goodput measurement of
+/// docs/soft-provider.md.
 #[tokio::test]
 async fn heavy_reordering_with_loss_never_exhausts_retries() {
     let count = std::env::var("QPMUX_SIM_REORDER_MESSAGES")
