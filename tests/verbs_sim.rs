@@ -248,3 +248,47 @@ async fn heavy_reordering_with_loss_never_exhausts_retries() {
         );
     }
 }
+
+/// A receiver without posted receives for 3 s under the relay impairment:
+/// with rnr_retry = 7 the sender waits it out. Each lost RNR NAK (or lost
+/// resend after an RNR wait) costs one local ACK timeout; before RNR NAKs
+/// restored the retry budget, 8 of those over the stall ended the QP with
+/// RETRY_EXC_ERR (4 of 5 seeds).
+#[tokio::test]
+async fn long_receiver_stall_under_loss_waits_on_rnr_not_retry_exceeded() {
+    use qpmux::verbs::QueuePair;
+    for seed in 0..5u64 {
+        let _guard = SeedGuard(seed);
+        let mut h = relay_impairment(seed);
+        let params = Params {
+            retry_cnt: 7,
+            timeout: 14,
+            min_rnr_timer: 12,
+            ..Params::default()
+        };
+        let (mut a, mut b) = verbs_suite::connect(&mut h, params).await;
+        for i in 0..8u64 {
+            a.post_send(i, i as usize * 64, 64, Some(i as u32), true)
+                .expect("post_send");
+        }
+        let until = h.net.now() + Duration::from_secs(3);
+        while h.net.now() < until && h.net.step() {}
+        a.poll();
+        assert!(a.sends.is_empty(), "nothing completes during the stall");
+        for i in 0..8u64 {
+            b.post_recv(i, i as usize * 64, 64);
+        }
+        assert!(verbs_suite::wait_wcs(&mut h, &mut a, 8, 0).await);
+        assert!(verbs_suite::wait_wcs(&mut h, &mut b, 0, 8).await);
+        for (i, wc) in a.sends.iter().enumerate() {
+            assert_eq!(wc.status, qpmux::verbs::WcStatus::Success, "send {i}");
+        }
+        for (i, wc) in b.recvs.iter().enumerate() {
+            assert_eq!(wc.status, qpmux::verbs::WcStatus::Success, "recv {i}");
+            assert_eq!(wc.imm, Some(i as u32), "in order");
+        }
+        assert_eq!(a.qp.state(), qpmux::verbs::QpState::Rts);
+        assert_eq!(b.qp.state(), qpmux::verbs::QpState::Rts);
+        assert!(h.net.stats().dropped > 0);
+    }
+}
