@@ -609,6 +609,12 @@ impl QpEngine {
                 if self.rts.is_some_and(|r| r.rnr_retry != 7) {
                     self.rnr_left -= 1;
                 }
+                // The responder answered: the path works, so the budget for
+                // unanswered retries starts over (else a long receiver stall
+                // plus rare losses exhausts it while rnr_retry is unlimited).
+                if let Some(r) = self.rts {
+                    self.retry_left = r.retry_cnt;
+                }
                 self.rnr_waiting = true;
                 self.timers.stop(Timer::AckTimeout);
                 self.timers

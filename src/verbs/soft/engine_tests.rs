@@ -330,6 +330,37 @@ fn rnr_waits_the_timer_and_rnr_retry_seven_is_forever() {
 }
 
 #[test]
+fn an_answered_rnr_nak_restores_the_retry_budget() {
+    // retry_cnt 1: two unanswered timeouts in a row would end the QP.
+    let mut p = Pair::new(rts(14, 1, 7), 14);
+    p.send(1, 8);
+    let mut pkts = p.transmit_a();
+    for round in 0..10 {
+        // This RNR NAK is lost: the local ACK timeout resends.
+        p.deliver_b(&pkts);
+        p.transmit_b();
+        p.fire_a_timer();
+        pkts = p.transmit_a();
+        assert_eq!(pkts.len(), 1, "round {round}: resent after the timeout");
+        // The next one arrives: the responder is alive, only not ready.
+        p.deliver_b(&pkts);
+        let rnr = p.transmit_b();
+        p.deliver_a(&rnr);
+        p.fire_a_timer();
+        pkts = p.transmit_a();
+        assert_eq!(p.a.qp.state(), QpState::Rts, "round {round}");
+    }
+    p.recv(1, 64);
+    p.deliver_b(&pkts);
+    let ack = p.transmit_b();
+    p.deliver_a(&ack);
+    assert_eq!(
+        Pair::completions(&mut p.a.qp)[0].1.status,
+        WcStatus::Success
+    );
+}
+
+#[test]
 fn errors_scramble_all_but_wr_id_status_and_qp_num() {
     let mut p = Pair::new(rts(14, 7, 7), 12);
     for i in 0..32 {

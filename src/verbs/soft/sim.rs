@@ -2,8 +2,8 @@
 //!
 //! ```text
 //!  step(): every core ─ handle_timeout(now), poll_transmit ─► Link faults
-//!          (loss, duplication, delay, jitter and hold-back reordering, ACK delay,
-//!          partition)
+//!          (loss, duplication, capacity with tail drop, delay, jitter and
+//!          hold-back reordering, ACK delay, partition)
 //!          ─► in-flight heap ordered by (arrival, sequence)
 //!          jump `now` to the next arrival or timer ─► handle_datagram / handle_timeout
 //! ```
@@ -48,6 +48,10 @@ pub struct LinkConfig {
     pub ack_delay: Duration,
     /// Drop everything.
     pub partitioned: bool,
+    /// Time the link is busy per packet (zero: unlimited capacity).
+    pub packet_gap: Duration,
+    /// Tail drop: a packet that would wait longer than this for the link is lost.
+    pub max_backlog: Duration,
 }
 
 impl Default for LinkConfig {
@@ -61,6 +65,8 @@ impl Default for LinkConfig {
             duplicate: 0.0,
             ack_delay: Duration::ZERO,
             partitioned: false,
+            packet_gap: Duration::ZERO,
+            max_backlog: Duration::ZERO,
         }
     }
 }
@@ -106,6 +112,8 @@ pub struct SimNet {
     /// One RNG per direction, so faults on one link do not depend on
     /// traffic on another.
     link_rngs: BTreeMap<(usize, usize), SmallRng>,
+    /// When each direction's link is next free (capacity-limited links).
+    link_free: BTreeMap<(usize, usize), Instant>,
     devices: Vec<SoftDevice>,
     by_addr: BTreeMap<Gid, usize>,
     links: BTreeMap<(usize, usize), LinkConfig>,
@@ -124,6 +132,7 @@ impl SimNet {
             seed,
             rng: SmallRng::seed_from_u64(seed),
             link_rngs: BTreeMap::new(),
+            link_free: BTreeMap::new(),
             devices: Vec::new(),
             by_addr: BTreeMap::new(),
             links: BTreeMap::new(),
@@ -240,9 +249,19 @@ impl SimNet {
             if rng.random_bool(link.reorder.clamp(0.0, 1.0)) {
                 extra += link.reorder_delay;
             }
+            let mut depart = self.now;
+            if !link.packet_gap.is_zero() {
+                let free = self.link_free.entry((src, dst)).or_insert(self.now);
+                depart = depart.max(*free);
+                if depart.saturating_duration_since(self.now) > link.max_backlog {
+                    self.stats.dropped += 1;
+                    continue;
+                }
+                *free = depart + link.packet_gap;
+            }
             self.seq += 1;
             self.queue.push(Reverse(InFlight {
-                at: self.now + link.delay + jitter + extra,
+                at: depart + link.delay + jitter + extra,
                 seq: self.seq,
                 src,
                 dst,
