@@ -101,7 +101,8 @@ impl Proc {
             .unwrap_or(0)
     }
 
-    /// Waits for the process to exit and returns its verdict.
+    /// Waits for the process to exit and returns its verdict; fails at once
+    /// on a `stall` event.
     fn verdict(&mut self, within: Duration) -> Value {
         let until = Instant::now() + within;
         while self.child.try_wait().expect("try_wait").is_none() {
@@ -324,6 +325,7 @@ fn an_impaired_path_loses_duplicates_and_reorders_no_record() {
     let records = env_u64("QPMUX_FAULTS_RECORDS", 100);
     let seed = env_u64("QPMUX_FAULTS_SEED", 0x5eed);
     let bound = env_u64("QPMUX_FAULTS_SECONDS", 50);
+    let stall_s = env_u64("QPMUX_FAULTS_STALL_S", 10);
     let relay = spawn_relay(&mut net, seed);
     let shape = strings(&[
         "--slots",
@@ -332,6 +334,8 @@ fn an_impaired_path_loses_duplicates_and_reorders_no_record() {
         &records.to_string(),
         "--duration-s",
         &bound.to_string(),
+        "--stall-s",
+        &stall_s.to_string(),
     ]);
     let started = Instant::now();
     let mut b = net.spawn('b', "b", &net.soak('b', &shape));

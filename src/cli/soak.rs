@@ -579,11 +579,12 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
     ack_task.abort();
     watcher.abort();
     sample_counters(&node, &shared);
+    // Taken before the goodbye, which ends the epoch too.
+    let stats = node.mux().stats();
+    let restarts_seen = node.node().stats().restarts_seen;
     // Drain queued records and say goodbye before the process exits.
     node.shutdown();
     let _ = tokio::time::timeout(Duration::from_secs(5), node.mux().closed()).await;
-    let stats = node.mux().stats();
-    let restarts_seen = node.node().stats().restarts_seen;
     let line = {
         let mut v = shared.verdict.lock().expect("verdict");
         v.elapsed_ms = shared.started.elapsed().as_millis() as u64;
