@@ -2,25 +2,29 @@
 //! harness (tests/faults.rs, docs/faults.md).
 //!
 //! ```text
-//!  sender ─ slot s: record (slot, stream id, seq, filler, crc32) ─► receiver
-//!    on Dropped: reopen slot s (new stream id, seq from 0), send what is left
-//!  receiver: per stream: same slot, one stream id, seq 0,1,2.. , crc ok
-//!    on Dropped: rebind slot s and take the next stream; Finalized: slot done
+//!  sender ─ slot s: record (slot, stream id, seq, index, filler, crc32) ─► receiver
+//!  sender ◄─ ack slot: (slot, stream id, verified prefix, open|finalized|dropped) ─ receiver
+//!  receiver: per stream: same slot, one stream id, seq 0,1,2.. , crc ok;
+//!            per slot: indices verified once, again (redelivered) or past the prefix (hole)
+//!  sender: keeps a slot until the receiver acknowledges it finalized; when the
+//!          stream's epoch dies, resends from the acknowledged prefix on a new stream
 //!  both: JSON-line events on stdout (epoch up/down, dropped, verdict)
 //! ```
 //!
-//! Records of a stream that ends `Dropped` are "maybe delivered": the sender
-//! sends the rest again on a fresh stream, so the check is per stream.
+//! Accepted is not delivered: only the receiver's acknowledgement finishes a
+//! slot. Records past the acknowledged prefix are "maybe delivered"; the
+//! receiver counts those that arrive twice as redelivered, never silently.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use clap::{Args as ClapArgs, ValueEnum};
 use serde::Serialize;
+use tokio::sync::{Notify, watch};
 
 use crate::link::Node;
 use crate::link::rdma::{RdmaConfig, RdmaNodeConfig, RdmaTransport};
@@ -32,9 +36,20 @@ use crate::verbs::soft::{QpCounters, SoftDevice};
 
 /// The anchor every soak slot lives on; the session is the slot index.
 const SOAK_ANCHOR: u64 = 0x534f_414b; // "SOAK"
-/// slot u32, stream u32, seq u64.
-const HEADER: usize = 16;
+/// The receiver's acknowledgements to the sender: one slot, session 0.
+const ACK_ANCHOR: u64 = 0x534f_4143; // "SOAC"
+/// slot u32, stream u32, seq u64 (in the stream), index u64 (in the slot).
+const HEADER: usize = 24;
 const CRC: usize = 4;
+/// slot u32, stream u32, verified prefix u64, state u8, crc32.
+const ACK_LEN: usize = 21;
+/// The receiver publishes a slot's verified prefix every this many records.
+const ACK_EVERY: u64 = 256;
+/// How often the receiver sends changed prefixes.
+const ACK_INTERVAL: Duration = Duration::from_millis(250);
+/// How long, with a new epoch up, the sender waits for the receiver to say
+/// how a stream of a dead epoch ended before it resends from what it knows.
+const ACK_GRACE: Duration = Duration::from_secs(2);
 /// Violations listed in the verdict; beyond this only counted.
 const LISTED_VIOLATIONS: usize = 32;
 
@@ -79,7 +94,7 @@ pub struct SoakArgs {
     /// Records per slot (0: until --duration-s).
     #[arg(long, default_value_t = 1000)]
     pub records: u64,
-    /// Bytes per record (at least 20: header and checksum).
+    /// Bytes per record (at least 28: header and checksum).
     #[arg(long, default_value_t = 64)]
     pub record_size: usize,
     /// Hard bound: the sender finishes its slots, the receiver gives up.
@@ -174,8 +189,28 @@ struct Verdict {
     elapsed_ms: u64,
     slots: u32,
     slots_finished: u32,
-    /// Sender: records accepted by `send`; receiver: records verified.
+    /// Sender: records accepted by `send`; receiver: records verified
+    /// (`records_unique` + `redelivered`).
     records: u64,
+    /// Receiver: distinct (slot, index) pairs verified.
+    records_unique: u64,
+    /// Receiver: records whose (slot, index) a stream of an earlier epoch
+    /// had already verified (maybe-delivered duplicates across epochs).
+    redelivered: u64,
+    /// Receiver: streams whose first index lay past the slot's verified
+    /// prefix (records between would be lost).
+    holes: u64,
+    /// Receiver: records of slots finalized short of `--records`.
+    missing: u64,
+    /// Sender: records accepted again after their stream's epoch died.
+    resent: u64,
+    /// Sender: streams given up on after `ACK_GRACE` with no word from the
+    /// receiver (resent from the acknowledged prefix).
+    abandoned: u64,
+    /// Acknowledgement streams (one per epoch that carried one).
+    ack_streams: u64,
+    /// Sender: acknowledgements that were corrupt or named no slot.
+    bad_acks: u64,
     /// Streams (one per slot per epoch that carried it).
     streams: u64,
     dropped: u64,
@@ -199,6 +234,8 @@ struct Shared {
     json: bool,
     verdict: Mutex<Verdict>,
     records: AtomicU64,
+    unique: AtomicU64,
+    redelivered: AtomicU64,
     counters: Mutex<CounterTrack>,
 }
 
@@ -281,35 +318,108 @@ async fn read_peer_blob(path: &Path, deadline: Instant) -> anyhow::Result<Vec<u8
     }
 }
 
-/// Record `seq` of `stream` on `slot`: header, filler derived from the
-/// header, CRC32 of everything before it.
-fn record(slot: u32, stream: u32, seq: u64, size: usize) -> Bytes {
+/// One record's header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Rec {
+    slot: u32,
+    stream: u32,
+    /// Position in its stream, from 0.
+    seq: u64,
+    /// Position in its slot, across streams.
+    index: u64,
+}
+
+/// Record `rec`: header, filler derived from the header, CRC32 of
+/// everything before it.
+fn record(rec: Rec, size: usize) -> Bytes {
     let mut v = vec![0u8; size.max(HEADER + CRC)];
-    v[..4].copy_from_slice(&slot.to_be_bytes());
-    v[4..8].copy_from_slice(&stream.to_be_bytes());
-    v[8..16].copy_from_slice(&seq.to_be_bytes());
+    v[..4].copy_from_slice(&rec.slot.to_be_bytes());
+    v[4..8].copy_from_slice(&rec.stream.to_be_bytes());
+    v[8..16].copy_from_slice(&rec.seq.to_be_bytes());
+    v[16..24].copy_from_slice(&rec.index.to_be_bytes());
     let body = v.len() - CRC;
-    let fill = (seq as u8) ^ (slot as u8);
+    let fill = (rec.index as u8) ^ (rec.slot as u8);
     v[HEADER..body].fill(fill);
     let crc = crc32fast::hash(&v[..body]);
     v[body..].copy_from_slice(&crc.to_be_bytes());
     Bytes::from(v)
 }
 
-/// (slot, stream, seq) of an intact record; `None` if short or corrupt.
-fn parse(record: &[u8]) -> Option<(u32, u32, u64)> {
-    if record.len() < HEADER + CRC {
+/// The body of an intact CRC-trailed message; `None` if short or corrupt.
+fn checked(message: &[u8], min: usize) -> Option<&[u8]> {
+    if message.len() < min {
         return None;
     }
-    let body = record.len() - CRC;
-    let crc = u32::from_be_bytes(record[body..].try_into().ok()?);
-    if crc32fast::hash(&record[..body]) != crc {
+    let body = message.len() - CRC;
+    let crc = u32::from_be_bytes(message[body..].try_into().ok()?);
+    (crc32fast::hash(&message[..body]) == crc).then_some(&message[..body])
+}
+
+/// The header of an intact record; `None` if short or corrupt.
+fn parse(record: &[u8]) -> Option<Rec> {
+    let body = checked(record, HEADER + CRC)?;
+    Some(Rec {
+        slot: u32::from_be_bytes(body[..4].try_into().ok()?),
+        stream: u32::from_be_bytes(body[4..8].try_into().ok()?),
+        seq: u64::from_be_bytes(body[8..16].try_into().ok()?),
+        index: u64::from_be_bytes(body[16..24].try_into().ok()?),
+    })
+}
+
+/// How the receiver last saw a slot's stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum AckState {
+    /// In progress (or none yet): the prefix only.
+    #[default]
+    Open,
+    /// The slot is complete; the receiver takes no more streams on it.
+    Finalized,
+    /// `stream` ended with its epoch.
+    Dropped,
+}
+
+/// What the receiver tells the sender about one slot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Ack {
+    slot: u32,
+    /// The stream it last took records from (0: none yet).
+    stream: u32,
+    /// Every index below this is verified.
+    verified: u64,
+    state: AckState,
+}
+
+fn encode_ack(ack: &Ack) -> Bytes {
+    let mut v = Vec::with_capacity(ACK_LEN);
+    v.extend_from_slice(&ack.slot.to_be_bytes());
+    v.extend_from_slice(&ack.stream.to_be_bytes());
+    v.extend_from_slice(&ack.verified.to_be_bytes());
+    v.push(match ack.state {
+        AckState::Open => 0,
+        AckState::Finalized => 1,
+        AckState::Dropped => 2,
+    });
+    v.extend_from_slice(&crc32fast::hash(&v).to_be_bytes());
+    Bytes::from(v)
+}
+
+/// An intact acknowledgement; `None` if malformed.
+fn parse_ack(message: &[u8]) -> Option<Ack> {
+    if message.len() != ACK_LEN {
         return None;
     }
-    let slot = u32::from_be_bytes(record[..4].try_into().ok()?);
-    let stream = u32::from_be_bytes(record[4..8].try_into().ok()?);
-    let seq = u64::from_be_bytes(record[8..16].try_into().ok()?);
-    Some((slot, stream, seq))
+    let body = checked(message, ACK_LEN)?;
+    Some(Ack {
+        slot: u32::from_be_bytes(body[..4].try_into().ok()?),
+        stream: u32::from_be_bytes(body[4..8].try_into().ok()?),
+        verified: u64::from_be_bytes(body[8..16].try_into().ok()?),
+        state: match body[16] {
+            0 => AckState::Open,
+            1 => AckState::Finalized,
+            2 => AckState::Dropped,
+            _ => return None,
+        },
+    })
 }
 
 type Soft = RdmaTransport<SoftDevice>;
@@ -346,6 +456,8 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
             ..Verdict::default()
         }),
         records: AtomicU64::new(0),
+        unique: AtomicU64::new(0),
+        redelivered: AtomicU64::new(0),
         counters: Mutex::new(CounterTrack::default()),
     });
     let deadline = shared.started + Duration::from_secs(args.duration_s);
@@ -368,12 +480,17 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
         udp_port: node.device().udp_port(),
         t_ms: unix_ms(),
     });
-    // The receiver binds before anyone can reach it.
-    let receivers = match args.role {
-        Role::Recv => (0..args.slots)
-            .map(|s| node.mux().bind(StreamKey::new(SOAK_ANCHOR, u64::from(s))))
-            .collect::<Result<Vec<_>, _>>()?,
-        Role::Send => Vec::new(),
+    // Each side binds before anyone can reach it: the receiver its slots,
+    // the sender the acknowledgement slot.
+    let ack_key = StreamKey::new(ACK_ANCHOR, 0);
+    let (receivers, ack_rx) = match args.role {
+        Role::Recv => (
+            (0..args.slots)
+                .map(|s| node.mux().bind(StreamKey::new(SOAK_ANCHOR, u64::from(s))))
+                .collect::<Result<Vec<_>, _>>()?,
+            None,
+        ),
+        Role::Send => (Vec::new(), Some(node.mux().bind(ack_key)?)),
     };
     write_atomically(&args.addr_file, &hex(&node.address()))?;
     let blob = read_peer_blob(&args.peer_file, deadline).await?;
@@ -391,18 +508,31 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
     ));
 
     let mut tasks = Vec::new();
-    match args.role {
+    let board = Arc::new(AckBoard::new(args.slots));
+    let ack_task = match args.role {
         Role::Send => {
-            for slot in 0..args.slots {
+            let (heard_tx, heard_rx): (Vec<_>, Vec<_>) = (0..args.slots)
+                .map(|_| watch::channel(Heard::default()))
+                .unzip();
+            for (slot, heard) in heard_rx.into_iter().enumerate() {
                 tasks.push(tokio::spawn(send_slot(
                     node.clone(),
                     peer,
-                    slot,
+                    slot as u32,
                     args.clone(),
                     deadline,
                     shared.clone(),
+                    heard,
                 )));
             }
+            let rx = ack_rx.expect("bound above");
+            tokio::spawn(read_acks(
+                node.clone(),
+                rx,
+                heard_tx,
+                args.records,
+                shared.clone(),
+            ))
         }
         Role::Recv => {
             for (slot, rx) in receivers.into_iter().enumerate() {
@@ -410,39 +540,58 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
                     node.clone(),
                     slot as u32,
                     rx,
+                    args.records,
+                    board.clone(),
                     shared.clone(),
                 )));
             }
+            tokio::spawn(send_acks(node.clone(), peer, board.clone(), shared.clone()))
         }
-    }
-    // Senders stop at the deadline by themselves (a send may still wait a
-    // moment for credit); the receiver gives up a little after that.
+    };
+    // Senders stop resending at the deadline (a send may still wait a
+    // moment for credit); both give up on their slots a little after that.
     let finished = Arc::new(AtomicU64::new(0));
     let all = futures_join(tasks, finished.clone());
     let _ = tokio::time::timeout_at((deadline + Duration::from_secs(5)).into(), all).await;
     let finished = finished.load(Ordering::Relaxed) as u32;
-    if let (Role::Send, Some(done)) = (args.role, &args.done_file) {
-        // Accepted is not delivered: stay up until the receiver is done
-        // (it gives up 5 s past the deadline, so this wait ends too).
-        let until = deadline + Duration::from_secs(10);
-        while !done.exists() && Instant::now() < until {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    match (args.role, &args.done_file) {
+        (Role::Send, Some(done)) => {
+            // The receiver's verdict names what it verified; stay up until
+            // it is written (it gives up 5 s past the deadline).
+            let until = deadline + Duration::from_secs(10);
+            while !done.exists() && Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
+        (Role::Recv, _) => {
+            // The last acknowledgements go out before the goodbye.
+            board.closing.store(true, Ordering::Release);
+            board.changed.notify_one();
+            let flushed = async {
+                while !board.flushed.load(Ordering::Acquire) && !ack_task.is_finished() {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(5), flushed).await;
+        }
+        _ => {}
     }
+    ack_task.abort();
     watcher.abort();
     sample_counters(&node, &shared);
-    if args.role == Role::Send {
-        // Drain queued records and say goodbye before the process exits.
-        node.shutdown();
-        let _ = tokio::time::timeout(Duration::from_secs(5), node.mux().closed()).await;
-    }
+    // Taken before the goodbye, which ends the epoch too.
     let stats = node.mux().stats();
     let restarts_seen = node.node().stats().restarts_seen;
+    // Drain queued records and say goodbye before the process exits.
+    node.shutdown();
+    let _ = tokio::time::timeout(Duration::from_secs(5), node.mux().closed()).await;
     let line = {
         let mut v = shared.verdict.lock().expect("verdict");
         v.elapsed_ms = shared.started.elapsed().as_millis() as u64;
         v.slots_finished = finished;
         v.records = shared.records.load(Ordering::Relaxed);
+        v.records_unique = shared.unique.load(Ordering::Relaxed);
+        v.redelivered = shared.redelivered.load(Ordering::Relaxed);
         v.epoch_deaths = stats.epoch_deaths;
         v.slots_dropped = stats.slots_dropped;
         v.restarts_seen = restarts_seen;
@@ -575,8 +724,30 @@ fn add(sum: &mut QpCounters, more: &QpCounters) {
     sum.duplicates_received += more.duplicates_received;
 }
 
-/// Streams one slot's records, reopening it after each epoch death; true
-/// once it finished with `Finalized`.
+/// What the sender has heard from the receiver about one slot.
+#[derive(Clone, Copy, Debug, Default)]
+struct Heard {
+    /// The receiver's verified prefix: the next stream starts here.
+    verified: u64,
+    /// The receiver finalized the slot.
+    finalized: bool,
+    /// The last stream the receiver saw end with its epoch.
+    dropped_stream: Option<u32>,
+}
+
+/// A fresh stream id; 0 means "none" in acknowledgements.
+fn stream_id() -> u32 {
+    loop {
+        let id: u32 = rand::random();
+        if id != 0 {
+            return id;
+        }
+    }
+}
+
+/// Streams one slot's records until the receiver acknowledges the slot
+/// finalized; after each epoch death it resends from the acknowledged
+/// prefix on a new stream. True once acknowledged.
 async fn send_slot(
     node: Arc<Soft>,
     peer: PeerId,
@@ -584,13 +755,17 @@ async fn send_slot(
     args: SoakArgs,
     deadline: Instant,
     shared: Arc<Shared>,
+    mut heard: watch::Receiver<Heard>,
 ) -> bool {
     let key = StreamKey::new(SOAK_ANCHOR, u64::from(slot));
-    // Records accepted by streams that ended Dropped are maybe delivered:
-    // the next stream sends from where the dead one stopped.
-    let mut done = 0u64;
     let pace = Duration::from_micros(args.pace_us);
+    // One past the highest index accepted so far, to count resends.
+    let mut accepted_to = 0u64;
     loop {
+        let known = *heard.borrow_and_update();
+        if known.finalized {
+            return true;
+        }
         let mut tx = match node.mux().open(peer, key) {
             Ok(tx) => tx,
             Err(MuxError::Shutdown) => return false,
@@ -599,23 +774,33 @@ async fn send_slot(
                 return false;
             }
         };
-        let stream: u32 = rand::random();
+        let stream = stream_id();
         shared.tally(|v| v.streams += 1);
+        let mut index = known.verified;
         let mut seq = 0u64;
         let ended = loop {
-            let more = args.records == 0 || done + seq < args.records;
+            let more = args.records == 0 || index < args.records;
             if !more || Instant::now() >= deadline {
                 break tx.finish(Terminal::Finalized).err();
             }
-            let sent = tokio::time::timeout_at(
-                deadline.into(),
-                tx.send(record(slot, stream, seq, args.record_size)),
-            );
+            let rec = Rec {
+                slot,
+                stream,
+                seq,
+                index,
+            };
+            let sent =
+                tokio::time::timeout_at(deadline.into(), tx.send(record(rec, args.record_size)));
             match sent.await {
                 // Waited for credit past the deadline: finish now.
                 Err(_) => break tx.finish(Terminal::Finalized).err(),
                 Ok(Ok(())) => {
+                    if index < accepted_to {
+                        shared.tally(|v| v.resent += 1);
+                    }
                     seq += 1;
+                    index += 1;
+                    accepted_to = accepted_to.max(index);
                     shared.records.fetch_add(1, Ordering::Relaxed);
                     if seq % 64 == 0 {
                         // send() may never suspend; let the watcher run.
@@ -628,27 +813,44 @@ async fn send_slot(
                 tokio::time::sleep(pace).await;
             }
         };
-        match ended {
-            None => return true,
+        // Taken when the stream ended here: a later death is its epoch's.
+        let deaths = node.mux().stats().epoch_deaths;
+        let epoch = node.mux().epoch(peer);
+        let dead = match ended {
+            None => false,
             Some(SendError::Dropped(DropReason::EpochEnded { epoch })) => {
-                done += seq;
                 shared.tally(|v| v.dropped += 1);
                 shared.emit(&Event::Dropped {
                     slot,
                     epoch: epoch.0,
                     t_ms: unix_ms(),
                 });
+                true
             }
             Some(SendError::PeerClosed(CloseReason::Refused | CloseReason::UnknownSlot)) => {
-                // The receiver has not rebound the slot yet; nothing of
-                // this stream was delivered.
+                // Not rebound yet, or already finalized (the next turn of
+                // the loop sees that); nothing of this stream was delivered.
                 shared.tally(|v| v.refused += 1);
                 tokio::time::sleep(Duration::from_millis(20)).await;
+                if Instant::now() >= deadline {
+                    return heard.borrow().finalized;
+                }
+                continue;
             }
             Some(other) => {
                 shared.violation(format!("slot {slot}: stream ended: {other}"));
                 return false;
             }
+        };
+        let watch = EpochWatch {
+            node: &node,
+            peer,
+            deaths,
+            epoch,
+            dead,
+        };
+        if await_outcome(watch, stream, &mut heard, &shared).await {
+            return true;
         }
         if Instant::now() >= deadline {
             return false;
@@ -656,18 +858,198 @@ async fn send_slot(
     }
 }
 
-/// Verifies one slot's streams until one finishes; true if one did.
+/// The epoch a finished stream was carried in, and whether it is known dead.
+struct EpochWatch<'a> {
+    node: &'a Soft,
+    peer: PeerId,
+    /// The mux's epoch deaths when the stream ended here.
+    deaths: u64,
+    epoch: Option<crate::mux::Epoch>,
+    dead: bool,
+}
+
+impl EpochWatch<'_> {
+    fn dead(&mut self) -> bool {
+        if !self.dead {
+            let mux = self.node.mux();
+            self.dead = mux.stats().epoch_deaths > self.deaths
+                || (self.epoch.is_some() && mux.epoch(self.peer) != self.epoch);
+        }
+        self.dead
+    }
+}
+
+/// Waits until the receiver says how `stream` ended: true when the slot is
+/// finalized, false when it must be resent (the receiver reported the stream
+/// dropped, or its epoch died and a new epoch stayed silent for `ACK_GRACE`).
+async fn await_outcome(
+    mut epoch: EpochWatch<'_>,
+    stream: u32,
+    heard: &mut watch::Receiver<Heard>,
+    shared: &Shared,
+) -> bool {
+    let mut silent_since: Option<Instant> = None;
+    loop {
+        let known = *heard.borrow_and_update();
+        if known.finalized {
+            return true;
+        }
+        if known.dropped_stream == Some(stream) {
+            return false;
+        }
+        if epoch.dead() && epoch.node.mux().epoch(epoch.peer).is_some() {
+            let since = *silent_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= ACK_GRACE {
+                shared.tally(|v| v.abandoned += 1);
+                return false;
+            }
+        }
+        let changed = tokio::time::timeout(Duration::from_millis(20), heard.changed()).await;
+        if let Ok(Err(_)) = changed {
+            // The acknowledgement reader is gone: poll.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Sender: takes the receiver's acknowledgements, rebinding the slot after
+/// each epoch, and publishes them per slot.
+async fn read_acks(
+    node: Arc<Soft>,
+    mut rx: crate::mux::SlotReceiver,
+    heard: Vec<watch::Sender<Heard>>,
+    records: u64,
+    shared: Arc<Shared>,
+) {
+    let key = rx.key();
+    loop {
+        while let Some(frame) = rx.recv().await {
+            let data = match frame {
+                Frame::Data(data) => data,
+                Frame::Heartbeat => continue,
+                _ => break,
+            };
+            let Some(ack) = parse_ack(&data).filter(|a| (a.slot as usize) < heard.len()) else {
+                shared.tally(|v| v.bad_acks += 1);
+                shared.violation(format!("malformed acknowledgement ({} bytes)", data.len()));
+                continue;
+            };
+            heard[ack.slot as usize].send_modify(|h| {
+                // A peer's claim past the end would skip nothing real.
+                let cap = if records == 0 { u64::MAX } else { records };
+                h.verified = h.verified.max(ack.verified.min(cap));
+                match ack.state {
+                    AckState::Open => {}
+                    AckState::Finalized => h.finalized = true,
+                    AckState::Dropped => h.dropped_stream = Some(ack.stream),
+                }
+            });
+        }
+        shared.tally(|v| v.ack_streams += 1);
+        rx = loop {
+            match node.mux().bind(key) {
+                Ok(rx) => break rx,
+                Err(MuxError::AlreadyBound(_)) => {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                Err(_) => return,
+            }
+        };
+    }
+}
+
+/// The receiver's latest word per slot, for the acknowledgement task.
+struct AckBoard {
+    slots: Mutex<Vec<Ack>>,
+    changed: Notify,
+    /// Set when the receiver is done: send what is left, then finish.
+    closing: AtomicBool,
+    /// The final acknowledgements are queued.
+    flushed: AtomicBool,
+}
+
+impl AckBoard {
+    fn new(slots: u32) -> AckBoard {
+        AckBoard {
+            slots: Mutex::new(
+                (0..slots)
+                    .map(|slot| Ack {
+                        slot,
+                        ..Ack::default()
+                    })
+                    .collect(),
+            ),
+            changed: Notify::new(),
+            closing: AtomicBool::new(false),
+            flushed: AtomicBool::new(false),
+        }
+    }
+
+    fn publish(&self, ack: Ack, urgent: bool) {
+        self.slots.lock().expect("acks")[ack.slot as usize] = ack;
+        if urgent {
+            self.changed.notify_one();
+        }
+    }
+
+    fn snapshot(&self) -> Vec<Ack> {
+        self.slots.lock().expect("acks").clone()
+    }
+}
+
+/// Receiver: sends every slot's word once per epoch, then what changed
+/// (stream ends at once, prefixes every `ACK_INTERVAL`).
+async fn send_acks(node: Arc<Soft>, peer: PeerId, board: Arc<AckBoard>, shared: Arc<Shared>) {
+    let key = StreamKey::new(ACK_ANCHOR, 0);
+    loop {
+        let Ok(mut tx) = node.mux().open(peer, key) else {
+            return;
+        };
+        let mut sent: Vec<Option<Ack>> = vec![None; board.snapshot().len()];
+        let failed = 'stream: loop {
+            let closing = board.closing.load(Ordering::Acquire);
+            for ack in board.snapshot() {
+                if sent[ack.slot as usize] != Some(ack) {
+                    if let Err(err) = tx.send(encode_ack(&ack)).await {
+                        break 'stream err;
+                    }
+                    sent[ack.slot as usize] = Some(ack);
+                }
+            }
+            if closing {
+                let _ = tx.finish(Terminal::Finalized);
+                board.flushed.store(true, Ordering::Release);
+                return;
+            }
+            let _ = tokio::time::timeout(ACK_INTERVAL, board.changed.notified()).await;
+        };
+        shared.tally(|v| v.ack_streams += 1);
+        match failed {
+            SendError::Dropped(_) => {}
+            // Refused (the sender has not rebound yet) and the rest: retry.
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+/// Verifies one slot's streams until one ends `Finalized`; true if one did.
 async fn recv_slot(
     node: Arc<Soft>,
     slot: u32,
     mut rx: crate::mux::SlotReceiver,
+    records: u64,
+    board: Arc<AckBoard>,
     shared: Arc<Shared>,
 ) -> bool {
     let key = StreamKey::new(SOAK_ANCHOR, u64::from(slot));
+    // Every index below this is verified, by this stream or an earlier one.
+    let mut verified = 0u64;
     loop {
         shared.tally(|v| v.streams += 1);
         let mut stream: Option<u32> = None;
         let mut next = 0u64;
+        // The stream's index minus its seq, fixed by its first record.
+        let mut base: Option<u64> = None;
         let terminal = loop {
             let Some(frame) = rx.recv().await else {
                 break None;
@@ -677,34 +1059,90 @@ async fn recv_slot(
                 Frame::Heartbeat => continue,
                 terminal => break Some(terminal),
             };
-            let Some((from_slot, from_stream, seq)) = parse(&data) else {
+            let Some(rec) = parse(&data) else {
                 shared.tally(|v| v.bad_records += 1);
                 shared.violation(format!("slot {slot}: corrupt record at seq {next}"));
                 continue;
             };
-            if from_slot != slot || stream.is_some_and(|s| s != from_stream) {
+            if rec.slot != slot || stream.is_some_and(|s| s != rec.stream) {
                 shared.tally(|v| v.bad_records += 1);
                 shared.violation(format!(
-                    "slot {slot}: record of slot {from_slot} stream {from_stream:08x}"
+                    "slot {slot}: record of slot {} stream {:08x}",
+                    rec.slot, rec.stream
                 ));
                 continue;
             }
-            stream = Some(from_stream);
-            if seq < next {
-                shared.tally(|v| v.duplicates += 1);
-                shared.violation(format!("slot {slot}: seq {seq} again (expected {next})"));
+            let rec_base = rec.index.checked_sub(rec.seq);
+            if rec_base.is_none() || base.is_some_and(|b| Some(b) != rec_base) {
+                shared.tally(|v| v.bad_records += 1);
+                shared.violation(format!(
+                    "slot {slot}: seq {} at index {} breaks the stream's numbering",
+                    rec.seq, rec.index
+                ));
                 continue;
             }
-            if seq > next {
-                shared.tally(|v| v.gaps += 1);
-                shared.violation(format!("slot {slot}: seq {seq}, expected {next}"));
+            stream = Some(rec.stream);
+            base = rec_base;
+            if rec.seq < next {
+                shared.tally(|v| v.duplicates += 1);
+                shared.violation(format!(
+                    "slot {slot}: seq {} again (expected {next})",
+                    rec.seq
+                ));
+                continue;
             }
-            next = seq + 1;
+            if rec.seq > next {
+                shared.tally(|v| v.gaps += 1);
+                shared.violation(format!("slot {slot}: seq {}, expected {next}", rec.seq));
+            } else if rec.index > verified {
+                // In order within its stream, but the stream started past
+                // what this slot has verified.
+                shared.tally(|v| v.holes += 1);
+                shared.violation(format!(
+                    "slot {slot}: stream starts at index {}, verified only below {verified}",
+                    rec.index
+                ));
+            }
+            next = rec.seq + 1;
             shared.records.fetch_add(1, Ordering::Relaxed);
+            if rec.index < verified {
+                shared.redelivered.fetch_add(1, Ordering::Relaxed);
+            } else if rec.index == verified {
+                verified += 1;
+                shared.unique.fetch_add(1, Ordering::Relaxed);
+                if verified % ACK_EVERY == 0 {
+                    board.publish(
+                        Ack {
+                            slot,
+                            stream: rec.stream,
+                            verified,
+                            state: AckState::Open,
+                        },
+                        false,
+                    );
+                }
+            }
+        };
+        let mut ack = Ack {
+            slot,
+            stream: stream.unwrap_or(0),
+            verified,
+            state: AckState::Dropped,
         };
         match terminal {
-            Some(Frame::Finalized) => return true,
+            Some(Frame::Finalized) => {
+                if records > 0 && verified < records {
+                    shared.tally(|v| v.missing += records - verified);
+                    shared.violation(format!(
+                        "slot {slot}: finalized with {verified} of {records} records verified"
+                    ));
+                }
+                ack.state = AckState::Finalized;
+                board.publish(ack, true);
+                return true;
+            }
             Some(Frame::Dropped(DropReason::EpochEnded { epoch })) => {
+                board.publish(ack, true);
                 shared.tally(|v| v.dropped += 1);
                 shared.emit(&Event::Dropped {
                     slot,
@@ -739,12 +1177,39 @@ mod tests {
 
     #[test]
     fn records_round_trip_and_corruption_is_caught() {
-        let r = record(7, 0xdead_beef, 42, 64);
-        assert_eq!(parse(&r), Some((7, 0xdead_beef, 42)));
+        let rec = Rec {
+            slot: 7,
+            stream: 0xdead_beef,
+            seq: 42,
+            index: 1042,
+        };
+        let r = record(rec, 64);
+        assert_eq!(parse(&r), Some(rec));
         let mut bad = r.to_vec();
         bad[30] ^= 1;
         assert_eq!(parse(&bad), None);
         assert_eq!(parse(&r[..10]), None);
+    }
+
+    #[test]
+    fn acks_round_trip_and_garbage_is_refused() {
+        let ack = Ack {
+            slot: 3,
+            stream: 9,
+            verified: 15_625,
+            state: AckState::Dropped,
+        };
+        let bytes = encode_ack(&ack);
+        assert_eq!(parse_ack(&bytes), Some(ack));
+        let mut bad = bytes.to_vec();
+        bad[16] = 7;
+        let crc = crc32fast::hash(&bad[..ACK_LEN - CRC]);
+        bad[ACK_LEN - CRC..].copy_from_slice(&crc.to_be_bytes());
+        assert_eq!(parse_ack(&bad), None, "unknown state");
+        assert_eq!(parse_ack(&bytes[..ACK_LEN - 1]), None);
+        let mut flipped = bytes.to_vec();
+        flipped[5] ^= 1;
+        assert_eq!(parse_ack(&flipped), None);
     }
 
     #[test]
