@@ -13,6 +13,10 @@ use qpmux::mux::{
 };
 use rand::{Rng, SeedableRng};
 
+#[path = "common/slots.rs"]
+mod slots;
+use slots::{prefix_then_one_dropped, record, seq_of};
+
 const A: PeerId = PeerId(1);
 const B: PeerId = PeerId(2);
 const C: PeerId = PeerId(3);
@@ -39,17 +43,6 @@ async fn until(mut cond: impl FnMut() -> bool) {
     while !cond() {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-}
-
-fn record(slot: u64, n: u32, len: usize) -> Bytes {
-    let mut v = vec![(n % 251) as u8; len.max(12)];
-    v[..8].copy_from_slice(&slot.to_be_bytes());
-    v[8..12].copy_from_slice(&n.to_be_bytes());
-    Bytes::from(v)
-}
-
-fn seq_of(b: &Bytes) -> u32 {
-    u32::from_be_bytes(b[8..12].try_into().expect("4 bytes"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -278,22 +271,7 @@ async fn link_failure_delivers_then_drops_every_live_slot_exactly_once() {
     assert!(fabric.kill(A, B, EpochEnd::Fault(LinkFault::Injected)));
 
     for rx in &mut receivers {
-        let mut next = 1;
-        let mut terminals = 0;
-        while let Some(frame) = rx.recv().await {
-            match frame {
-                Frame::Data(d) => {
-                    assert_eq!(seq_of(&d), next, "delivered prefix stays in order");
-                    next += 1;
-                }
-                Frame::Dropped(DropReason::EpochEnded { epoch: e }) => {
-                    assert_eq!(e, epoch);
-                    terminals += 1;
-                }
-                other => panic!("unexpected {other:?}"),
-            }
-        }
-        assert_eq!(terminals, 1, "exactly one Dropped");
+        prefix_then_one_dropped(rx, epoch).await;
     }
     // Each end learns of the death on its own task; wait for both.
     until(|| {

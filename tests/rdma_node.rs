@@ -22,6 +22,10 @@ use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+#[path = "common/slots.rs"]
+mod slots;
+use slots::{prefix_then_one_dropped, record, seq_of};
+
 type Transport = RdmaTransport<SoftDevice>;
 type SoftMux = Mux<RdmaLink<SoftDevice>>;
 
@@ -80,17 +84,6 @@ async fn bounded<T>(f: impl Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(25), f)
         .await
         .expect("test did not reach its state")
-}
-
-fn record(slot: u64, n: u32, len: usize) -> Bytes {
-    let mut v = vec![(n % 251) as u8; len.max(12)];
-    v[..8].copy_from_slice(&slot.to_be_bytes());
-    v[8..12].copy_from_slice(&n.to_be_bytes());
-    Bytes::from(v)
-}
-
-fn seq_of(b: &Bytes) -> u32 {
-    u32::from_be_bytes(b[8..12].try_into().expect("4 bytes"))
 }
 
 /// Opens `slots` streams from `from` to `to_mux`'s node and sends `records`
@@ -229,22 +222,7 @@ async fn a_fault_drops_every_live_slot_once_then_the_next_epoch_works(fault: Fau
     }
 
     for rx in &mut receivers {
-        let mut next = 1;
-        let mut terminals = 0;
-        while let Some(frame) = rx.recv().await {
-            match frame {
-                Frame::Data(d) => {
-                    assert_eq!(seq_of(&d), next, "delivered prefix stays in order");
-                    next += 1;
-                }
-                Frame::Dropped(DropReason::EpochEnded { epoch: e }) => {
-                    assert_eq!(e, epoch);
-                    terminals += 1;
-                }
-                other => panic!("unexpected {other:?}"),
-            }
-        }
-        assert_eq!(terminals, 1, "exactly one Dropped");
+        prefix_then_one_dropped(rx, epoch).await;
     }
     until(|| a.mux().stats().slots_dropped == n_slots && b.mux().stats().slots_dropped == n_slots)
         .await;

@@ -18,11 +18,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use qpmux::link::rdma::{CreditSnapshot, RdmaConfig, RdmaLink, pair};
-use qpmux::mux::{
-    Dialer, DropReason, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, StreamKey, Terminal,
-};
+use qpmux::mux::{Dialer, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, StreamKey, Terminal};
 use qpmux::verbs::Device;
 use rand::{Rng, SeedableRng};
+
+#[path = "../common/slots.rs"]
+mod slots;
+use self::slots::{prefix_then_one_dropped, record, seq_of};
 
 /// Failsafe for one wait: far above any expected time (rxe under QEMU TCG
 /// included); it only turns a hang into a failure.
@@ -178,17 +180,6 @@ fn settled<D: Device + 'static>(from: &RdmaLink<D>, to: &RdmaLink<D>) -> bool {
         && s.held + s.reserved + s.unreturned == from.config().recv_depth as u32
 }
 
-fn record(slot: u64, n: u32, len: usize) -> Bytes {
-    let mut v = vec![(n % 251) as u8; len.max(12)];
-    v[..8].copy_from_slice(&slot.to_be_bytes());
-    v[8..12].copy_from_slice(&n.to_be_bytes());
-    Bytes::from(v)
-}
-
-fn seq_of(b: &Bytes) -> u32 {
-    u32::from_be_bytes(b[8..12].try_into().expect("4 bytes"))
-}
-
 /// Many slots stream through one link in order, exactly once, and credit
 /// (receive posts) keeps RNR unreachable: no RNR NAK, no epoch death.
 pub async fn many_slots_in_order_without_rnr<H: LinkHarness>(h: &mut H) {
@@ -329,22 +320,7 @@ pub async fn qp_death_drops_each_slot_once_then_new_epoch<H: LinkHarness>(h: &mu
     let (x, _) = fabric.links().expect("link");
     x.inject_qp_error().expect("modify_to_error");
     for rx in &mut receivers {
-        let mut next = 1;
-        let mut dropped = 0;
-        while let Some(frame) = bounded("the slot's end", rx.recv()).await {
-            match frame {
-                Frame::Data(d) => {
-                    assert_eq!(seq_of(&d), next, "the delivered prefix is in order");
-                    next += 1;
-                }
-                Frame::Dropped(DropReason::EpochEnded { epoch: e }) => {
-                    assert_eq!(e, epoch);
-                    dropped += 1;
-                }
-                other => panic!("unexpected {other:?}"),
-            }
-        }
-        assert_eq!(dropped, 1, "exactly one Dropped per slot");
+        bounded("the slot's end", prefix_then_one_dropped(rx, epoch)).await;
     }
     until("both muxes count every slot dropped", || {
         a.stats().slots_dropped == n_slots && b.stats().slots_dropped == n_slots
