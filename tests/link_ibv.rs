@@ -5,6 +5,9 @@
 //! (`tests/rxe/run.sh`) runs it on kernel rxe inside a QEMU guest.
 #![cfg(feature = "ibverbs")]
 
+#[path = "common/ibv.rs"]
+mod ibv_device;
+
 #[macro_use]
 mod link_suite;
 
@@ -18,23 +21,7 @@ struct IbvHarness {
 impl IbvHarness {
     /// The harness, or `None` after printing why the tests skip.
     fn new() -> Option<IbvHarness> {
-        if std::env::var("QPMUX_IBV").is_ok_and(|v| v == "0") {
-            eprintln!("skipping: QPMUX_IBV=0");
-            return None;
-        }
-        let cfg = IbvConfig {
-            device: std::env::var("QPMUX_IBV_DEVICE").ok(),
-            ..IbvConfig::default()
-        };
-        match IbvDevice::open(cfg.clone()) {
-            Ok(_) => Some(IbvHarness { cfg }),
-            Err(e) => {
-                let strict = std::env::var("QPMUX_IBV_REQUIRE").is_ok_and(|v| v == "1");
-                assert!(!strict, "QPMUX_IBV_REQUIRE=1 but: {e}");
-                eprintln!("skipping the link suite over libibverbs: {e}");
-                None
-            }
-        }
+        ibv_device::config_or_skip("the link suite over libibverbs").map(|cfg| IbvHarness { cfg })
     }
 }
 
