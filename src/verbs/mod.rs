@@ -677,6 +677,9 @@ pub trait Device: Send + Sync + Sized {
 
     /// Device name (`ibv_get_device_name`).
     fn name(&self) -> &str;
+    /// True if registration pins pages against `RLIMIT_MEMLOCK` (a kernel
+    /// provider); the soft provider's regions are ordinary heap memory.
+    fn pins_memory(&self) -> bool;
     /// Port attributes.
     fn query_port(&self) -> PortAttr;
     /// Allocate a protection domain.

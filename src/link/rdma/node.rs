@@ -380,13 +380,15 @@ impl<D: Device + 'static> RdmaTransport<D> {
     ///
     /// Fails with `InvalidInput` when one link alone exceeds
     /// `max_registered`; a memlock limit below it is logged as a warning
-    /// (see [`RdmaNodeConfig::preflight`]).
+    /// on a device that pins memory (see [`RdmaNodeConfig::preflight`]).
     pub async fn start(device: D, config: RdmaNodeConfig) -> io::Result<RdmaTransport<D>> {
         match config.preflight() {
             Ok(()) => {}
-            Err(err @ RdmaError::MemlockTooSmall { .. }) => {
-                tracing::warn!(%err, "memlock preflight: registration may fail on a pinning provider");
+            Err(err @ RdmaError::MemlockTooSmall { .. }) if device.pins_memory() => {
+                tracing::warn!(%err, "memlock preflight: registration may fail");
             }
+            // Nothing is pinned: the limit does not apply to this device.
+            Err(RdmaError::MemlockTooSmall { .. }) => {}
             Err(err) => return Err(io::Error::new(io::ErrorKind::InvalidInput, err)),
         }
         let epochs = RdmaEpochs::new(device, config.rdma, config.liveness)

@@ -668,6 +668,10 @@ impl Device for IbvDevice {
         &self.inner.name
     }
 
+    fn pins_memory(&self) -> bool {
+        true
+    }
+
     fn query_port(&self) -> PortAttr {
         let mut attr = self.inner.attr.clone();
         // The active MTU follows the netdev MTU; re-read it.

@@ -258,6 +258,10 @@ impl Device for SoftDevice {
         SOFT_DEVICE_NAME
     }
 
+    fn pins_memory(&self) -> bool {
+        false
+    }
+
     fn query_port(&self) -> PortAttr {
         let core = self.shared.core();
         PortAttr {
