@@ -15,7 +15,7 @@ use qpmux::velo::{QpmuxFrameTransport, QpmuxTransport, VeloConfig, velo_frames};
 use velo::messenger::Messenger;
 use velo::streaming::{AnchorManager, AnchorManagerBuilder, FrameTransport, StreamFrame};
 use velo_ext::Transport;
-use velo_nodes::{Kind, Shape, collect};
+use velo_nodes::{Kind, Shape, collect, until};
 
 velo_kinds!(
     ten_thousand_items_through_the_native_mux_frame_transport,
@@ -155,7 +155,15 @@ async fn raw_channels_keep_fifo_and_epoch_death_is_velos_dropped<K: Kind>() {
     assert!(matches!(decoded, StreamFrame::Dropped));
 
     // A sender velo drops without a terminal also ends as Dropped (on the
-    // next epoch: the node redials).
+    // next epoch: the node redials). Both ends must have seen the death
+    // first: a slot opened while its epoch is still dying dies with it
+    // before its Open leaves, and then no receiver hears of it.
+    until("both ends saw the epoch die", || {
+        [&a, &b]
+            .iter()
+            .all(|w| w.transport.as_mux().expect("mux").stats().epoch_deaths >= 1)
+    })
+    .await;
     let rx = a.frames.bind(7, 3).await.expect("bind");
     let tx = b.frames.connect(worker_a, 7, 3).await.expect("connect");
     drop(tx);
