@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 
 #[path = "common/slots.rs"]
 mod slots;
-use slots::{prefix_then_one_dropped, record, seq_of};
+use slots::{in_order_to_finalized, prefix_then_one_dropped, record, seq_of};
 
 const A: PeerId = PeerId(1);
 const B: PeerId = PeerId(2);
@@ -58,18 +58,7 @@ async fn thousand_slots_to_several_peers_arrive_in_order_exactly_once() {
             let key = StreamKey::new(peer.0, s);
             let mut rx = mux.bind(key).expect("bind");
             consumers.push(tokio::spawn(async move {
-                let mut next = 0u32;
-                while let Some(frame) = rx.recv().await {
-                    match frame {
-                        Frame::Data(d) => {
-                            assert_eq!(seq_of(&d), next, "in order, exactly once");
-                            next += 1;
-                        }
-                        Frame::Finalized => break,
-                        other => panic!("unexpected {other:?}"),
-                    }
-                }
-                next
+                in_order_to_finalized(&mut rx).await.0
             }));
             let mut tx = a.open(peer, key).expect("open");
             producers.push(tokio::spawn(async move {

@@ -24,7 +24,7 @@ use tokio::net::TcpStream;
 
 #[path = "common/slots.rs"]
 mod slots;
-use slots::{prefix_then_one_dropped, record, seq_of};
+use slots::{in_order_to_finalized, prefix_then_one_dropped, record, seq_of};
 
 type Transport = RdmaTransport<SoftDevice>;
 type SoftMux = Mux<RdmaLink<SoftDevice>>;
@@ -98,19 +98,7 @@ async fn stream(from: &SoftMux, to: PeerId, to_mux: &SoftMux, anchor: u64, slots
         let key = StreamKey::new(anchor, s);
         let mut rx = to_mux.bind(key).expect("bind");
         consumers.push(tokio::spawn(async move {
-            let mut next = 0u32;
-            while let Some(frame) = rx.recv().await {
-                match frame {
-                    Frame::Data(d) => {
-                        assert_eq!(seq_of(&d), next, "in order, exactly once");
-                        assert!(d[12..].iter().all(|&b| b == (next % 251) as u8), "intact");
-                        next += 1;
-                    }
-                    Frame::Finalized => break,
-                    other => panic!("unexpected {other:?}"),
-                }
-            }
-            next
+            in_order_to_finalized(&mut rx).await.0
         }));
         let mut tx = from.open(to, key).expect("open");
         producers.push(tokio::spawn(async move {

@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 
 #[path = "common/slots.rs"]
 mod slots;
-use slots::{prefix_then_one_dropped, record, seq_of};
+use slots::{in_order_to_finalized, prefix_then_one_dropped, record, seq_of};
 
 const A: PeerId = PeerId(1);
 const B: PeerId = PeerId(2);
@@ -78,23 +78,9 @@ async fn stream(from: &Mux<TcpLink>, to: PeerId, to_mux: &Mux<TcpLink>, anchor: 
     for s in 0..slots {
         let key = StreamKey::new(anchor, s);
         let mut rx = to_mux.bind(key).expect("bind");
-        consumers.push(tokio::spawn(async move {
-            let mut next = 0u32;
-            let mut bytes = 0usize;
-            while let Some(frame) = rx.recv().await {
-                match frame {
-                    Frame::Data(d) => {
-                        assert_eq!(seq_of(&d), next, "in order, exactly once");
-                        assert!(d[12..].iter().all(|&b| b == (next % 251) as u8), "intact");
-                        bytes += d.len();
-                        next += 1;
-                    }
-                    Frame::Finalized => break,
-                    other => panic!("unexpected {other:?}"),
-                }
-            }
-            (next, bytes)
-        }));
+        consumers.push(tokio::spawn(
+            async move { in_order_to_finalized(&mut rx).await },
+        ));
         let mut tx = from.open(to, key).expect("open");
         producers.push(tokio::spawn(async move {
             let mut rng = rand::rngs::SmallRng::seed_from_u64(anchor * 1000 + s);

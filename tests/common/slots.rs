@@ -41,3 +41,24 @@ pub async fn prefix_then_one_dropped(rx: &mut SlotReceiver, epoch: Epoch) -> u32
     assert_eq!(dropped, 1, "exactly one Dropped per slot");
     next - 1
 }
+
+/// Reads `rx` to its `Finalized`: records numbered from 0 in order, each
+/// intact (every byte after the header is the fill [`record`] wrote).
+/// Returns the records and bytes read.
+pub async fn in_order_to_finalized(rx: &mut SlotReceiver) -> (u32, usize) {
+    let mut next = 0u32;
+    let mut bytes = 0usize;
+    while let Some(frame) = rx.recv().await {
+        match frame {
+            Frame::Data(d) => {
+                assert_eq!(seq_of(&d), next, "in order, exactly once");
+                assert!(d[12..].iter().all(|&b| b == (next % 251) as u8), "intact");
+                bytes += d.len();
+                next += 1;
+            }
+            Frame::Finalized => return (next, bytes),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    panic!("the stream ended without Finalized after {next} records");
+}

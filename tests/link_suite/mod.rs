@@ -24,7 +24,7 @@ use rand::{Rng, SeedableRng};
 
 #[path = "../common/slots.rs"]
 mod slots;
-use self::slots::{prefix_then_one_dropped, record, seq_of};
+use self::slots::{in_order_to_finalized, prefix_then_one_dropped, record, seq_of};
 
 /// Failsafe for one wait: far above any expected time (rxe under QEMU TCG
 /// included); it only turns a hang into a failure.
@@ -192,19 +192,7 @@ pub async fn many_slots_in_order_without_rnr<H: LinkHarness>(h: &mut H) {
         let key = StreamKey::new(1, s);
         let mut rx = b.bind(key).expect("bind");
         consumers.push(tokio::spawn(async move {
-            let mut next = 0u32;
-            while let Some(frame) = rx.recv().await {
-                match frame {
-                    Frame::Data(d) => {
-                        assert_eq!(seq_of(&d), next, "in order, exactly once");
-                        assert_eq!(d[d.len() - 1], (next % 251) as u8, "intact");
-                        next += 1;
-                    }
-                    Frame::Finalized => break,
-                    other => panic!("unexpected {other:?}"),
-                }
-            }
-            next
+            in_order_to_finalized(&mut rx).await.0
         }));
         let mut tx = a.open(B, key).expect("open");
         producers.push(tokio::spawn(async move {
