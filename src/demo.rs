@@ -148,6 +148,9 @@ pub fn open_fds() -> u64 {
     std::fs::read_dir("/proc/self/fd").map_or(0, |dir| dir.count() as u64)
 }
 
+/// The stamp of a priming record, which is neither counted nor timed.
+const PRIMING_STAMP: u64 = u64::MAX;
+
 /// Runs `workload` from node `a` to node `b` (registering `b` with `a`).
 pub async fn run_nodes<N: Node>(a: &N, b: &N, anchor: u64, workload: Workload) -> Report {
     let peer = a
@@ -159,6 +162,8 @@ pub async fn run_nodes<N: Node>(a: &N, b: &N, anchor: u64, workload: Workload) -
 /// Runs `workload` from `sender` to every target: each target's mux
 /// receives `workload.streams` streams, which the sender reaches as its
 /// `PeerId`. Every pass sends one record on every stream of every target.
+/// One priming record per fast stream crosses first, outside the clock,
+/// CPU and batch counts, so links are up and slots open when timing starts.
 pub async fn run<L: Link>(
     sender: &Mux<L>,
     targets: &[(&Mux<L>, PeerId)],
@@ -169,6 +174,8 @@ pub async fn run<L: Link>(
     let received = Arc::new(AtomicU64::new(0));
     let progress = Arc::new(Notify::new());
     let total = workload.fast_streams() * workload.passes * targets.len() as u64;
+    let fast_total = workload.fast_streams() * targets.len() as u64;
+    let primed = Arc::new(AtomicU64::new(0));
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
     let record_size = workload.record_size.max(16);
     let mut consumers = Vec::new();
@@ -198,13 +205,22 @@ pub async fn run<L: Link>(
                 }));
                 continue;
             }
-            let (received, progress, latencies) =
-                (received.clone(), progress.clone(), latencies.clone());
+            let (received, progress, latencies, primed) = (
+                received.clone(),
+                progress.clone(),
+                latencies.clone(),
+                primed.clone(),
+            );
             consumers.push(tokio::spawn(async move {
                 let mut local = Vec::new();
                 while let Some(frame) = rx.recv().await {
                     let Frame::Data(record) = frame else { break };
                     let stamp = u64::from_be_bytes(record[..8].try_into().expect("stamped"));
+                    if stamp == PRIMING_STAMP {
+                        primed.fetch_add(1, Ordering::Relaxed);
+                        progress.notify_one();
+                        continue;
+                    }
                     let now = origin.elapsed().as_nanos() as u64;
                     local.push(now.saturating_sub(stamp));
                     received.fetch_add(1, Ordering::Relaxed);
@@ -215,11 +231,22 @@ pub async fn run<L: Link>(
             senders.push(tx);
         }
     }
+    // Every fast stream carries one record end to end before the clock
+    // starts, so no measured record waits on a dial or a slot's first Open.
+    let mut record = vec![0u8; record_size];
+    record[..8].copy_from_slice(&PRIMING_STAMP.to_be_bytes());
+    for tx in &mut senders {
+        tx.send(Bytes::copy_from_slice(&record))
+            .await
+            .expect("send");
+    }
+    while primed.load(Ordering::Relaxed) < fast_total {
+        progress.notified().await;
+    }
     let before = sender.stats();
     reset_peak_rss();
     let cpu_before = process_cpu();
     let start = Instant::now();
-    let mut record = vec![0u8; record_size];
     for _ in 0..workload.passes {
         for tx in &mut senders {
             let stamp = origin.elapsed().as_nanos() as u64;
