@@ -78,6 +78,9 @@ enum Victim {
 struct Resources {
     qps: (usize, usize),
     mrs: (usize, usize),
+    /// Send-pool chunks held plus free (each node's pool size unless one was
+    /// lost or returned twice), and links holding a lease on it.
+    pool: ((usize, usize), (usize, usize)),
     tasks: usize,
     fds: usize,
 }
@@ -86,11 +89,17 @@ fn resources(a: &Transport, b: &Transport) -> Resources {
     Resources {
         qps: (a.device().qp_count(), b.device().qp_count()),
         mrs: (a.device().mr_count(), b.device().mr_count()),
+        pool: (pool(a), pool(b)),
         tasks: tokio::runtime::Handle::current()
             .metrics()
             .num_alive_tasks(),
         fds: std::fs::read_dir("/proc/self/fd").expect("procfs").count(),
     }
+}
+
+fn pool(t: &Transport) -> (usize, usize) {
+    let p = t.pool_stats();
+    (p.in_use + p.free, p.leases)
 }
 
 /// One round: S slots stream until `victim`'s QP dies under them. Returns
@@ -243,6 +252,12 @@ async fn repeated_qp_deaths_drop_each_live_slot_once_and_leak_nothing() {
         .expect("first epoch");
     let before = resources(&a, &b);
     assert_eq!(before.qps, (1, 1), "one QP per side");
+    let chunks = a.pool_stats().chunks;
+    assert_eq!(
+        before.pool,
+        ((chunks, 1), (chunks, 1)),
+        "one lease per side"
+    );
 
     let started = Instant::now();
     let mut dropped = 0;

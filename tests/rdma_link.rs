@@ -407,3 +407,55 @@ async fn a_batch_larger_than_the_receive_buffer_ends_the_epoch() {
 // The mux over the RDMA link (many slots, a stalled receiver, a QP death)
 // is the provider-generic suite in tests/link_suite/, run here by
 // tests/link_soft.rs and on kernel rxe by tests/link_ibv.rs.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credit_returns_while_every_send_buffer_is_held() {
+    // One send buffer, held unposted: A's credit-only messages need none.
+    let (da, db) = (device().await, device().await);
+    let one = RdmaConfig {
+        send_buffers: 1,
+        ..config(4)
+    };
+    let (a, b) = pair(&da, &db, Epoch(1), one).expect("pair");
+    let held = a.reserve().await.expect("A's only buffer");
+    assert_eq!(a.send_pool().stats().free, 0, "the pool is empty");
+    assert!(reserve_waits(&a).await);
+    for n in 0..20u8 {
+        send(&b, &[n; 64]).await;
+        let batch = a.recv().await.expect("batch");
+        assert_eq!(&batch[..], &[n; 64][..]);
+    }
+    assert!(
+        a.stats().credit_only_sent >= 5,
+        "20 batches on 4 credits came back as credit-only messages: {:?}",
+        a.stats()
+    );
+    drop(held);
+    send(&a, b"after").await;
+    assert_eq!(&b.recv().await.expect("batch")[..], b"after");
+    assert_eq!((a.end_reason(), b.end_reason()), (None, None));
+    assert_eq!(db.counters().rnr_naks_received, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_link_returns_every_chunk_even_those_no_completion_reports() {
+    let (_da, _db, a, b) = linked(8).await;
+    let pool = a.send_pool().clone();
+    assert_eq!(pool.stats().chunks, 8, "a private pool of send_buffers");
+    for n in 0..3u8 {
+        send(&a, &[n; 100]).await;
+    }
+    for n in 0..3u8 {
+        assert_eq!(b.recv().await.expect("batch")[0], n);
+    }
+    // Delivered, but posted unsignaled (3 of 8, nobody waiting): no
+    // completion reports them, so the chunks stay with the link for now.
+    assert_eq!((pool.stats().in_use, pool.stats().free), (3, 5));
+    a.inject_qp_error().expect("QP to ERR");
+    until(|| a.end_reason().is_some()).await;
+    // The QP's flush cannot report them either; the reset after it does.
+    tokio::time::timeout(Duration::from_secs(20), until(|| pool.stats().in_use == 0))
+        .await
+        .expect("every chunk comes back");
+    assert_eq!(pool.stats().free, 8, "each chunk back exactly once");
+}

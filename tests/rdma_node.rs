@@ -477,3 +477,140 @@ async fn a_peer_with_another_receive_depth_is_refused_without_a_qp_and_not_hamme
     })
     .await;
 }
+
+/// A node whose send pool holds `pool_buffers` chunks; links retransmit
+/// only every ~2 s (`timeout` 19), so a partitioned peer's SENDs stay in
+/// flight, holding their chunks, for the whole test.
+async fn pooled(id: PeerId, pool_buffers: usize) -> Transport {
+    let base = config(id, None);
+    let config = RdmaNodeConfig {
+        pool_buffers,
+        rdma: RdmaConfig {
+            timeout: 19,
+            ..base.rdma
+        },
+        ..base
+    };
+    RdmaTransport::start(device().await, config)
+        .await
+        .expect("start")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_peers_stream_through_a_send_pool_smaller_than_their_send_buffers() {
+    bounded(async {
+        // 3 chunks for 4 links of 8 send buffers; one link holds at most 2.
+        let a = pooled(A, 3).await;
+        let mut peers = Vec::new();
+        for id in [B, C, D, E] {
+            peers.push(transport(id, None).await);
+        }
+        let mut all: Vec<&Transport> = peers.iter().collect();
+        all.push(&a);
+        mesh(&all);
+        fn run<'a>(a: &'a Transport, p: &'a Transport) -> impl Future<Output = ()> + 'a {
+            stream(a.mux(), p.node().id(), p.mux(), p.node().id().0, 100)
+        }
+        tokio::join!(
+            run(&a, &peers[0]),
+            run(&a, &peers[1]),
+            run(&a, &peers[2]),
+            run(&a, &peers[3])
+        );
+        for p in &peers {
+            assert_eq!(a.mux().epoch(p.node().id()), Some(Epoch(1)));
+            assert_eq!(p.mux().stats().slots_dropped, 0);
+            no_rnr(p);
+        }
+        let pool = a.pool_stats();
+        assert_eq!((pool.chunks, pool.leases), (3, 4));
+        assert_eq!(pool.in_use + pool.free, 3);
+        assert_eq!(
+            a.device().mr_count(),
+            1 + 4 * 16,
+            "one pool MR and four receive rings"
+        );
+        no_rnr(&a);
+    })
+    .await;
+}
+
+/// Binds a slot on `to` and floods it from `from` with six records larger
+/// than a batch; the producer runs on its own and says whether every record
+/// and the finish were accepted.
+fn flood(
+    from: &Transport,
+    to: &Transport,
+    anchor: u64,
+) -> (qpmux::mux::SlotReceiver, tokio::task::JoinHandle<bool>) {
+    let key = StreamKey::new(anchor, 0);
+    let rx = to.mux().bind(key).expect("bind");
+    let mut tx = from.mux().open(to.node().id(), key).expect("open");
+    let producer = tokio::spawn(async move {
+        for n in 0..6 {
+            if tx.send(record(0, n, 20_000)).await.is_err() {
+                return false;
+            }
+        }
+        tx.finish(Terminal::Finalized).is_ok()
+    });
+    (rx, producer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_whose_sends_cannot_complete_does_not_starve_another() {
+    bounded(async {
+        // 4 chunks: a link holds at most 2 of them, below its 8 send buffers.
+        let a = pooled(A, 4).await;
+        let b = pooled(B, 4).await;
+        let c = pooled(C, 4).await;
+        mesh(&[&a, &b, &c]);
+        a.node().connect(B).await.expect("link to B");
+        a.node().connect(C).await.expect("link to C");
+        b.device().set_partitioned(true);
+        let (mut rx_b, producer) = flood(&a, &b, 1);
+        // B's link takes its share and keeps it: nothing it sends completes.
+        until(|| a.pool_stats().in_use >= 2).await;
+        let to_b = a.node().link(B).expect("link to B");
+        stream(a.mux(), C, c.mux(), 3, 50).await;
+        assert_eq!(to_b.end_reason(), None, "B's link was stuck, not dead");
+        assert_eq!(to_b.stats().batches_received, 0, "B stayed cut off");
+        b.device().set_partitioned(false);
+        assert_eq!(in_order_to_finalized(&mut rx_b).await.0, 6);
+        assert!(producer.await.expect("producer"), "all accepted");
+        assert_eq!(a.mux().epoch(B), Some(Epoch(1)), "no epoch died");
+        assert_eq!(a.mux().epoch(C), Some(Epoch(1)));
+        for t in [&a, &b, &c] {
+            no_rnr(t);
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_epoch_death_returns_every_chunk_and_the_next_epoch_works() {
+    bounded(async {
+        let a = pooled(A, 4).await;
+        let b = pooled(B, 4).await;
+        mesh(&[&a, &b]);
+        a.node().connect(B).await.expect("link");
+        b.device().set_partitioned(true);
+        let (_rx_b, producer) = flood(&a, &b, 1);
+        until(|| a.pool_stats().in_use == 2).await;
+        let link = a.node().link(B).expect("link");
+        link.inject_qp_error().expect("QP to ERR");
+        // The flushed SENDs give their chunks back, each exactly once.
+        until(|| a.pool_stats().in_use == 0).await;
+        assert_eq!(a.pool_stats().free, 4);
+        assert!(matches!(link.end_reason(), Some(EpochEnd::Fault(_))));
+        drop(producer); // its records were queued; the dead epoch dropped them
+        b.device().set_partitioned(false);
+        drop(link);
+        stream(a.mux(), B, b.mux(), 7, 8).await;
+        assert_eq!(a.mux().epoch(B), Some(Epoch(2)));
+        let pool = a.pool_stats();
+        assert_eq!(pool.in_use + pool.free, 4);
+        no_rnr(&a);
+    })
+    .await;
+}

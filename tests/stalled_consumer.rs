@@ -162,7 +162,7 @@ async fn a_stalled_consumer_back_pressures_the_producer_within_the_byte_budgets(
 
     let budgets = PEER_BUDGET
         + SLOTS as usize * (SLOT_BUDGET + SLOT_WINDOW as usize)
-        + 2 * (RECV_DEPTH + SEND_BUFFERS) * MAX_BATCH;
+        + 2 * (config(A).pool_bytes() + config(A).rdma.ring_bytes());
     let bound = budgets as u64 + SLACK;
     let growth = peak.saturating_sub(baseline);
     eprintln!(

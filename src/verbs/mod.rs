@@ -1,7 +1,7 @@
 //! Verbs provider seam: the subset of RDMA verbs one RC mux link needs.
 //!
 //! ```text
-//!  link/rdma ── Device ──► ProtectionDomain ─► MemoryRegion (lkey, safe byte access)
+//!  link/rdma ── Device ──► ProtectionDomain ─► MemoryRegion (lkey, chunk guards, safe byte access)
 //!                 │
 //!                 ├──────► CompletionQueue  (poll into a slice; arm + await, one shot)
 //!                 └──────► QueuePair (RC)   RESET ─► INIT ─► RTR ─► RTS, any ─► ERR
@@ -684,11 +684,22 @@ pub trait Device: Send + Sync + Sized {
     fn query_port(&self) -> PortAttr;
     /// Allocate a protection domain.
     fn alloc_pd(&self) -> Result<Self::Pd, VerbsError>;
-    /// Register `len` zeroed bytes under `pd` with `access`.
+    /// Register `len` zeroed bytes under `pd` with `access`: one chunk.
     fn reg_mr(
         &self,
         pd: &Self::Pd,
         len: usize,
+        access: AccessFlags,
+    ) -> Result<Self::Mr, VerbsError>;
+    /// Register `chunks × chunk_len` zeroed bytes under `pd` as ONE region
+    /// (one lkey) whose chunks are locked independently
+    /// ([`MemoryRegion::try_lock_chunk`]): a pool of buffers in one MR.
+    /// Both counts must be at least 1.
+    fn reg_chunked_mr(
+        &self,
+        pd: &Self::Pd,
+        chunk_len: usize,
+        chunks: usize,
         access: AccessFlags,
     ) -> Result<Self::Mr, VerbsError>;
     /// Create a completion queue of `depth` entries.
@@ -705,18 +716,32 @@ pub trait Device: Send + Sync + Sized {
 
 /// A registered memory region with safe, bounds-checked byte access.
 ///
-/// The closures run under the region's lock: do not call other verbs inside
-/// them.
+/// A region is a row of equal chunks, each behind its own lock: one chunk
+/// (the whole region) from [`Device::reg_mr`], `chunks` of them from
+/// [`Device::reg_chunked_mr`]. Chunk guards are owned, `'static` and
+/// exclusive: the region itself refuses a second guard on a held chunk, and
+/// `with`/`with_mut` (and the provider's gather and scatter) lock every
+/// chunk they touch. The closures run under those locks: do not call other
+/// verbs inside them.
 pub trait MemoryRegion: Send + Sync {
-    /// Owned, exclusive access to the whole region (see [`Self::lock_owned`]).
+    /// Owned, exclusive access to one chunk (see [`Self::lock_chunk`]).
     type Guard: std::ops::DerefMut<Target = [u8]> + Send + 'static;
 
-    /// Exclusive access to the whole region that can be held across awaits
-    /// without a closure (a send buffer the mux encodes into in place). It
-    /// holds the same lock the provider takes to gather and scatter: drop it
-    /// before naming the region in a posted WR, and never hold it while the
-    /// region is in flight.
-    fn lock_owned(&self) -> Self::Guard;
+    /// Exclusive access to chunk `index` (bytes `index × chunk_len ..` of
+    /// the region) that can be held across awaits without a closure: a send
+    /// buffer the mux encodes into in place. Waits while another guard, a
+    /// closure or the provider holds the chunk; `None` past the last chunk.
+    /// The provider gathers and scatters under the same lock: drop the guard
+    /// before naming the chunk in a posted WR, and never hold it while the
+    /// chunk is in flight.
+    fn lock_chunk(&self, index: usize) -> Option<Self::Guard>;
+    /// As [`Self::lock_chunk`] without waiting: `None` while the chunk is
+    /// held, or past the last chunk.
+    fn try_lock_chunk(&self, index: usize) -> Option<Self::Guard>;
+    /// Bytes per chunk (the whole length for a region from `reg_mr`).
+    fn chunk_len(&self) -> usize;
+    /// How many chunks (1 for a region from `reg_mr`).
+    fn chunks(&self) -> usize;
     /// Local key.
     fn lkey(&self) -> Lkey;
     /// Length in bytes.

@@ -761,6 +761,66 @@ pub async fn cq_notify_is_one_shot<H: Harness>(h: &mut H) {
     );
 }
 
+/// One region of chunks (`reg_chunked_mr`): chunk guards are exclusive and
+/// cover their own bytes, and SGEs naming (region, offset, len) send exactly
+/// those bytes, inside one chunk or across two.
+pub async fn chunked_region<H: Harness>(h: &mut H) {
+    let (mut a, mut b) = connect(h, Params::default()).await;
+    assert_eq!(
+        a.dev
+            .reg_chunked_mr(&a.pd, 1000, 0, AccessFlags::LOCAL_READ)
+            .err(),
+        Some(VerbsError::InvalidAttr { attr: "chunks" })
+    );
+    let pool = a
+        .dev
+        .reg_chunked_mr(&a.pd, 1000, 4, AccessFlags::LOCAL_READ)
+        .expect("reg_chunked_mr");
+    assert_eq!(
+        (pool.len(), pool.chunk_len(), pool.chunks()),
+        (4000, 1000, 4)
+    );
+    let mut guards: Vec<_> = (0..4)
+        .map(|i| pool.try_lock_chunk(i).expect("free chunk"))
+        .collect();
+    assert!(pool.try_lock_chunk(4).is_none(), "past the last chunk");
+    for (i, g) in guards.iter_mut().enumerate() {
+        assert!(pool.try_lock_chunk(i).is_none(), "chunk {i} is held");
+        assert_eq!(g.len(), 1000);
+        g.fill(b'a' + i as u8);
+    }
+    drop(guards);
+    assert_eq!(
+        pool.read(999, 2).expect("read"),
+        b"ab",
+        "chunks are adjacent"
+    );
+    let sends = [(2000, 1000), (1500, 1000)]; // one chunk; half of two
+    for (n, &(offset, len)) in sends.iter().enumerate() {
+        b.post_recv(10 + n as u64, n * 1000, 1000);
+        let sge = [Sge {
+            mr: &pool,
+            offset,
+            len,
+        }];
+        a.qp.post_send(&[SendWr {
+            wr_id: n as u64,
+            opcode: SendOpcode::Send,
+            sg_list: &sge,
+            signaled: true,
+            inline: false,
+        }])
+        .expect("post from a chunk");
+    }
+    assert!(wait_wcs(h, &mut a, 2, 0).await);
+    assert!(wait_wcs(h, &mut b, 0, 2).await);
+    assert!(a.sends.iter().all(|wc| wc.status == WcStatus::Success));
+    assert_eq!(b.mr.read(0, 1000).expect("read"), vec![b'c'; 1000]);
+    let mut spanning = vec![b'b'; 500];
+    spanning.extend_from_slice(&[b'c'; 500]);
+    assert_eq!(b.mr.read(1000, 1000).expect("read"), spanning);
+}
+
 /// Instantiate every property for a harness constructor.
 #[macro_export]
 macro_rules! verbs_suite {
@@ -802,6 +862,10 @@ macro_rules! verbs_suite {
         #[tokio::test]
         async fn state_machine_misuse() {
             verbs_suite::state_machine_misuse(&mut $make).await;
+        }
+        #[tokio::test]
+        async fn chunked_region() {
+            verbs_suite::chunked_region(&mut $make).await;
         }
         #[tokio::test]
         async fn cq_notify_is_one_shot() {

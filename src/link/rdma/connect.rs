@@ -1,8 +1,9 @@
 //! Bringing a link end up: resources, INIT, receives, then RTR and RTS.
 //!
 //! ```text
-//!  PreparedEnd::new(dev)  PD, CQ, QP (RESET→INIT), send MRs (local read),
-//!                         receive MRs (local write), R receives posted
+//!  PreparedEnd::on_pool   CQ, QP (RESET→INIT) on the send pool's PD, receive MRs
+//!                         (local write), R receives posted, a lease on the pool
+//!  PreparedEnd::new(dev)  the same on a private pool of send_buffers chunks
 //!  .address()             QpAddress to publish (the QP part of the hello)
 //!  .connect(peer, epoch)  RTR (receives already posted) → RTS → poller spawned
 //!  pair(a, b, epoch)      both ends in process, addresses exchanged directly
@@ -19,6 +20,7 @@ use tokio::sync::Notify;
 use tracing::Instrument;
 
 use super::credit::Credit;
+use super::pool::SendPool;
 use super::registered::{RegisteredBudget, Registration};
 use super::{Handle, LinkStats, RECV_TAG, RdmaConfig, RdmaError, RdmaLink, Shared, State, poller};
 use crate::link::{EpochEnd, Link};
@@ -35,21 +37,21 @@ pub struct PreparedEnd<D: Device + 'static> {
     local_mtu: Mtu,
     qp: D::Qp,
     cq: D::Cq,
-    send_mrs: Vec<D::Mr>,
     recv_mrs: Vec<D::Mr>,
-    pd: D::Pd,
+    pool: SendPool<D>,
     registration: Registration,
 }
 
 impl<D: Device + 'static> PreparedEnd<D> {
-    /// Creates the PD, one CQ for both queues, the QP (to INIT), one MR per
-    /// send and receive buffer (no remote access), and posts every receive.
-    /// Not counted against any bound; a node uses [`PreparedEnd::within`].
+    /// A stand-alone end (tests, benches, `pair`): a private send pool of
+    /// `send_buffers` chunks in one MR, then as [`PreparedEnd::on_pool`].
+    /// Not counted against any bound; a node uses [`PreparedEnd::on_pool`].
     pub fn new(dev: &D, config: RdmaConfig) -> Result<PreparedEnd<D>, RdmaError> {
         PreparedEnd::within(dev, config, &RegisteredBudget::unbounded())
     }
 
-    /// As [`PreparedEnd::new`], first taking the buffers' bytes from `budget`
+    /// As [`PreparedEnd::new`], first taking the private pool's and the
+    /// receive ring's bytes ([`RdmaConfig::registered_bytes`]) from `budget`
     /// ([`RdmaError::RegisteredLimit`] before anything is created if they do
     /// not fit). The bytes go back when the link's resources are destroyed.
     pub fn within(
@@ -59,8 +61,47 @@ impl<D: Device + 'static> PreparedEnd<D> {
     ) -> Result<PreparedEnd<D>, RdmaError> {
         config.validate()?;
         let registration = budget.reserve(config.registered_bytes())?;
+        // Its bytes are in `registration`.
+        let pool = SendPool::new(
+            dev,
+            config.max_batch,
+            config.send_buffers,
+            &RegisteredBudget::unbounded(),
+        )?;
+        PreparedEnd::build(dev, pool, config, registration)
+    }
+
+    /// Creates one CQ for both queues and the QP (to INIT) on `pool`'s PD,
+    /// one MR per receive buffer (local write, no remote access), and posts
+    /// every receive; sends take chunks of `pool` (at most `send_buffers` at
+    /// once). The receive ring's bytes ([`RdmaConfig::ring_bytes`]) come
+    /// from `budget` first. `pool` must be on `dev`, with chunks of
+    /// `max_batch` bytes.
+    pub fn on_pool(
+        dev: &D,
+        pool: &SendPool<D>,
+        config: RdmaConfig,
+        budget: &RegisteredBudget,
+    ) -> Result<PreparedEnd<D>, RdmaError> {
+        config.validate()?;
+        if pool.chunk_len() != config.max_batch {
+            return Err(RdmaError::InvalidConfig {
+                field: "max_batch (differs from the send pool's chunk)",
+                value: config.max_batch,
+            });
+        }
+        let registration = budget.reserve(config.ring_bytes())?;
+        PreparedEnd::build(dev, pool.clone(), config, registration)
+    }
+
+    fn build(
+        dev: &D,
+        pool: SendPool<D>,
+        config: RdmaConfig,
+        registration: Registration,
+    ) -> Result<PreparedEnd<D>, RdmaError> {
         let port = dev.query_port();
-        let pd = dev.alloc_pd()?;
+        let pd = pool.pd();
         let cq = dev.create_cq(config.cq_depth())?;
         let caps = QpCaps {
             max_send_wr: config.sq_depth(),
@@ -68,12 +109,9 @@ impl<D: Device + 'static> PreparedEnd<D> {
             max_sge: 1,
             max_inline_data: 0,
         };
-        let qp = dev.create_qp(&pd, &cq, &cq, caps)?;
-        let send_mrs = (0..config.send_buffers)
-            .map(|_| dev.reg_mr(&pd, config.max_batch, AccessFlags::LOCAL_READ))
-            .collect::<Result<Vec<_>, _>>()?;
+        let qp = dev.create_qp(pd, &cq, &cq, caps)?;
         let recv_mrs = (0..config.recv_depth)
-            .map(|_| dev.reg_mr(&pd, config.max_batch, AccessFlags::LOCAL_WRITE))
+            .map(|_| dev.reg_mr(pd, config.max_batch, AccessFlags::LOCAL_WRITE))
             .collect::<Result<Vec<_>, _>>()?;
         qp.modify_to_init(InitAttr {
             access: AccessFlags::LOCAL_READ,
@@ -104,9 +142,8 @@ impl<D: Device + 'static> PreparedEnd<D> {
             local_mtu: port.active_mtu,
             qp,
             cq,
-            send_mrs,
             recv_mrs,
-            pd,
+            pool,
             registration,
         })
     }
@@ -140,7 +177,6 @@ impl<D: Device + 'static> PreparedEnd<D> {
         })?;
         let state = State {
             credit: Credit::new(depth),
-            free_send: (0..config.send_buffers).rev().collect(),
             sq_free: config.sq_depth(),
             posted: VecDeque::new(),
             next_wr: 0,
@@ -155,14 +191,13 @@ impl<D: Device + 'static> PreparedEnd<D> {
         let shared = Arc::new(Shared {
             qp: self.qp,
             cq: self.cq,
-            send_mrs: self.send_mrs,
             recv_mrs: self.recv_mrs,
-            _pd: self.pd,
+            state: Mutex::new(state),
+            lease: self.pool.lease(config.send_buffers),
             _registration: self.registration,
             address: self.address,
             epoch,
             config,
-            state: Mutex::new(state),
             wake_send: Notify::new(),
             wake_recv: Notify::new(),
             wake_end: Notify::new(),

@@ -1,16 +1,17 @@
 //! The RDMA link: one epoch of [`Link`] over one RC queue pair.
 //!
 //! ```text
-//!  mux ─ reserve() ─► credit + SQ slot + send MR (owned guard) ─ encode in place ─ post()
+//!  mux ─ reserve() ─► credit + SQ slot + pool chunk (owned guard) ─ encode in place ─ post()
 //!        post() ─► SEND_WITH_IMM(imm = receives re-posted, 31 bits | starved)
 //!  poller (owns the CQ) ─► recv WC: imm ─► credit; data ─► ready; empty ─► re-post now
-//!                       ─► send WC (every k-th signaled) ─► recycle buffers + SQ slots
+//!                       ─► send WC (every k-th signaled) ─► chunks to the pool, SQ slots back
 //!  mux ◄─ recv() ◄─ ready ─ Batch (owned guard on a receive MR) ─ drop ─► re-post ─► owed
 //!  error WC, failed post, fail() ─► QP to ERR ─► ended; completed receives drain first
 //! ```
 //!
-//! Owner: `Shared::state` (one mutex) holds credit, free buffers, SQ slots and
-//! the ready queue; the poller task alone polls the CQ. Sends are posted under
+//! Owner: `Shared::state` (one mutex) holds credit, SQ slots, posted chunks
+//! and the ready queue; the send pool (`pool.rs`, shared by a node's links)
+//! owns free chunks; the poller task alone polls the CQ. Sends are posted under
 //! that mutex, so immediates leave in the order they were counted. Design,
 //! rulings and open hazards: docs/rdma-link.md.
 
@@ -18,6 +19,7 @@ mod connect;
 pub mod credit;
 mod node;
 mod poller;
+pub mod pool;
 pub mod registered;
 #[cfg(test)]
 mod tests;
@@ -33,6 +35,8 @@ use tokio::sync::Notify;
 pub use self::connect::{PreparedEnd, pair};
 use self::credit::Credit;
 pub use self::node::{DEFAULT_MAX_REGISTERED, RdmaEpochs, RdmaNodeConfig, RdmaTransport};
+use self::pool::{Blocked, Lease, PoolChunk};
+pub use self::pool::{DEFAULT_POOL_BUFFERS, PoolStats, SendPool};
 pub use self::registered::{MemlockLimit, RegisteredBudget, Registration};
 use super::{EpochEnd, Link, LinkError, LinkFault};
 use crate::mux::protocol::Epoch;
@@ -52,10 +56,13 @@ pub struct RdmaConfig {
     pub recv_depth: usize,
     /// Bytes per send and receive buffer, the largest batch. Default 64 KiB.
     pub max_batch: usize,
-    /// Send buffers per end, each its own MR. Default 16.
+    /// Send buffers one end may hold at once (encoding or in flight): its
+    /// cap on the node's send pool, or the size of the private pool of
+    /// [`PreparedEnd::new`]. Default 16.
     pub send_buffers: usize,
-    /// Signal every k-th send WR (and any WR that takes the last buffer or
-    /// SQ slot). Default 8.
+    /// Signal every k-th send WR (and any WR that takes the last SQ slot or
+    /// the end's last allowed buffer, or whose buffer the pool may be
+    /// waiting for). Default 8.
     pub signal_every: usize,
     /// RNR retries (7 = forever). Default 7; tests use 0 so a credit bug
     /// fails loudly as RNR_RETRY_EXC_ERR.
@@ -103,12 +110,19 @@ impl RdmaConfig {
         self.sq_depth() + self.recv_depth
     }
 
-    /// Bytes one link end registers: every send and receive buffer
-    /// (saturating; an absurd config is refused by the budget, not wrapped).
+    /// Bytes a stand-alone link end registers ([`PreparedEnd::new`]: a
+    /// private pool of `send_buffers` plus its receive ring), saturating; an
+    /// absurd config is refused by the budget, not wrapped.
     pub fn registered_bytes(&self) -> usize {
         self.send_buffers
             .saturating_add(self.recv_depth)
             .saturating_mul(self.max_batch)
+    }
+
+    /// Bytes of one end's receive ring: what a link on a node's shared send
+    /// pool registers.
+    pub fn ring_bytes(&self) -> usize {
+        self.recv_depth.saturating_mul(self.max_batch)
     }
 
     fn validate(&self) -> Result<(), RdmaError> {
@@ -150,12 +164,12 @@ pub enum RdmaError {
     Post(#[from] PostError),
     /// The link's buffers would take the node past its registered-memory bound.
     #[error(
-        "registering {needed} bytes for a link would exceed max_registered = {max} bytes \
-         ({in_use} already registered); raise RdmaNodeConfig::max_registered or shrink \
-         recv_depth, send_buffers or max_batch"
+        "registering {needed} bytes (receive ring or send pool) would exceed max_registered = \
+         {max} bytes ({in_use} already registered); raise RdmaNodeConfig::max_registered or \
+         shrink recv_depth, pool_buffers or max_batch"
     )]
     RegisteredLimit {
-        /// Bytes the link end needs ((send_buffers + recv_depth) × max_batch).
+        /// Bytes asked for (a receive ring, a send pool, or both).
         needed: usize,
         /// Bytes live links already hold.
         in_use: usize,
@@ -208,12 +222,11 @@ pub struct CreditSnapshot {
     pub pending: u32,
 }
 
-struct State {
+struct State<D: Device> {
     credit: Credit,
-    free_send: Vec<usize>,
     sq_free: usize,
-    /// Send WRs posted and not yet known complete: (wr_id, send buffer).
-    posted: VecDeque<(u64, Option<usize>)>,
+    /// Send WRs posted and not yet known complete: (wr_id, pool chunk).
+    posted: VecDeque<(u64, Option<PoolChunk<D>>)>,
     next_wr: u64,
     unsignaled: usize,
     /// Completed data receives not yet handed out: (buffer, length).
@@ -227,7 +240,7 @@ struct State {
     stats: LinkStats,
 }
 
-impl State {
+impl<D: Device> State<D> {
     /// Records the end; true when this call decided it.
     fn set_end(&mut self, reason: EpochEnd) -> bool {
         if self.ended.is_some() {
@@ -246,19 +259,20 @@ type EndHook = Box<dyn FnOnce(EpochEnd) + Send>;
 const GRACEFUL_CLOSE: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Everything one link end owns. Fields drop in declaration order, which is
-/// the verbs destroy order: QP, CQ, MRs, PD.
+/// the verbs destroy order: QP, CQ, receive MRs, then the chunks still
+/// posted (in `state`) go back to the pool, whose MR and PD go last.
 struct Shared<D: Device> {
     qp: D::Qp,
     cq: D::Cq,
-    send_mrs: Vec<D::Mr>,
     recv_mrs: Vec<D::Mr>,
-    _pd: D::Pd,
-    /// The node budget's bytes for the MRs above, given back after them.
+    state: Mutex<State<D>>,
+    /// This end's share of the send pool (its PD is the QP's).
+    lease: Lease<D>,
+    /// The node budget's bytes for the receive MRs, given back after them.
     _registration: Registration,
     address: QpAddress,
     epoch: Epoch,
     config: RdmaConfig,
-    state: Mutex<State>,
     wake_send: Notify,
     wake_recv: Notify,
     wake_end: Notify,
@@ -304,7 +318,7 @@ fn fault_of(err: &VerbsError) -> LinkFault {
 }
 
 impl<D: Device + 'static> Shared<D> {
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, State<D>> {
         // A panic under this lock is a bug in this module; surviving it would hide it.
         self.state.lock().expect("rdma link state poisoned")
     }
@@ -370,38 +384,39 @@ impl<D: Device + 'static> Shared<D> {
         self.wake_recv.notify_waiters();
     }
 
-    /// Posts one send WR (a batch from `buf`, or credit-only) whose credit and
-    /// SQ slot are already taken.
+    /// Posts one send WR (a batch in `buf`'s chunk, or credit-only) whose
+    /// credit and SQ slot are already taken.
     fn post_send_locked(
         &self,
-        st: &mut State,
-        buf: Option<(usize, usize)>,
+        st: &mut State<D>,
+        buf: Option<(PoolChunk<D>, usize)>,
         imm: u32,
     ) -> Result<(), EpochEnd> {
         let wr_id = st.next_wr;
         st.next_wr += 1;
-        let signaled = st.unsignaled + 1 >= self.config.signal_every
-            || st.free_send.is_empty()
-            || st.sq_free == 0;
+        let link_wants = st.unsignaled + 1 >= self.config.signal_every || st.sq_free == 0;
+        let sge;
+        let (sg_list, chunk): (&[Sge<'_, D::Mr>], _) = match buf {
+            Some((mut chunk, len)) => {
+                // The pool may need this completion even if the link does not.
+                let signaled = self.lease.signal(&mut chunk, link_wants);
+                sge = [Sge {
+                    mr: self.lease.pool().mr(),
+                    offset: chunk.offset(),
+                    len,
+                }];
+                (&sge, Some((chunk, signaled)))
+            }
+            None => (&[], None),
+        };
+        let signaled = chunk.as_ref().map_or(link_wants, |&(_, signaled)| signaled);
         if signaled {
             st.unsignaled = 0;
             st.stats.signaled_sends += 1;
         } else {
             st.unsignaled += 1;
         }
-        st.posted.push_back((wr_id, buf.map(|(idx, _)| idx)));
-        let sge;
-        let sg_list: &[Sge<'_, D::Mr>] = match buf {
-            Some((idx, len)) => {
-                sge = [Sge {
-                    mr: &self.send_mrs[idx],
-                    offset: 0,
-                    len,
-                }];
-                &sge
-            }
-            None => &[],
-        };
+        st.posted.push_back((wr_id, chunk.map(|(chunk, _)| chunk)));
         let wr = SendWr {
             wr_id,
             opcode: SendOpcode::SendWithImm(imm),
@@ -416,7 +431,7 @@ impl<D: Device + 'static> Shared<D> {
     }
 
     /// Sends a credit-only message if one is due and an SQ slot is free.
-    fn maybe_credit_only(&self, st: &mut State) -> Result<(), EpochEnd> {
+    fn maybe_credit_only(&self, st: &mut State<D>) -> Result<(), EpochEnd> {
         if st.ended.is_some() || st.sq_free == 0 {
             return Ok(());
         }
@@ -432,7 +447,7 @@ impl<D: Device + 'static> Shared<D> {
 
     /// Re-posts receive buffer `idx` (the peer's credit back), then returns
     /// credit if enough is owed.
-    fn repost_locked(&self, st: &mut State, idx: usize) -> Result<(), EpochEnd> {
+    fn repost_locked(&self, st: &mut State<D>, idx: usize) -> Result<(), EpochEnd> {
         let wr = RecvWr {
             wr_id: RECV_TAG | idx as u64,
             sg_list: &[Sge {
@@ -462,16 +477,21 @@ impl<D: Device + 'static> Shared<D> {
     }
 }
 
-/// A `reserve` counted in `reserve_waiters`; cancelling it uncounts it.
+/// A `reserve` counted in `reserve_waiters` and perhaps in the pool's line;
+/// cancelling it uncounts it and leaves the line.
 struct Waiter<'a, D: Device + 'static> {
     shared: &'a Shared<D>,
     registered: bool,
+    queued: bool,
 }
 
 impl<D: Device + 'static> Drop for Waiter<'_, D> {
     fn drop(&mut self) {
         if self.registered {
             self.shared.lock().reserve_waiters -= 1;
+        }
+        if self.queued {
+            self.shared.lease.leave_queue();
         }
     }
 }
@@ -565,6 +585,12 @@ impl<D: Device + 'static> RdmaLink<D> {
         }
     }
 
+    /// The send pool this end takes its buffers from (the node's, or the
+    /// private one of [`PreparedEnd::new`]).
+    pub fn send_pool(&self) -> &SendPool<D> {
+        self.shared().lease.pool()
+    }
+
     /// Fault hook for tests: moves the QP to ERR behind the link's back, as a
     /// fatal device error would. The link learns it from the flushed
     /// completions.
@@ -573,35 +599,34 @@ impl<D: Device + 'static> RdmaLink<D> {
     }
 }
 
-/// A send buffer: one registered MR held exclusively, one link credit and one
+/// A send buffer: one pool chunk held exclusively, one link credit and one
 /// SQ slot. Dropping it unposted gives all three back.
 pub struct RdmaSendBuf<D: Device + 'static> {
-    guard: Option<<D::Mr as MemoryRegion>::Guard>,
-    idx: usize,
+    chunk: Option<PoolChunk<D>>,
     shared: Arc<Shared<D>>,
 }
 
 impl<D: Device + 'static> Deref for RdmaSendBuf<D> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        self.guard.as_deref().unwrap_or(&[])
+        self.chunk.as_deref().unwrap_or(&[])
     }
 }
 
 impl<D: Device + 'static> DerefMut for RdmaSendBuf<D> {
     fn deref_mut(&mut self) -> &mut [u8] {
-        self.guard.as_deref_mut().unwrap_or(&mut [])
+        self.chunk.as_deref_mut().unwrap_or(&mut [])
     }
 }
 
 impl<D: Device + 'static> Drop for RdmaSendBuf<D> {
     fn drop(&mut self) {
-        if self.guard.take().is_none() {
+        let Some(chunk) = self.chunk.take() else {
             return; // posted
-        }
+        };
+        drop(chunk); // back to the pool
         let shared = &self.shared;
         let mut st = shared.lock();
-        st.free_send.push(self.idx);
         st.sq_free += 1;
         st.credit.unreserve();
         let end = shared.maybe_credit_only(&mut st).err();
@@ -668,37 +693,56 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
         let mut waiter = Waiter {
             shared,
             registered: false,
+            queued: false,
         };
         loop {
             let notified = shared.wake_send.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            let freed = shared.lease.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
             {
                 let mut st = shared.lock();
                 if let Some(reason) = st.ended {
                     return Err(shared.ended_error(reason));
                 }
-                if st.sq_free > 0 && !st.free_send.is_empty() && st.credit.try_reserve() {
-                    let idx = st.free_send.pop().expect("checked non-empty");
-                    st.sq_free -= 1;
-                    if std::mem::take(&mut waiter.registered) {
-                        st.reserve_waiters -= 1;
+                let mut blocked = None;
+                if st.sq_free > 0 && st.credit.try_reserve() {
+                    match shared.lease.try_take() {
+                        Ok(chunk) => {
+                            st.sq_free -= 1;
+                            if std::mem::take(&mut waiter.registered) {
+                                st.reserve_waiters -= 1;
+                            }
+                            waiter.queued = false; // taking left the line
+                            debug_assert!(st.credit.invariant_holds());
+                            return Ok(RdmaSendBuf {
+                                chunk: Some(chunk),
+                                shared: shared.clone(),
+                            });
+                        }
+                        Err(why) => {
+                            st.credit.unreserve();
+                            blocked = Some(why);
+                        }
                     }
-                    debug_assert!(st.credit.invariant_holds());
-                    // Not in flight, so nobody else holds this region's lock.
-                    let guard = shared.send_mrs[idx].lock_owned();
-                    return Ok(RdmaSendBuf {
-                        guard: Some(guard),
-                        idx,
-                        shared: shared.clone(),
-                    });
+                }
+                if blocked == Some(Blocked::Empty) {
+                    waiter.queued = true;
+                } else if std::mem::take(&mut waiter.queued) {
+                    // Not waiting for the pool now: do not hold up the line.
+                    shared.lease.leave_queue();
                 }
                 if !waiter.registered {
                     waiter.registered = true;
                     st.reserve_waiters += 1;
                 }
             }
-            notified.await;
+            tokio::select! {
+                () = &mut notified => {}
+                () = &mut freed => {}
+            }
         }
     }
 
@@ -715,14 +759,14 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
         if len == 0 {
             return Ok(()); // dropping `buf` gives its credit back
         }
-        let Some(guard) = buf.guard.take() else {
+        let Some(mut chunk) = buf.chunk.take() else {
             return Ok(());
         };
-        // Unlock the region before the WR names it (the provider gathers under that lock).
-        drop(guard);
+        // Unlock the chunk before the WR names it (the provider gathers under that lock).
+        chunk.unlock();
         let mut st = shared.lock();
         if let Some(reason) = st.ended {
-            st.free_send.push(buf.idx);
+            drop(chunk);
             st.sq_free += 1;
             st.credit.unreserve();
             return Err(shared.ended_error(reason));
@@ -730,7 +774,7 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
         let starved = st.reserve_waiters > 0;
         let imm = st.credit.on_post(starved);
         st.stats.batches_sent += 1;
-        let result = shared.post_send_locked(&mut st, Some((buf.idx, len)), imm);
+        let result = shared.post_send_locked(&mut st, Some((chunk, len)), imm);
         debug_assert!(st.credit.invariant_holds());
         match result {
             Ok(()) => Ok(()),
@@ -756,9 +800,10 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                 let mut st = shared.lock();
                 if let Some((idx, len)) = st.ready.pop_front() {
                     // Completed, not re-posted: the provider is done with it.
-                    let guard = shared.recv_mrs[idx].lock_owned();
+                    // A receive MR is one chunk.
+                    let guard = shared.recv_mrs[idx].lock_chunk(0);
                     return Ok(RdmaBatch {
-                        guard: Some(guard),
+                        guard,
                         idx,
                         len,
                         shared: shared.clone(),

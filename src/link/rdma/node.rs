@@ -2,17 +2,19 @@
 //! by the shared [`Connector`].
 //!
 //! ```text
-//!  dialer:   connect TCP ─ PreparedEnd::new (QP INIT, receives posted) ─ hello(QPN, PSN, ...)
+//!  dialer:   connect TCP ─ PreparedEnd::on_pool (QP INIT, receives posted) ─ hello(QPN, PSN, ...)
 //!            ◄─ listener hello ─ Established ─ connect: RTR/RTS ─ ready ─► mux.attach
-//!  listener: challenge ─ dialer hello authenticated + decide ─ PreparedEnd::new ─ RTR/RTS
+//!  listener: challenge ─ dialer hello authenticated + decide ─ PreparedEnd::on_pool ─ RTR/RTS
 //!            ─ hello ─► ◄─ ready ─ Established ─► mux.attach
 //!  liveness: the bootstrap TCP connection stays open (keepalive, TCP_USER_TIMEOUT):
 //!            EOF ─► fail(PeerClosed); error ─► fail(PeerLost); link end ─► close it
 //! ```
 //!
 //! Owner: [`RdmaEpochs`] makes each epoch's link and spawns one liveness
-//! task per link, which holds the TCP connection until the epoch ends. The
-//! link owns its QP, CQ and MRs and destroys them in verbs order. Design and
+//! task per link, which holds the TCP connection until the epoch ends. It
+//! also owns the device's send pool (one PD, one MR), made with the first
+//! link; a link owns its QP, CQ and receive MRs and destroys them in verbs
+//! order. Design and
 //! rulings: docs/rdma-link.md § "The RDMA node".
 
 use std::collections::HashMap;
@@ -27,6 +29,7 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tracing::Instrument;
 
+use super::pool::{DEFAULT_POOL_BUFFERS, PoolStats, SendPool};
 use super::registered::{MemlockLimit, RegisteredBudget};
 use super::{PreparedEnd, RdmaConfig, RdmaError, RdmaLink};
 use crate::link::bootstrap::{BootstrapError, ClusterKey, Endpoint, EndpointKind, RdmaEndpoint};
@@ -53,10 +56,16 @@ pub struct RdmaNodeConfig {
     pub liveness: TcpLinkConfig,
     /// The mux. Default [`MuxConfig::default`].
     pub mux: MuxConfig,
-    /// Bytes of registered memory the node's links may hold at once (each
-    /// link end registers [`RdmaConfig::registered_bytes`]); a link past it
-    /// is refused with [`RdmaError::RegisteredLimit`]. Default 1 GiB.
+    /// Bytes of registered memory the node may hold at once: the send pool
+    /// ([`RdmaNodeConfig::pool_bytes`]) plus each link end's receive ring
+    /// ([`RdmaConfig::ring_bytes`]); a link past it is refused with
+    /// [`RdmaError::RegisteredLimit`]. Default 1 GiB.
     pub max_registered: usize,
+    /// Send buffers of `rdma.max_batch` bytes in the device's send pool,
+    /// one MR shared by every link; each link holds at most
+    /// `rdma.send_buffers` of them, and at most half the pool (rounded up),
+    /// at once. At least 1. Default 64 ([`DEFAULT_POOL_BUFFERS`]).
+    pub pool_buffers: usize,
 }
 
 /// Default of [`RdmaNodeConfig::max_registered`].
@@ -72,19 +81,32 @@ impl RdmaNodeConfig {
             liveness: TcpLinkConfig::default(),
             mux: MuxConfig::default(),
             max_registered: DEFAULT_MAX_REGISTERED,
+            pool_buffers: DEFAULT_POOL_BUFFERS,
         }
     }
 
-    /// What the node checks before it starts: one link fits under
-    /// `max_registered`, and `RLIMIT_MEMLOCK` (read from /proc/self/limits;
-    /// skipped where unreadable) admits `max_registered` bytes. Providers
-    /// that pin memory (ibverbs) fail registration past that limit; the soft
-    /// provider does not pin, so [`RdmaTransport::start`] only warns.
+    /// Bytes of the send pool: `pool_buffers × rdma.max_batch` (saturating).
+    pub fn pool_bytes(&self) -> usize {
+        self.pool_buffers.saturating_mul(self.rdma.max_batch)
+    }
+
+    /// What the node checks before it starts: `pool_buffers` is at least 1,
+    /// the pool and one link's receive ring fit under `max_registered`, and
+    /// `RLIMIT_MEMLOCK` (read from /proc/self/limits; skipped where
+    /// unreadable) admits `max_registered` bytes. Providers that pin memory
+    /// (ibverbs) fail registration past that limit; the soft provider does
+    /// not pin, so [`RdmaTransport::start`] only warns.
     pub fn preflight(&self) -> Result<(), RdmaError> {
-        let link = self.rdma.registered_bytes();
-        if link > self.max_registered {
+        if self.pool_buffers == 0 {
+            return Err(RdmaError::InvalidConfig {
+                field: "pool_buffers",
+                value: 0,
+            });
+        }
+        let first = self.pool_bytes().saturating_add(self.rdma.ring_bytes());
+        if first > self.max_registered {
             return Err(RdmaError::RegisteredLimit {
-                needed: link,
+                needed: first,
                 in_use: 0,
                 max: self.max_registered,
             });
@@ -121,6 +143,9 @@ pub struct RdmaEpochs<D: Device + 'static> {
     /// Liveness controls by local QPN, while the link lives.
     live: Arc<Mutex<HashMap<u32, Arc<Liveness>>>>,
     registered: RegisteredBudget,
+    pool_buffers: usize,
+    /// The device's send pool, made with the first link end (or by `pool`).
+    pool: Mutex<Option<SendPool<D>>>,
     /// Why the last link end could not be made (the handshake reports only
     /// `Resources`).
     last_error: Mutex<Option<RdmaError>>,
@@ -135,8 +160,40 @@ impl<D: Device + 'static> RdmaEpochs<D> {
             liveness,
             live: Arc::new(Mutex::new(HashMap::new())),
             registered: RegisteredBudget::unbounded(),
+            pool_buffers: DEFAULT_POOL_BUFFERS,
+            pool: Mutex::new(None),
             last_error: Mutex::new(None),
         }
+    }
+
+    /// Sets the send pool's size in chunks of `max_batch` (before the
+    /// first link end is made).
+    pub fn with_pool_buffers(mut self, chunks: usize) -> RdmaEpochs<D> {
+        self.pool_buffers = chunks;
+        self
+    }
+
+    /// The device's send pool, made (and its bytes taken from the budget)
+    /// on the first call.
+    pub fn pool(&self) -> Result<SendPool<D>, RdmaError> {
+        let mut slot = self.pool.lock().expect("pool slot poisoned");
+        if let Some(pool) = slot.as_ref() {
+            return Ok(pool.clone());
+        }
+        let pool = SendPool::shared(
+            &self.device,
+            self.config.max_batch,
+            self.pool_buffers,
+            &self.registered,
+        )?;
+        *slot = Some(pool.clone());
+        Ok(pool)
+    }
+
+    /// Where the send pool stands (`None` before it is made).
+    pub fn pool_stats(&self) -> Option<PoolStats> {
+        let slot = self.pool.lock().expect("pool slot poisoned");
+        slot.as_ref().map(SendPool::stats)
     }
 
     /// Bounds what live links may register together at `max` bytes.
@@ -162,10 +219,17 @@ impl<D: Device + 'static> RdmaEpochs<D> {
         let RdmaError::Verbs(_) = err else {
             return err;
         };
+        let pool_missing = self.pool.lock().expect("pool slot poisoned").is_none();
+        let pool = if pool_missing {
+            self.pool_buffers.saturating_mul(self.config.max_batch)
+        } else {
+            0
+        };
         let needed = self
             .registered
             .in_use()
-            .saturating_add(self.config.registered_bytes());
+            .saturating_add(self.config.ring_bytes())
+            .saturating_add(pool);
         match limit.map(|limit| limit.check(needed)) {
             Some(Err(memlock)) => memlock,
             Some(Ok(())) | None => err,
@@ -255,8 +319,12 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
     }
 
     fn prepare(&self) -> Result<(PreparedEnd<D>, Endpoint), ConnectError> {
-        let end =
-            PreparedEnd::within(&self.device, self.config, &self.registered).map_err(|err| {
+        let end = self
+            .pool()
+            .and_then(|pool| {
+                PreparedEnd::on_pool(&self.device, &pool, self.config, &self.registered)
+            })
+            .map_err(|err| {
                 tracing::warn!(%err, "creating the link's QP, CQ and MRs failed");
                 let err = self.explain(err, MemlockLimit::current());
                 *self.last_error.lock().expect("error slot poisoned") = Some(err);
@@ -392,7 +460,12 @@ impl<D: Device + 'static> RdmaTransport<D> {
             Err(err) => return Err(io::Error::new(io::ErrorKind::InvalidInput, err)),
         }
         let epochs = RdmaEpochs::new(device, config.rdma, config.liveness)
-            .with_max_registered(config.max_registered);
+            .with_max_registered(config.max_registered)
+            .with_pool_buffers(config.pool_buffers);
+        if let Err(err) = epochs.pool() {
+            let err = epochs.explain(err, MemlockLimit::current());
+            return Err(io::Error::other(err));
+        }
         let node = Connector::bind_with(config.connector, epochs, config.bind).await?;
         let mux = Mux::new(config.mux, node.dialer());
         node.set_mux(mux.clone());
@@ -410,9 +483,14 @@ impl<D: Device + 'static> RdmaTransport<D> {
         self.node.epochs().device()
     }
 
+    /// Where the device's send pool stands (chunks, in use, waits).
+    pub fn pool_stats(&self) -> PoolStats {
+        self.node.epochs().pool_stats().unwrap_or_default()
+    }
+
     /// Every counter of this node under its stable `qpmux_*` name
     /// (docs/metrics.md): the mux's [`crate::mux::Stats::metrics`], the
-    /// connection manager's, and the registered-memory gauges.
+    /// connection manager's, the registered-memory and the send-pool gauges.
     pub fn metrics(&self) -> Vec<(&'static str, u64)> {
         use crate::mux::MuxTransport;
         let mut out = self.mux.stats().metrics();
@@ -427,6 +505,12 @@ impl<D: Device + 'static> RdmaTransport<D> {
             ("qpmux_peer_restarts_total", node.restarts_seen),
             ("qpmux_registered_bytes", as_u64(registered.in_use())),
             ("qpmux_registered_max_bytes", as_u64(registered.max())),
+        ]);
+        let pool = self.pool_stats();
+        out.extend([
+            ("qpmux_send_pool_chunks", as_u64(pool.chunks)),
+            ("qpmux_send_pool_chunks_in_use", as_u64(pool.in_use)),
+            ("qpmux_send_pool_waits_total", pool.waits),
         ]);
         out
     }

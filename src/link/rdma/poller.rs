@@ -15,7 +15,9 @@ use std::sync::atomic::Ordering;
 
 use super::{RECV_TAG, Shared, State, fault_of, ibv_status};
 use crate::link::{EpochEnd, LinkFault};
-use crate::verbs::{CompletionQueue, Device, Qpn, WcOpcode, WcStatus, WorkCompletion};
+use crate::verbs::{
+    CompletionQueue, Device, QpState, Qpn, QueuePair, WcOpcode, WcStatus, WorkCompletion,
+};
 
 /// Completions taken per `poll`.
 const POLL_BATCH: usize = 32;
@@ -111,7 +113,7 @@ impl<D: Device + 'static> Shared<D> {
     /// One receive completion; returns the fault it ends the epoch with.
     fn on_recv_completion(
         &self,
-        st: &mut State,
+        st: &mut State<D>,
         wc: &WorkCompletion,
         hostile: bool,
         reposts: &mut Vec<usize>,
@@ -156,17 +158,16 @@ impl<D: Device + 'static> Shared<D> {
 }
 
 /// One send completion: it and every WR before it are done (RC completes in
-/// order), so their buffers and SQ slots come back.
-fn on_send_completion(st: &mut State, wc: &WorkCompletion) -> Option<LinkFault> {
-    while let Some(&(wr_id, buf)) = st.posted.front() {
-        if wr_id > wc.wr_id {
-            break;
-        }
-        st.posted.pop_front();
+/// order), so their chunks go back to the pool and their SQ slots come back.
+fn on_send_completion<D: Device>(st: &mut State<D>, wc: &WorkCompletion) -> Option<LinkFault> {
+    while st
+        .posted
+        .front()
+        .is_some_and(|&(wr_id, _)| wr_id <= wc.wr_id)
+    {
+        let chunk = st.posted.pop_front();
         st.sq_free += 1;
-        if let Some(idx) = buf {
-            st.free_send.push(idx);
-        }
+        drop(chunk); // back to the pool
     }
     match wc.status {
         WcStatus::Success => None,
@@ -187,7 +188,36 @@ fn on_send_completion(st: &mut State, wc: &WorkCompletion) -> Option<LinkFault> 
 /// Runs until the epoch is over and drained, or the link is dropped.
 pub(super) async fn run<D: Device + 'static>(shared: Arc<Shared<D>>) {
     poll_until_done(&shared).await;
+    shared.release_posted();
     shared.mark_drained();
+}
+
+impl<D: Device + 'static> Shared<D> {
+    /// After the end: chunks of WRs no completion will report (an unsignaled
+    /// SEND that succeeded last, or a flush still to come) go back to the
+    /// pool once the QP is in RESET, where the device holds no WR. Only from
+    /// ERR: a graceful close keeps the QP in RTS for its last SENDs. If the
+    /// reset does not happen they go when the QP is destroyed (`Shared`'s
+    /// field order).
+    fn release_posted(&self) {
+        let mut st = self.lock();
+        if st.ended.is_none()
+            || st.posted.iter().all(|(_, chunk)| chunk.is_none())
+            || self.qp.state() != QpState::Err
+        {
+            return;
+        }
+        match self.qp.modify_to_reset() {
+            Ok(()) => {
+                let n = st.posted.len();
+                st.posted.clear();
+                st.sq_free += n;
+            }
+            Err(err) => {
+                tracing::debug!(%err, "resetting the dead QP failed; chunks wait for its destruction")
+            }
+        }
+    }
 }
 
 async fn poll_until_done<D: Device + 'static>(shared: &Shared<D>) {

@@ -35,12 +35,20 @@ async fn device() -> SoftDevice {
         .expect("soft device on loopback")
 }
 
-async fn node(id: PeerId, max_registered: usize) -> RdmaTransport<SoftDevice> {
-    let config = RdmaNodeConfig {
+/// Chunks in the test nodes' send pools.
+const POOL: usize = 6;
+
+fn node_config(id: PeerId, max_registered: usize) -> RdmaNodeConfig {
+    RdmaNodeConfig {
         rdma: small(),
         max_registered,
+        pool_buffers: POOL,
         ..RdmaNodeConfig::new(id)
-    };
+    }
+}
+
+async fn node(id: PeerId, max_registered: usize) -> RdmaTransport<SoftDevice> {
+    let config = node_config(id, max_registered);
     RdmaTransport::start(device().await, config)
         .await
         .expect("start")
@@ -56,6 +64,8 @@ fn metric(t: &RdmaTransport<SoftDevice>, name: &str) -> Option<u64> {
 #[test]
 fn one_link_end_registers_its_send_and_receive_buffers() {
     assert_eq!(small().registered_bytes(), 24 * 16 * 1024);
+    assert_eq!(small().ring_bytes(), 16 * 16 * 1024, "on a node's pool");
+    assert_eq!(node_config(A, 0).pool_bytes(), POOL * 16 * 1024);
     let absurd = RdmaConfig {
         max_batch: usize::MAX,
         ..small()
@@ -86,13 +96,9 @@ fn the_preflight_names_the_ulimit_a_node_needs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_whose_one_link_exceeds_max_registered_does_not_start() {
-    let link = small().registered_bytes();
-    let config = RdmaNodeConfig {
-        rdma: small(),
-        max_registered: link - 1,
-        ..RdmaNodeConfig::new(A)
-    };
+async fn a_node_whose_pool_and_one_link_exceed_max_registered_does_not_start() {
+    let first = node_config(A, 0).pool_bytes() + small().ring_bytes();
+    let config = node_config(A, first - 1);
     let err = match RdmaTransport::start(device().await, config).await {
         Ok(_) => panic!("a link can never fit"),
         Err(err) => err,
@@ -100,36 +106,60 @@ async fn a_node_whose_one_link_exceeds_max_registered_does_not_start() {
     assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
     let text = err.to_string();
     assert!(text.contains("max_registered"), "{text}");
-    assert!(text.contains(&link.to_string()), "{text}");
+    assert!(text.contains(&first.to_string()), "{text}");
+    let no_pool = RdmaNodeConfig {
+        pool_buffers: 0,
+        ..node_config(A, usize::MAX)
+    };
+    assert_eq!(
+        no_pool.preflight(),
+        Err(RdmaError::InvalidConfig {
+            field: "pool_buffers",
+            value: 0
+        })
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_link_past_max_registered_is_refused_with_the_bytes_needed() {
-    let link = small().registered_bytes();
-    // Room for one link end, not two.
-    let a = node(A, link + link / 2).await;
+async fn the_pool_is_counted_once_and_a_link_past_max_registered_is_refused() {
+    let pool = node_config(A, 0).pool_bytes();
+    let ring = small().ring_bytes();
+    // Room for the pool and two receive rings, not three.
+    let max = pool + 2 * ring + ring / 2;
+    let a = node(A, max).await;
+    assert_eq!(metric(&a, "qpmux_registered_bytes"), Some(pool as u64));
+    assert_eq!(metric(&a, "qpmux_send_pool_chunks"), Some(POOL as u64));
+    assert_eq!(a.device().mr_count(), 1, "the pool: one MR before any link");
     let b = node(B, usize::MAX).await;
     let c = node(C, usize::MAX).await;
-    for peer in [&b, &c] {
+    let d = node(PeerId(4), usize::MAX).await;
+    for peer in [&b, &c, &d] {
         assert_eq!(a.register(&peer.address()), Ok(peer.node().id()));
         assert_eq!(peer.register(&a.address()), Ok(A));
     }
     a.node().connect(B).await.expect("the first link fits");
-    assert_eq!(metric(&a, "qpmux_registered_bytes"), Some(link as u64));
-    assert!(a.node().connect(C).await.is_err(), "the second does not");
+    a.node().connect(C).await.expect("the second link fits");
+    let in_use = pool + 2 * ring;
+    assert_eq!(metric(&a, "qpmux_registered_bytes"), Some(in_use as u64));
+    assert_eq!(
+        a.device().mr_count(),
+        1 + 2 * small().recv_depth,
+        "one pool MR, no send MR per link"
+    );
+    assert!(
+        a.node().connect(PeerId(4)).await.is_err(),
+        "the third does not"
+    );
     assert_eq!(
         a.last_resource_error(),
         Some(RdmaError::RegisteredLimit {
-            needed: link,
-            in_use: link,
-            max: link + link / 2,
+            needed: ring,
+            in_use,
+            max,
         })
     );
-    assert_eq!(c.device().qp_count(), 0, "refused before the handshake");
-    assert_eq!(
-        metric(&a, "qpmux_registered_max_bytes"),
-        Some((link + link / 2) as u64)
-    );
+    assert_eq!(d.device().qp_count(), 0, "refused before the handshake");
+    assert_eq!(metric(&a, "qpmux_registered_max_bytes"), Some(max as u64));
     // B's link still streams.
     let key = StreamKey::new(1, 1);
     let mut rx = b.mux().bind(key).expect("bind");
@@ -206,7 +236,8 @@ async fn a_verbs_failure_past_the_memlock_limit_is_reported_as_the_limit() {
         small(),
         crate::link::tcp::TcpLinkConfig::default(),
     );
-    let link = small().registered_bytes();
+    // No pool yet: the first link end needs the pool and its ring.
+    let link = DEFAULT_POOL_BUFFERS * small().max_batch + small().ring_bytes();
     let verbs = RdmaError::Verbs(crate::verbs::VerbsError::DeviceClosed);
     let tight = Some(MemlockLimit::Bytes(link as u64 - 1));
     assert_eq!(

@@ -694,7 +694,23 @@ impl Device for IbvDevice {
     }
 
     fn reg_mr(&self, pd: &IbvPd, len: usize, access: AccessFlags) -> Result<IbvMr, VerbsError> {
-        qp::reg_mr(pd, len, access)
+        qp::reg_mr(pd, len, 1, access)
+    }
+
+    fn reg_chunked_mr(
+        &self,
+        pd: &IbvPd,
+        chunk_len: usize,
+        chunks: usize,
+        access: AccessFlags,
+    ) -> Result<IbvMr, VerbsError> {
+        if chunk_len == 0 {
+            return Err(VerbsError::InvalidAttr { attr: "chunk_len" });
+        }
+        if chunks == 0 {
+            return Err(VerbsError::InvalidAttr { attr: "chunks" });
+        }
+        qp::reg_mr(pd, chunk_len, chunks, access)
     }
 
     fn create_cq(&self, depth: usize) -> Result<IbvCq, VerbsError> {

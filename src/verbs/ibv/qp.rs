@@ -41,37 +41,47 @@ impl Drop for Buffer {
     }
 }
 
-// SAFETY: `Buffer` owns its allocation exclusively; it is only reached
-// through the region's mutex, which serialises every access from user code.
+// SAFETY: `Buffer` owns its allocation exclusively; its bytes are only
+// reached through the region's chunk locks, which serialise every access
+// from user code to a chunk.
 unsafe impl Send for Buffer {}
+// SAFETY: as above: a shared `Buffer` only lends its pointer; slices are
+// made under the chunk locks.
+unsafe impl Sync for Buffer {}
 
-/// Exclusive access to a whole [`IbvMr`], held without a closure
-/// ([`MemoryRegion::lock_owned`]). Keeps the bytes alive by itself: if the
+type ChunkLock = Arc<parking_lot::Mutex<()>>;
+
+/// Exclusive access to one chunk of an [`IbvMr`], held without a closure
+/// ([`MemoryRegion::lock_chunk`]). Keeps the bytes alive by itself: if the
 /// region is dropped first, the registration is gone but the memory stays
 /// valid until the guard goes.
 pub struct IbvMrGuard {
-    bytes: parking_lot::ArcMutexGuard<parking_lot::RawMutex, Buffer>,
+    _lock: parking_lot::ArcMutexGuard<parking_lot::RawMutex, ()>,
+    buf: Arc<Buffer>,
+    offset: usize,
     len: usize,
 }
 
 impl std::ops::Deref for IbvMrGuard {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: the allocation holds at least `len` bytes and lives as long
-        // as the guard's `Arc`; the lock makes this the only slice.
-        unsafe { std::slice::from_raw_parts(self.bytes.ptr.as_ptr(), self.len) }
+        // SAFETY: `offset + len` lies within the allocation (one chunk of
+        // it), which lives as long as the guard's `Arc`; the guard holds
+        // that chunk's lock, which every other slice of these bytes takes.
+        unsafe { std::slice::from_raw_parts(self.buf.ptr.as_ptr().add(self.offset), self.len) }
     }
 }
 
 impl std::ops::DerefMut for IbvMrGuard {
     fn deref_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `deref`, and `&mut self` makes it unique.
-        unsafe { std::slice::from_raw_parts_mut(self.bytes.ptr.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.buf.ptr.as_ptr().add(self.offset), self.len) }
     }
 }
 
 /// A registered memory region: a page-aligned buffer this crate allocates and
-/// registers with `ibv_reg_mr`.
+/// registers with `ibv_reg_mr`, split into equal chunks, each behind its own
+/// lock.
 ///
 /// # Safety
 ///
@@ -80,31 +90,37 @@ impl std::ops::DerefMut for IbvMrGuard {
 ///   `buf`), so the device never holds a key to freed memory; a WR still
 ///   naming this region after it is dropped fails with a protection error
 ///   instead of touching freed memory;
+/// - user code makes a slice of the bytes only while holding the lock of
+///   every chunk the slice covers (guards hold one, `with`/`with_mut` take
+///   theirs in ascending order), so slices never alias, whoever the caller;
 /// - the device may write the bytes of a posted receive at any time until its
-///   completion; [`MemoryRegion::with`]/`with_mut` hand out slices under the
-///   region's lock, and the caller's protocol must not touch buffers that are
-///   posted (the same rule as for any verbs buffer).
+///   completion; the caller's protocol must not touch chunks that are posted
+///   (the same rule as for any verbs buffer).
 ///
 /// Destroy order:
 /// 1. `ibv_dereg_mr` (sideway `MemoryRegion` drop; it holds the PD's `Arc`);
-/// 2. the buffer is freed.
+/// 2. the buffer is freed (once no guard holds it).
 pub struct IbvMr {
     mr: Arc<SwMr>,
-    buf: Arc<parking_lot::Mutex<Buffer>>,
-    /// The buffer's address, for building SGEs without taking the lock.
-    base: NonNull<u8>,
+    buf: Arc<Buffer>,
+    locks: Box<[ChunkLock]>,
+    chunk_len: usize,
     len: usize,
     access: AccessFlags,
     pd_id: u64,
 }
 
-// SAFETY: `base` is only turned into an address for the device; the bytes
-// are dereferenced under the buffer's mutex; the sideway handle is Send + Sync.
-unsafe impl Send for IbvMr {}
-// SAFETY: as above: shared access goes through the mutex.
-unsafe impl Sync for IbvMr {}
-
-pub(crate) fn reg_mr(pd: &IbvPd, len: usize, access: AccessFlags) -> Result<IbvMr, VerbsError> {
+pub(crate) fn reg_mr(
+    pd: &IbvPd,
+    chunk_len: usize,
+    chunks: usize,
+    access: AccessFlags,
+) -> Result<IbvMr, VerbsError> {
+    let len = chunk_len
+        .checked_mul(chunks)
+        .ok_or(VerbsError::InvalidAttr {
+            attr: "memory region length",
+        })?;
     let layout =
         Layout::from_size_align(len.max(1), 4096).map_err(|_| VerbsError::InvalidAttr {
             attr: "memory region length",
@@ -130,8 +146,9 @@ pub(crate) fn reg_mr(pd: &IbvPd, len: usize, access: AccessFlags) -> Result<IbvM
     .map_err(|e| super::io_err("ibv_reg_mr", &e))?;
     Ok(IbvMr {
         mr,
-        base: ptr,
-        buf: Arc::new(parking_lot::Mutex::new(buf)),
+        buf: Arc::new(buf),
+        locks: (0..chunks).map(|_| ChunkLock::default()).collect(),
+        chunk_len,
         len,
         access,
         pd_id: pd.id,
@@ -151,18 +168,52 @@ impl IbvMr {
     }
 
     fn addr(&self, offset: usize) -> u64 {
-        self.base.as_ptr() as u64 + offset as u64
+        self.buf.ptr.as_ptr() as u64 + offset as u64
+    }
+
+    /// Locks every chunk `len` bytes at `offset` touch, in ascending order
+    /// (the caller checked bounds).
+    fn lock_range(&self, offset: usize, len: usize) -> Vec<parking_lot::MutexGuard<'_, ()>> {
+        if len == 0 || self.chunk_len == 0 {
+            return Vec::new();
+        }
+        let (first, last) = (offset / self.chunk_len, (offset + len - 1) / self.chunk_len);
+        self.locks[first..=last].iter().map(|l| l.lock()).collect()
+    }
+
+    fn guard(
+        &self,
+        index: usize,
+        lock: parking_lot::ArcMutexGuard<parking_lot::RawMutex, ()>,
+    ) -> IbvMrGuard {
+        IbvMrGuard {
+            _lock: lock,
+            buf: self.buf.clone(),
+            offset: index * self.chunk_len,
+            len: self.chunk_len,
+        }
     }
 }
 
 impl MemoryRegion for IbvMr {
     type Guard = IbvMrGuard;
 
-    fn lock_owned(&self) -> IbvMrGuard {
-        IbvMrGuard {
-            bytes: parking_lot::Mutex::lock_arc(&self.buf),
-            len: self.len,
-        }
+    fn lock_chunk(&self, index: usize) -> Option<IbvMrGuard> {
+        let lock = parking_lot::Mutex::lock_arc(self.locks.get(index)?);
+        Some(self.guard(index, lock))
+    }
+
+    fn try_lock_chunk(&self, index: usize) -> Option<IbvMrGuard> {
+        let lock = parking_lot::Mutex::try_lock_arc(self.locks.get(index)?)?;
+        Some(self.guard(index, lock))
+    }
+
+    fn chunk_len(&self) -> usize {
+        self.chunk_len
+    }
+
+    fn chunks(&self) -> usize {
+        self.locks.len()
     }
 
     fn lkey(&self) -> Lkey {
@@ -184,11 +235,11 @@ impl MemoryRegion for IbvMr {
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R, VerbsError> {
         self.check(offset, len)?;
-        let buf = self.buf.lock();
-        // SAFETY: offset + len is within the buffer (checked); the region lock
-        // makes this the only slice handed out; see the struct's # Safety for
-        // device writes.
-        let s = unsafe { std::slice::from_raw_parts_mut(buf.ptr.as_ptr().add(offset), len) };
+        let _locks = self.lock_range(offset, len);
+        // SAFETY: offset + len is within the buffer (checked); the locks of
+        // every chunk it covers are held, so no other slice of these bytes
+        // exists; see the struct's # Safety for device writes.
+        let s = unsafe { std::slice::from_raw_parts_mut(self.buf.ptr.as_ptr().add(offset), len) };
         Ok(f(s))
     }
 
@@ -199,9 +250,9 @@ impl MemoryRegion for IbvMr {
         f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, VerbsError> {
         self.check(offset, len)?;
-        let buf = self.buf.lock();
+        let _locks = self.lock_range(offset, len);
         // SAFETY: as in `with_mut`.
-        let s = unsafe { std::slice::from_raw_parts(buf.ptr.as_ptr().add(offset), len) };
+        let s = unsafe { std::slice::from_raw_parts(self.buf.ptr.as_ptr().add(offset), len) };
         Ok(f(s))
     }
 }

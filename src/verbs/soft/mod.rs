@@ -248,6 +248,29 @@ impl SoftDevice {
     }
 }
 
+impl SoftDevice {
+    /// A region of `chunks × chunk_len` bytes (sizes already checked).
+    fn register(
+        &self,
+        pd: &SoftPd,
+        chunk_len: usize,
+        chunks: usize,
+        access: AccessFlags,
+    ) -> SoftMr {
+        SoftMr {
+            mem: Arc::new(mr::MrMem::counted(
+                chunk_len,
+                chunks,
+                self.shared.mrs.clone(),
+            )),
+            lkey: Lkey(self.shared.next_lkey.fetch_add(1, Ordering::Relaxed)),
+            len: chunk_len * chunks,
+            access,
+            pd_id: pd.id,
+        }
+    }
+}
+
 impl Device for SoftDevice {
     type Pd = SoftPd;
     type Mr = SoftMr;
@@ -289,13 +312,31 @@ impl Device for SoftDevice {
                 max: MAX_MESSAGE,
             });
         }
-        Ok(SoftMr {
-            mem: Arc::new(mr::MrMem::counted(len, self.shared.mrs.clone())),
-            lkey: Lkey(self.shared.next_lkey.fetch_add(1, Ordering::Relaxed)),
-            len,
-            access,
-            pd_id: pd.id,
-        })
+        Ok(self.register(pd, len, 1, access))
+    }
+
+    fn reg_chunked_mr(
+        &self,
+        pd: &SoftPd,
+        chunk_len: usize,
+        chunks: usize,
+        access: AccessFlags,
+    ) -> Result<SoftMr, VerbsError> {
+        if chunk_len == 0 {
+            return Err(VerbsError::InvalidAttr { attr: "chunk_len" });
+        }
+        if chunks == 0 {
+            return Err(VerbsError::InvalidAttr { attr: "chunks" });
+        }
+        let len = chunk_len.saturating_mul(chunks);
+        if len > MAX_MESSAGE {
+            return Err(VerbsError::CapExceeded {
+                cap: "mr length",
+                got: len,
+                max: MAX_MESSAGE,
+            });
+        }
+        Ok(self.register(pd, chunk_len, chunks, access))
     }
 
     fn create_cq(&self, depth: usize) -> Result<SoftCq, VerbsError> {
