@@ -640,3 +640,107 @@ async fn links_killed_before_any_batch_back_off_within_bounds_and_traffic_resets
     assert_eq!(a_node.stats().dial_failures, 0);
     assert_eq!(b_node.stats().refused, 0);
 }
+
+/// Forwards connections to `to`. On the first one it holds back everything
+/// the dialer writes after its first write (its hello): the ready reaches
+/// the listener only after `hold`, when it has given up.
+async fn hold_the_first_ready(listener: tokio::net::TcpListener, to: SocketAddr, hold: Duration) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut first = true;
+    while let Ok((dialer, _)) = listener.accept().await {
+        let Ok(upstream) = tokio::net::TcpStream::connect(to).await else {
+            continue;
+        };
+        let hold = std::mem::take(&mut first).then_some(hold);
+        tokio::spawn(async move {
+            let (mut from_dialer, mut to_dialer) = dialer.into_split();
+            let (mut from_listener, mut to_listener) = upstream.into_split();
+            let down = async {
+                tokio::io::copy(&mut from_listener, &mut to_dialer)
+                    .await
+                    .ok();
+                to_dialer.shutdown().await.ok();
+            };
+            let up = async {
+                let mut buf = vec![0u8; 64 * 1024];
+                let mut writes = 0;
+                loop {
+                    let n = match from_dialer.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    writes += 1;
+                    if let (Some(hold), 2) = (hold, writes) {
+                        tokio::time::sleep(hold).await;
+                    }
+                    if to_listener.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                to_listener.shutdown().await.ok();
+            };
+            tokio::join!(down, up);
+        });
+    }
+}
+
+/// docs/rxe.md's H7: the listener's handshake times out after the dialer
+/// wrote its ready and installed the link. The dialer's epoch dies before
+/// any batch; it relinks within one backoff and one handshake, and the slot
+/// it held back rides the next epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_giving_up_after_the_dialers_ready_costs_one_relink() {
+    let b_timeout = Duration::from_millis(300);
+    let (b_node, b) = TcpNode::start(
+        TcpNodeConfig {
+            handshake_timeout: b_timeout,
+            ..config(B, None)
+        },
+        any_port(),
+        MuxConfig::default(),
+    )
+    .await
+    .expect("bind");
+    let a_config = TcpNodeConfig {
+        backoff_min: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(160),
+        handshake_timeout: Duration::from_secs(2),
+        ..config(A, None)
+    };
+    let relink_bound = a_config.backoff_max + a_config.handshake_timeout;
+    let (a_node, a) = TcpNode::start(a_config, any_port(), held_back())
+        .await
+        .expect("bind");
+    let proxy = tokio::net::TcpListener::bind(any_port())
+        .await
+        .expect("bind");
+    a_node.register(B, proxy.local_addr().expect("addr"));
+    b_node.register(A, a_node.local_addr());
+    tokio::spawn(hold_the_first_ready(
+        proxy,
+        b_node.local_addr(),
+        b_timeout * 3,
+    ));
+
+    let key = StreamKey::new(46, 1);
+    let mut rx = b.bind(key).expect("bind");
+    let mut tx = a.open(B, key).expect("open");
+    tx.send(record(1, 0, 64)).await.expect("send");
+    tx.finish(Terminal::Finalized).expect("finish");
+    within(relink_bound, "B gives up on the first handshake", || {
+        b_node.last_refusal() == Some(ConnectError::Timeout)
+    })
+    .await;
+    within(relink_bound, "A relinks after its half-made epoch", || {
+        a_node.stats().established == 2 && a.epoch(B).is_some()
+    })
+    .await;
+    a.flush(B).expect("flush");
+    let got = tokio::time::timeout(relink_bound, in_order_to_finalized(&mut rx))
+        .await
+        .expect("the held slot arrives");
+    assert_eq!(got.0, 1);
+    assert_eq!(a.stats().slots_dropped, 0);
+    assert!(a.stats().slots_carried >= 1);
+    assert_eq!(b_node.stats().established, 1, "B installed only the second");
+}
