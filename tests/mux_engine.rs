@@ -295,6 +295,74 @@ async fn link_failure_delivers_then_drops_every_live_slot_exactly_once() {
     );
 }
 
+/// docs/design.md § "A slot whose Open never left": a manual flush holds the
+/// Open back, so both epochs die with the slot in their table, unannounced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_whose_open_never_left_two_dying_epochs_reaches_its_receiver_on_the_third() {
+    let held = MuxConfig {
+        flush: FlushPolicy::Manual {
+            reply_linger: Duration::from_secs(3600),
+        },
+        ..MuxConfig::default()
+    };
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = Mux::new(held, fabric.dialer(A));
+    fabric.add(A, a.clone());
+    let b = Mux::new(MuxConfig::default(), fabric.dialer(B));
+    fabric.add(B, b.clone());
+    let key = StreamKey::new(21, 1);
+    let mut rx = b.bind(key).expect("bind");
+    let mut tx = a.open(B, key).expect("open");
+    for n in 0..3 {
+        tx.send(record(1, n, 100)).await.expect("send");
+    }
+    tx.finish(Terminal::Finalized).expect("finish");
+    let delivered = tokio::time::timeout(Duration::from_secs(20), async {
+        for round in 1..=2u64 {
+            until(|| a.epoch(B) == Some(Epoch(round))).await;
+            assert!(fabric.kill(A, B, EpochEnd::Fault(LinkFault::Injected)));
+            until(|| a.stats().epoch_deaths == round).await;
+        }
+        until(|| a.epoch(B) == Some(Epoch(3))).await;
+        a.flush(B).expect("flush");
+        in_order_to_finalized(&mut rx).await.0
+    })
+    .await
+    .expect("the slot wanted a third epoch and rode it");
+    assert_eq!(delivered, 3);
+    let stats = a.stats();
+    assert_eq!(
+        stats.slots_carried, 2,
+        "adopted and carried by both dying epochs"
+    );
+    assert_eq!(stats.slots_dropped, 0, "its Open never left: never Dropped");
+    assert_eq!(b.stats().slots_dropped, 0);
+}
+
+/// The race itself: a slot opened just after its link died lands in the
+/// dying epoch's table, in its wait for a link, or in the next epoch; it
+/// must reach its receiver every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_opened_while_its_epoch_dies_is_never_lost() {
+    let (fabric, muxes) = fabric(&[A, B], MuxConfig::default(), MemConfig::default());
+    let (a, b) = (&muxes[0], &muxes[1]);
+    for round in 0..100u64 {
+        let key = StreamKey::new(22, round);
+        let mut rx = b.bind(key).expect("bind");
+        if round > 0 {
+            assert!(fabric.kill(A, B, EpochEnd::Fault(LinkFault::Injected)));
+        }
+        let mut tx = a.open(B, key).expect("open");
+        tx.send(record(round, 0, 64)).await.expect("send");
+        tx.finish(Terminal::Finalized).expect("finish");
+        let got = tokio::time::timeout(Duration::from_secs(20), in_order_to_finalized(&mut rx))
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the stream never arrived"));
+        assert_eq!(got.0, 1);
+    }
+    assert_eq!(a.stats().slots_dropped, 0, "no slot had an Open out");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_4_mib_record_crosses_64_kib_batches_intact() {
     let link = MemConfig {

@@ -25,6 +25,8 @@ use tokio::net::TcpStream;
 #[path = "common/slots.rs"]
 mod slots;
 use slots::{in_order_to_finalized, prefix_then_one_dropped, record, seq_of};
+#[path = "common/relink.rs"]
+mod relink;
 
 type Transport = RdmaTransport<SoftDevice>;
 type SoftMux = Mux<RdmaLink<SoftDevice>>;
@@ -613,4 +615,30 @@ async fn an_epoch_death_returns_every_chunk_and_the_next_epoch_works() {
         no_rnr(&a);
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qps_killed_before_any_batch_back_off_within_bounds_and_traffic_resets_it() {
+    let mut a_config = config(A, None);
+    a_config.connector.backoff_min = Duration::from_millis(20);
+    a_config.connector.backoff_max = Duration::from_millis(160);
+    a_config.connector.handshake_timeout = Duration::from_secs(2);
+    a_config.mux = relink::held_back();
+    let connector = a_config.connector.clone();
+    let a = RdmaTransport::start(device().await, a_config)
+        .await
+        .expect("bind");
+    let b = transport(B, None).await;
+    mesh(&[&a, &b]);
+    let dialing = relink::Dialing {
+        node: a.node(),
+        mux: a.mux(),
+        backoff_min: connector.backoff_min,
+        backoff_max: connector.backoff_max,
+        handshake_timeout: connector.handshake_timeout,
+    };
+    relink::traffic_less_epochs_back_off_and_the_held_slot_survives(dialing, B, b.mux(), 6).await;
+    assert_eq!(a.node().stats().dial_failures, 0);
+    no_rnr(&a);
+    no_rnr(&b);
 }

@@ -17,6 +17,9 @@ use rand::{Rng, SeedableRng};
 #[path = "common/slots.rs"]
 mod slots;
 use slots::{in_order_to_finalized, prefix_then_one_dropped, record, seq_of};
+#[path = "common/relink.rs"]
+mod relink;
+use relink::{Dialing, held_back, within};
 
 const A: PeerId = PeerId(1);
 const B: PeerId = PeerId(2);
@@ -498,4 +501,246 @@ async fn a_restarted_peer_replaces_a_link_that_still_looks_alive() {
         b1_node.shutdown();
     })
     .await;
+}
+
+/// An address where nothing listens.
+async fn dead_addr() -> SocketAddr {
+    let gone = tokio::net::TcpListener::bind(any_port())
+        .await
+        .expect("bind");
+    gone.local_addr().expect("addr")
+}
+
+/// Opens one stream of `records` from `from` to `to`, finished.
+async fn one_stream(
+    from: &Mux<TcpLink>,
+    to: PeerId,
+    to_mux: &Mux<TcpLink>,
+    key: StreamKey,
+    records: u32,
+) -> qpmux::mux::SlotReceiver {
+    let rx = to_mux.bind(key).expect("bind");
+    let mut tx = from.open(to, key).expect("open");
+    for n in 0..records {
+        tx.send(record(key.session.0, n, 64)).await.expect("send");
+    }
+    tx.finish(Terminal::Finalized).expect("finish");
+    rx
+}
+
+/// A waits out a long backoff toward B (its dials fail: A cannot reach B).
+/// B can reach A, and its dial must not be declined as a crossing one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_waiting_out_its_backoff_accepts_the_peers_dial() {
+    let long_wait = Duration::from_secs(60);
+    let (a_node, a) = TcpNode::start(
+        TcpNodeConfig {
+            backoff_min: long_wait,
+            backoff_max: long_wait,
+            ..config(A, None)
+        },
+        any_port(),
+        MuxConfig::default(),
+    )
+    .await
+    .expect("bind");
+    let b_config = config(B, None);
+    let b_bound = b_config.backoff_max + b_config.handshake_timeout;
+    let (b_node, b) = TcpNode::start(b_config, any_port(), MuxConfig::default())
+        .await
+        .expect("bind");
+    a_node.register(B, dead_addr().await);
+    b_node.register(A, a_node.local_addr());
+
+    let mut to_b = one_stream(&a, B, &b, StreamKey::new(41, 1), 3).await;
+    within(b_bound, "A's dial fails", || {
+        a_node.stats().dial_failures == 1
+    })
+    .await;
+    // What A's mux does every second while it waits: A now waits 60 s.
+    a_node.dialer().want_link(B);
+    assert_eq!(a_node.backoff(B), long_wait);
+
+    let mut to_a = one_stream(&b, A, &a, StreamKey::new(42, 1), 3).await;
+    let arrived = tokio::time::timeout(b_bound, async {
+        (
+            in_order_to_finalized(&mut to_a).await.0,
+            in_order_to_finalized(&mut to_b).await.0,
+        )
+    })
+    .await
+    .expect("B's dial is accepted while A only waits");
+    assert_eq!(arrived, (3, 3), "one link carries both ways");
+    assert_eq!(b_node.stats().declined, 0, "not declined as a crossed dial");
+    assert_eq!(b_node.stats().established, 1);
+}
+
+/// A dial that waited out its backoff does not replace the link its peer
+/// brought up meanwhile: that would end a working epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_dial_does_not_replace_a_link_the_peer_brought_up() {
+    let wait = Duration::from_millis(1500);
+    let (a_node, a) = TcpNode::start(
+        TcpNodeConfig {
+            backoff_min: wait,
+            backoff_max: wait,
+            ..config(A, None)
+        },
+        any_port(),
+        MuxConfig::default(),
+    )
+    .await
+    .expect("bind");
+    let (b_node, b) = node(B, None).await;
+    a_node.register(B, dead_addr().await);
+    b_node.register(A, a_node.local_addr());
+
+    let mut to_b = one_stream(&a, B, &b, StreamKey::new(43, 1), 2).await;
+    bounded(until(|| a_node.stats().dial_failures == 1)).await;
+    a_node.dialer().want_link(B);
+    let failed_at = tokio::time::Instant::now();
+    // From now on A could reach B: its waiting dial would succeed.
+    a_node.register(B, b_node.local_addr());
+    let mut to_a = one_stream(&b, A, &a, StreamKey::new(44, 1), 2).await;
+    assert_eq!(bounded(in_order_to_finalized(&mut to_a)).await.0, 2);
+    assert_eq!(bounded(in_order_to_finalized(&mut to_b)).await.0, 2);
+    let epoch = a.epoch(B).expect("up");
+
+    // Past A's wait (and then some): its dial task has woken and looked.
+    tokio::time::sleep_until(failed_at + wait * 2).await;
+    let mut again = one_stream(&a, B, &b, StreamKey::new(45, 1), 2).await;
+    assert_eq!(bounded(in_order_to_finalized(&mut again)).await.0, 2);
+    assert_eq!(a.epoch(B), Some(epoch), "the link B brought up still runs");
+    assert_eq!(a.stats().epoch_deaths, 0);
+    assert_eq!(b.stats().epoch_deaths, 0);
+    assert_eq!(a_node.stats().established + b_node.stats().established, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_killed_before_any_batch_back_off_within_bounds_and_traffic_resets_it() {
+    let a_config = TcpNodeConfig {
+        backoff_min: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(160),
+        handshake_timeout: Duration::from_secs(2),
+        ..config(A, None)
+    };
+    let (a_node, a) = TcpNode::start(a_config.clone(), any_port(), held_back())
+        .await
+        .expect("bind");
+    let (b_node, b) = node(B, None).await;
+    mesh(&[&a_node, &b_node]);
+    let dialing = Dialing {
+        node: &a_node,
+        mux: &a,
+        backoff_min: a_config.backoff_min,
+        backoff_max: a_config.backoff_max,
+        handshake_timeout: a_config.handshake_timeout,
+    };
+    relink::traffic_less_epochs_back_off_and_the_held_slot_survives(dialing, B, &b, 6).await;
+    assert_eq!(a_node.stats().dial_failures, 0);
+    assert_eq!(b_node.stats().refused, 0);
+}
+
+/// Forwards connections to `to`. On the first one it holds back everything
+/// the dialer writes after its first write (its hello): the ready reaches
+/// the listener only after `hold`, when it has given up.
+async fn hold_the_first_ready(listener: tokio::net::TcpListener, to: SocketAddr, hold: Duration) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut first = true;
+    while let Ok((dialer, _)) = listener.accept().await {
+        let Ok(upstream) = tokio::net::TcpStream::connect(to).await else {
+            continue;
+        };
+        let hold = std::mem::take(&mut first).then_some(hold);
+        tokio::spawn(async move {
+            let (mut from_dialer, mut to_dialer) = dialer.into_split();
+            let (mut from_listener, mut to_listener) = upstream.into_split();
+            let down = async {
+                tokio::io::copy(&mut from_listener, &mut to_dialer)
+                    .await
+                    .ok();
+                to_dialer.shutdown().await.ok();
+            };
+            let up = async {
+                let mut buf = vec![0u8; 64 * 1024];
+                let mut writes = 0;
+                loop {
+                    let n = match from_dialer.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    writes += 1;
+                    if let (Some(hold), 2) = (hold, writes) {
+                        tokio::time::sleep(hold).await;
+                    }
+                    if to_listener.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                to_listener.shutdown().await.ok();
+            };
+            tokio::join!(down, up);
+        });
+    }
+}
+
+/// docs/rxe.md's H7: the listener's handshake times out after the dialer
+/// wrote its ready and installed the link. The dialer's epoch dies before
+/// any batch; it relinks within one backoff and one handshake, and the slot
+/// it held back rides the next epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_giving_up_after_the_dialers_ready_costs_one_relink() {
+    let b_timeout = Duration::from_millis(300);
+    let (b_node, b) = TcpNode::start(
+        TcpNodeConfig {
+            handshake_timeout: b_timeout,
+            ..config(B, None)
+        },
+        any_port(),
+        MuxConfig::default(),
+    )
+    .await
+    .expect("bind");
+    let a_config = TcpNodeConfig {
+        backoff_min: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(160),
+        handshake_timeout: Duration::from_secs(2),
+        ..config(A, None)
+    };
+    let relink_bound = a_config.backoff_max + a_config.handshake_timeout;
+    let (a_node, a) = TcpNode::start(a_config, any_port(), held_back())
+        .await
+        .expect("bind");
+    let proxy = tokio::net::TcpListener::bind(any_port())
+        .await
+        .expect("bind");
+    a_node.register(B, proxy.local_addr().expect("addr"));
+    b_node.register(A, a_node.local_addr());
+    tokio::spawn(hold_the_first_ready(
+        proxy,
+        b_node.local_addr(),
+        b_timeout * 3,
+    ));
+
+    let key = StreamKey::new(46, 1);
+    let mut rx = b.bind(key).expect("bind");
+    let mut tx = a.open(B, key).expect("open");
+    tx.send(record(1, 0, 64)).await.expect("send");
+    tx.finish(Terminal::Finalized).expect("finish");
+    within(relink_bound, "B gives up on the first handshake", || {
+        b_node.last_refusal() == Some(ConnectError::Timeout)
+    })
+    .await;
+    within(relink_bound, "A relinks after its half-made epoch", || {
+        a_node.stats().established == 2 && a.epoch(B).is_some()
+    })
+    .await;
+    a.flush(B).expect("flush");
+    let got = tokio::time::timeout(relink_bound, in_order_to_finalized(&mut rx))
+        .await
+        .expect("the held slot arrives");
+    assert_eq!(got.0, 1);
+    assert_eq!(a.stats().slots_dropped, 0);
+    assert!(a.stats().slots_carried >= 1);
+    assert_eq!(b_node.stats().established, 1, "B installed only the second");
 }

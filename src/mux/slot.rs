@@ -315,6 +315,39 @@ impl Inlet {
         Pop::Record(data)
     }
 
+    /// Puts records a failed post took back at the front of the queue, and
+    /// the terminal if it was taken too, so the next epoch sends them again.
+    /// May overshoot the byte budgets by that one batch.
+    pub fn restore(&self, records: Vec<Bytes>, terminal: Option<CloseReason>) {
+        let mut state = lock(&self.state);
+        if state.closed.is_some() {
+            return;
+        }
+        let bytes: usize = records.iter().map(Bytes::len).sum();
+        for record in records.into_iter().rev() {
+            state.queue.push_front(record);
+        }
+        state.queued += bytes;
+        if terminal.is_some() {
+            state.terminal = terminal;
+        }
+        drop(state);
+        self.control.queued.fetch_add(bytes, Ordering::AcqRel);
+        Counters::add(&self.control.counters.withheld_bytes, bytes as u64);
+    }
+
+    /// Hands a slot whose Open never left its dying epoch to the next one:
+    /// it is new again and back on the peer's dirty list. False if it could
+    /// not be (closed, or the peer task retired).
+    pub fn carry(self: &Arc<Self>) -> bool {
+        let mut state = lock(&self.state);
+        if state.closed.is_some() {
+            return false;
+        }
+        state.adopted = false;
+        self.mark_dirty(&mut state)
+    }
+
     /// Stops counting this slot toward the peer's limit (once): it ended,
     /// was refused, or its terminal went out.
     pub fn release_slot(&self) {

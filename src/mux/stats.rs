@@ -75,6 +75,9 @@ pub struct Stats {
     pub epoch_deaths: u64,
     /// Slots that ended with `Dropped` because an epoch died (both directions).
     pub slots_dropped: u64,
+    /// Egress slots whose Open never left a dying epoch, handed to the next
+    /// one instead of dropped (each time it happens).
+    pub slots_carried: u64,
     /// Protocol violations by peers (each also ends an epoch).
     pub protocol_violations: u64,
     /// OpenSlot records refused: the peer's slot limit was reached, or the
@@ -111,6 +114,7 @@ impl Stats {
             ("qpmux_withheld_bytes", self.withheld_bytes),
             ("qpmux_epoch_deaths_total", self.epoch_deaths),
             ("qpmux_slots_dropped_total", self.slots_dropped),
+            ("qpmux_slots_carried_total", self.slots_carried),
             ("qpmux_protocol_violations_total", self.protocol_violations),
             ("qpmux_drops_unknown_slot_total", self.drops.unknown_slot),
             (
@@ -149,6 +153,7 @@ pub(crate) struct Counters {
     pub withheld_bytes: AtomicU64,
     pub epoch_deaths: AtomicU64,
     pub slots_dropped: AtomicU64,
+    pub slots_carried: AtomicU64,
     pub protocol_violations: AtomicU64,
     pub opens_refused: AtomicU64,
     pub unknown_slot: AtomicU64,
@@ -194,6 +199,7 @@ impl Counters {
             withheld_bytes: get(&self.withheld_bytes),
             epoch_deaths: get(&self.epoch_deaths),
             slots_dropped: get(&self.slots_dropped),
+            slots_carried: get(&self.slots_carried),
             protocol_violations: get(&self.protocol_violations),
             opens_refused: get(&self.opens_refused),
             drops: DropCounts {

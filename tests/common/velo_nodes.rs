@@ -61,6 +61,9 @@ pub trait Kind: Sized + 'static {
     /// would. False if there was none.
     fn kill(&self, node: &Self::Node, peer: PeerId) -> bool;
 
+    /// True once `node`'s current link to `peer` has ended (or it has none).
+    fn link_ended(&self, node: &Self::Node, peer: PeerId) -> bool;
+
     /// Asserts `node` saw no epoch die (and, on RDMA, no RNR NAK: with
     /// `rnr_retry = 0` one would have killed the epoch).
     fn assert_clean(&self, node: &Self::Node) {
@@ -97,6 +100,12 @@ impl Kind for Mem {
     fn kill(&self, node: &MemNode, peer: PeerId) -> bool {
         self.fabric
             .kill(node.id(), peer, EpochEnd::Fault(LinkFault::Injected))
+    }
+
+    fn link_ended(&self, node: &MemNode, peer: PeerId) -> bool {
+        self.fabric
+            .link(node.id(), peer)
+            .is_none_or(|link| link.is_ended())
     }
 }
 
@@ -135,6 +144,10 @@ impl Kind for Tcp {
             .link(peer)
             .map(|link| link.fail(EpochEnd::Fault(LinkFault::Injected)))
             .is_some()
+    }
+
+    fn link_ended(&self, node: &TcpTransport, peer: PeerId) -> bool {
+        node.node().link(peer).is_none_or(|link| link.is_ended())
     }
 }
 
@@ -182,6 +195,12 @@ impl Kind for Rdma {
             .link(peer)
             .map(|link| link.fail(EpochEnd::Fault(LinkFault::Injected)))
             .is_some()
+    }
+
+    fn link_ended(&self, node: &SoftRdma, peer: PeerId) -> bool {
+        node.node()
+            .link(peer)
+            .is_none_or(|link| link.end_reason().is_some())
     }
 
     fn assert_clean(&self, node: &SoftRdma) {

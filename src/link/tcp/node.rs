@@ -12,12 +12,13 @@
 //!              ─► finish (stream + epoch ─► link; under the table lock)
 //! ```
 //!
-//! One table (`peers`, one mutex) says per peer: address, dial in progress,
-//! handshakes being accepted, last epoch, incarnation, current link, backoff.
-//! Crossed dials settle on the connection dialed by the lower node id: a
-//! listener declines a higher-id dialer while it is dialing that peer
-//! itself, and declines any dial proposing an epoch older than the running
-//! one (it predates it). Declines are not errors.
+//! One table (`peers`, one mutex) says per peer: address, where our dial
+//! stands, handshakes being accepted, last epoch, incarnation, current link,
+//! backoff. Crossed dials settle on the connection dialed by the lower node
+//! id: a listener declines a higher-id dialer while it is connecting to that
+//! peer itself (not while it only waits out a backoff), and declines any dial
+//! proposing an epoch older than the running one (it predates it). Declines
+//! are not errors. Backoff rule: docs/design.md § "Redial backoff".
 
 use std::collections::HashMap;
 use std::io;
@@ -349,9 +350,22 @@ impl EpochMaker for TcpEpochs {
     }
 }
 
+/// Where our dial to a peer stands.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Dial {
+    /// No dial task.
+    #[default]
+    Idle,
+    /// A dial task waits out the backoff; it looks again before connecting.
+    Waiting,
+    /// Connecting or handshaking: a crossing dial from the peer is settled
+    /// against this one.
+    Connecting,
+}
+
 struct PeerState<L> {
     addr: Option<SocketAddr>,
-    dialing: bool,
+    dial: Dial,
     accepting: usize,
     last_epoch: Epoch,
     incarnation: Option<u64>,
@@ -364,7 +378,7 @@ impl<L> Default for PeerState<L> {
     fn default() -> Self {
         PeerState {
             addr: None,
-            dialing: false,
+            dial: Dial::Idle,
             accepting: 0,
             last_epoch: Epoch::default(),
             incarnation: None,
@@ -408,9 +422,18 @@ impl<E: EpochMaker> NodeInner<E> {
         }
         let in_use = peers
             .iter()
-            .filter(|(id, s)| **id != peer && (Self::live(s) || s.dialing || s.accepting > 0))
+            .filter(|(id, s)| {
+                **id != peer && (Self::live(s) || s.dial != Dial::Idle || s.accepting > 0)
+            })
             .count();
         in_use >= self.config.max_peers
+    }
+
+    /// One more failed attempt: the wait doubles, within the configured bounds.
+    fn back_off(&self, state: &mut PeerState<E::Link>) {
+        let config = &self.config;
+        state.backoff = (state.backoff * 2).clamp(config.backoff_min, config.backoff_max);
+        state.retry_at = Some(Instant::now() + state.backoff);
     }
 
     fn hello(&self, proposed: Epoch, endpoint: Endpoint) -> HelloFields {
@@ -594,6 +617,16 @@ impl<E: EpochMaker> Connector<E> {
         }
     }
 
+    /// How long the next dial to `peer` waits after a failure: zero until an
+    /// attempt fails, doubled by each failed dial and each epoch that ended
+    /// without carrying a batch, zero again once an epoch carried one.
+    pub fn backoff(&self, peer: PeerId) -> Duration {
+        self.inner
+            .peers()
+            .get(&peer)
+            .map_or(Duration::ZERO, |state| state.backoff)
+    }
+
     /// Why the last refused incoming connection was refused.
     pub fn last_refusal(&self) -> Option<ConnectError> {
         *self.inner.last_refusal.lock().expect("node state poisoned")
@@ -605,12 +638,16 @@ impl<E: EpochMaker> Connector<E> {
         let owned = {
             let mut peers = self.inner.peers();
             let state = peers.entry(peer).or_default();
-            !std::mem::replace(&mut state.dialing, true)
+            let idle = state.dial == Dial::Idle;
+            if idle {
+                state.dial = Dial::Connecting;
+            }
+            idle
         };
         let result = dial_once(&self.inner, peer).await;
         if owned {
             if let Some(state) = self.inner.peers().get_mut(&peer) {
-                state.dialing = false;
+                state.dial = Dial::Idle;
             }
         }
         if let Err(ConnectError::DeclinedByPeer(_)) = result {
@@ -654,7 +691,7 @@ impl<E: EpochMaker> Dialer for NodeDialer<E> {
             return;
         };
         if NodeInner::<E>::live(state)
-            || state.dialing
+            || state.dial != Dial::Idle
             || state.accepting > 0
             || state.addr.is_none()
         {
@@ -662,26 +699,42 @@ impl<E: EpochMaker> Dialer for NodeDialer<E> {
         }
         if let Some(previous) = state.current.take() {
             if E::carried_traffic(&previous) {
-                // The last epoch carried traffic: this is a fresh failure.
+                // The path worked: this is a fresh failure, redial at once.
                 state.backoff = Duration::ZERO;
                 state.retry_at = None;
+            } else {
+                // Up and dead before a batch: a failed attempt like a failed dial.
+                inner.back_off(state);
             }
         }
-        state.dialing = true;
+        let wait = state.retry_at.filter(|at| *at > Instant::now());
+        state.dial = if wait.is_some() {
+            Dial::Waiting
+        } else {
+            Dial::Connecting
+        };
         drop(peers);
-        tokio::spawn(dial_task(inner, peer));
+        tokio::spawn(dial_task(inner, peer, wait));
     }
 }
 
-async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId) {
-    let wait = inner.peers().get(&peer).and_then(|p| p.retry_at);
+async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: Option<Instant>) {
     if let Some(at) = wait {
         sleep_until(at).await;
+        let mut peers = inner.peers();
+        let state = peers.entry(peer).or_default();
+        if NodeInner::<E>::live(state) || state.accepting > 0 {
+            // The peer's dial got (or is getting) there first: replacing its
+            // link would end a working epoch. The mux asks again if it dies.
+            state.dial = Dial::Idle;
+            return;
+        }
+        state.dial = Dial::Connecting;
     }
     let result = dial_once(&inner, peer).await;
     let mut peers = inner.peers();
     let state = peers.entry(peer).or_default();
-    state.dialing = false;
+    state.dial = Dial::Idle;
     match result {
         Ok(epoch) => tracing::debug!(?peer, %epoch, "dialed"),
         Err(err) if err.is_benign() => {
@@ -690,19 +743,14 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId) {
                 if reason == DeclineReason::Unavailable {
                     // Not a fault, but asking again at once would spin
                     // (shutting down, no mux, or no resources for us).
-                    let config = &inner.config;
-                    state.backoff =
-                        (state.backoff * 2).clamp(config.backoff_min, config.backoff_max);
-                    state.retry_at = Some(Instant::now() + state.backoff);
+                    inner.back_off(state);
                 }
             }
             tracing::debug!(?peer, %err, "dial settled elsewhere");
         }
         Err(err) => {
             bump(&inner.counters.dial_failures);
-            let config = &inner.config;
-            state.backoff = (state.backoff * 2).clamp(config.backoff_min, config.backoff_max);
-            state.retry_at = Some(Instant::now() + state.backoff);
+            inner.back_off(state);
             tracing::warn!(?peer, %err, backoff = ?state.backoff, "dial failed");
         }
     }
@@ -1021,7 +1069,7 @@ fn decide<E: EpochMaker>(
         ));
     }
     let state = peers.entry(hello.node).or_default();
-    if state.dialing && hello.node > inner.config.id {
+    if state.dial == Dial::Connecting && hello.node > inner.config.id {
         return Err((DeclineReason::CrossedDial, None));
     }
     if NodeInner::<E>::live(state)

@@ -41,7 +41,12 @@ struct EgressSlot {
     id: SlotId,
     credit: i64,
     seq: FrameSeq,
+    /// The Open is encoded (in a batch being posted, or posted).
     open_sent: bool,
+    /// The Open's batch was posted: from now on an epoch death drops the slot.
+    open_left: bool,
+    /// While the batch being posted holds the Open: what of the slot it holds.
+    unposted: Option<Unposted>,
     /// The unsent rest of the current record.
     partial: Option<Bytes>,
     /// Whether the current record's first fragment is out (credit was spent).
@@ -51,6 +56,15 @@ struct EgressSlot {
     in_ready: bool,
     heartbeat_owed: bool,
     sent_since_tick: bool,
+}
+
+/// The records and terminal a slot put into the batch that also carries its
+/// Open. A failed post gives them back to the inlet, so the slot can move to
+/// the next epoch whole (docs/design.md § "A slot whose Open never left").
+#[derive(Debug, Default)]
+struct Unposted {
+    records: Vec<Bytes>,
+    terminal: Option<CloseReason>,
 }
 
 #[derive(Debug)]
@@ -95,6 +109,10 @@ pub(crate) struct PeerCore {
     live_egress: usize,
     ready: VecDeque<u32>,
     opens_owed: VecDeque<u32>,
+    /// Slots whose Open is in the batch being posted.
+    opened_in_batch: Vec<u32>,
+    /// Of those, the ones whose terminal is in it too: freed once it is posted.
+    closed_in_batch: Vec<u32>,
 
     ingress: HashMap<u32, IngressSlot>,
     by_rx: HashMap<usize, u32>,
@@ -148,6 +166,8 @@ impl PeerCore {
             live_egress: 0,
             ready: VecDeque::new(),
             opens_owed: VecDeque::new(),
+            opened_in_batch: Vec::new(),
+            closed_in_batch: Vec::new(),
             ingress: HashMap::new(),
             by_rx: HashMap::new(),
             grants_owed: BTreeMap::new(),
@@ -376,12 +396,22 @@ impl PeerCore {
     }
 
     /// The batch from the last `poll_batch` is on the link: its messages are
-    /// no longer the sender's to report. Without this call (a failed post)
-    /// they stay armed and `fail_all` reports them.
+    /// no longer the sender's to report, and the Opens in it have left.
+    /// Without this call (a failed post) the messages stay armed and
+    /// `fail_all` reports them, and the slots opened in it move on.
     pub fn batch_posted(&mut self) {
         self.messages_in_batch
             .drain(..)
             .for_each(OutboundMessage::written);
+        for index in std::mem::take(&mut self.opened_in_batch) {
+            if let Some(slot) = self.table[index as usize].slot.as_mut() {
+                slot.unposted = None;
+                slot.open_left = true;
+            }
+        }
+        for index in std::mem::take(&mut self.closed_in_batch) {
+            self.free_slot(index);
+        }
     }
 
     /// Writes a Goodbye as the last batch of the epoch.
@@ -396,15 +426,31 @@ impl PeerCore {
         enc.finish()
     }
 
-    /// Ends the epoch for every live slot: exactly one `Dropped` each.
+    /// Ends the epoch for every live slot: exactly one `Dropped` each for
+    /// slots whose Open left. A slot whose Open never left (not written, or
+    /// in a batch whose post failed) is handed to the next epoch whole,
+    /// unless the mux is shutting down.
     pub fn fail_all(&mut self, reason: DropReason) {
-        let mut dropped = 0u64;
+        let carry = !matches!(reason, DropReason::Shutdown);
+        let (mut dropped, mut carried) = (0u64, 0u64);
         for entry in &mut self.table {
-            if let Some(slot) = entry.slot.take() {
-                slot.inlet.close(SendError::Dropped(reason));
-                dropped += 1;
+            let Some(slot) = entry.slot.take() else {
+                continue;
+            };
+            if carry && !slot.open_left {
+                let unposted = slot.unposted.unwrap_or_default();
+                slot.inlet.restore(unposted.records, unposted.terminal);
+                if slot.inlet.carry() {
+                    carried += 1;
+                    continue;
+                }
             }
+            slot.inlet.close(SendError::Dropped(reason));
+            dropped += 1;
         }
+        self.opened_in_batch.clear();
+        self.closed_in_batch.clear();
+        Counters::add(&self.counters.slots_carried, carried);
         for (_, slot) in self.ingress.drain() {
             if slot.rx.end(Frame::Dropped(reason)) {
                 dropped += 1;
@@ -485,6 +531,8 @@ impl PeerCore {
             credit: i64::from(self.config.slot_window),
             seq: FrameSeq(0),
             open_sent: false,
+            open_left: false,
+            unposted: None,
             partial: None,
             partial_started: false,
             terminal: None,
@@ -585,8 +633,10 @@ impl PeerCore {
                     return false;
                 }
                 slot.open_sent = true;
+                slot.unposted = Some(Unposted::default());
                 slot.sent_since_tick = true;
                 slot.seq = slot.seq.next();
+                self.opened_in_batch.push(index);
             }
             self.opens_owed.pop_front();
         }
@@ -609,7 +659,17 @@ impl PeerCore {
                         slot.in_ready = false;
                     }
                 }
-                Fill::Closed => self.free_slot(index),
+                Fill::Closed => {
+                    let unposted = self.table[index as usize]
+                        .slot
+                        .as_ref()
+                        .is_some_and(|slot| slot.unposted.is_some());
+                    if unposted {
+                        self.closed_in_batch.push(index);
+                    } else {
+                        self.free_slot(index);
+                    }
+                }
             }
         }
         if !self.ready.is_empty() {
@@ -661,8 +721,18 @@ impl PeerCore {
             match slot.inlet.pop(slot.credit > 0) {
                 // Credit gates the start of a record; its fragments then flow
                 // (docs/design.md § "Credit gates the start of a record").
-                Pop::Record(data) => slot.partial = Some(data),
-                Pop::Terminal(reason) => slot.terminal = Some(reason),
+                Pop::Record(data) => {
+                    if let Some(unposted) = slot.unposted.as_mut() {
+                        unposted.records.push(data.clone());
+                    }
+                    slot.partial = Some(data);
+                }
+                Pop::Terminal(reason) => {
+                    if let Some(unposted) = slot.unposted.as_mut() {
+                        unposted.terminal = Some(reason);
+                    }
+                    slot.terminal = Some(reason);
+                }
                 Pop::Blocked => {
                     Counters::add(&counters.credit_stalls, 1);
                     return Fill::Blocked;
@@ -1027,17 +1097,159 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
-    use crate::mux::PeerId;
+    use crate::mux::slot::SlotSender;
+    use crate::mux::{PeerId, Terminal};
 
     fn core() -> PeerCore {
-        let config = Arc::new(MuxConfig::default());
+        let config = MuxConfig::default();
         let control = Arc::new(PeerControl::new(
             PeerId(2),
             config.peer_budget,
             Arc::new(Counters::default()),
         ));
+        next_core(Epoch(1), &control)
+    }
+
+    /// The core of epoch `epoch` for the peer that `control` belongs to.
+    fn next_core(epoch: Epoch, control: &Arc<PeerControl>) -> PeerCore {
+        let config = Arc::new(MuxConfig::default());
         let registry = Registry::new(config.slot_window, 16);
-        PeerCore::new(Epoch(1), config, control, registry, Instant::now())
+        PeerCore::new(epoch, config, control.clone(), registry, Instant::now())
+    }
+
+    /// Opens a slot toward the core's peer, as `Mux::open` does.
+    fn open(core: &PeerCore, session: u64) -> SlotSender {
+        assert!(core.control.admit_egress(16));
+        let inlet = Inlet::new(
+            StreamKey::new(7, session),
+            core.control.clone(),
+            1 << 20,
+            1 << 20,
+        );
+        assert!(inlet.announce());
+        SlotSender::new(inlet)
+    }
+
+    /// The next batch the core writes, one line per record (empty: none).
+    fn next_batch(core: &mut PeerCore) -> Vec<String> {
+        let mut buf = vec![0u8; 4096];
+        let len = core.poll_batch(&mut buf, Instant::now());
+        if len == 0 {
+            return Vec::new();
+        }
+        let view = BatchView::new_checked(&buf[..len]).expect("the core writes valid batches");
+        assert_eq!(view.epoch(), core.epoch());
+        view.records()
+            .map(|r| match r.body {
+                RecordBody::Open { session, .. } => format!("open {session} seq {}", r.seq.0),
+                RecordBody::Data(d) => {
+                    format!("data {:?} seq {}", Bytes::copy_from_slice(d), r.seq.0)
+                }
+                RecordBody::Close(reason) => format!("close {reason:?} seq {}", r.seq.0),
+                other => format!("{other:?}"),
+            })
+            .collect()
+    }
+
+    fn ended(epoch: u64) -> DropReason {
+        DropReason::EpochEnded {
+            epoch: Epoch(epoch),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_slot_adopted_by_a_dying_epoch_moves_to_the_next_one_whole() {
+        let mut dying = core();
+        let mut tx = open(&dying, 1);
+        tx.send(Bytes::from_static(b"one")).await.expect("queued");
+        // Adopted, its Open owed: the epoch dies before any batch is written.
+        dying.handle_control(Instant::now());
+        dying.fail_all(ended(1));
+        let stats = dying.counters.snapshot();
+        assert_eq!((stats.slots_dropped, stats.slots_carried), (0, 1));
+        tx.send(Bytes::from_static(b"two"))
+            .await
+            .expect("the slot lives on");
+        tx.finish(Terminal::Finalized).expect("finish");
+
+        let mut next = next_core(Epoch(2), &dying.control);
+        next.handle_control(Instant::now());
+        assert_eq!(
+            next_batch(&mut next),
+            [
+                "open 1 seq 0",
+                "data b\"one\" seq 1",
+                "data b\"two\" seq 2",
+                "close Finalized seq 3"
+            ]
+        );
+        next.batch_posted();
+        assert_eq!(next.live_slots(), 0, "its terminal is out");
+    }
+
+    #[tokio::test]
+    async fn a_slot_whose_open_was_in_a_failed_post_moves_on_with_its_records() {
+        let mut dying = core();
+        let mut tx = open(&dying, 2);
+        for record in [b"one", b"two"] {
+            tx.send(Bytes::from_static(record)).await.expect("queued");
+        }
+        tx.finish(Terminal::Finalized).expect("finish");
+        dying.handle_control(Instant::now());
+        let written = next_batch(&mut dying);
+        assert_eq!(written.len(), 4, "{written:?}");
+        // No batch_posted: the post failed because the link had died.
+        dying.fail_all(ended(1));
+        let stats = dying.counters.snapshot();
+        assert_eq!((stats.slots_dropped, stats.slots_carried), (0, 1));
+
+        let mut next = next_core(Epoch(2), &dying.control);
+        next.handle_control(Instant::now());
+        assert_eq!(
+            next_batch(&mut next),
+            written,
+            "the same records, from seq 0"
+        );
+        next.batch_posted();
+        assert_eq!(next.live_slots(), 0);
+        assert_eq!(next.counters.snapshot().withheld_bytes, 0);
+    }
+
+    #[tokio::test]
+    async fn a_slot_whose_open_left_gets_exactly_one_dropped() {
+        let mut dying = core();
+        let mut tx = open(&dying, 3);
+        tx.send(Bytes::from_static(b"one")).await.expect("queued");
+        dying.handle_control(Instant::now());
+        assert_eq!(next_batch(&mut dying).len(), 2);
+        dying.batch_posted();
+        dying.fail_all(ended(1));
+        let stats = dying.counters.snapshot();
+        assert_eq!((stats.slots_dropped, stats.slots_carried), (1, 0));
+        assert_eq!(
+            tx.send(Bytes::from_static(b"late")).await,
+            Err(SendError::Dropped(ended(1)))
+        );
+        drop(tx);
+        let mut next = next_core(Epoch(2), &dying.control);
+        next.handle_control(Instant::now());
+        assert!(
+            next_batch(&mut next).is_empty(),
+            "nothing of it reaches epoch 2"
+        );
+    }
+
+    #[tokio::test]
+    async fn on_shutdown_a_slot_whose_open_never_left_is_dropped() {
+        let mut dying = core();
+        let mut tx = open(&dying, 4);
+        dying.handle_control(Instant::now());
+        dying.fail_all(DropReason::Shutdown);
+        assert_eq!(dying.counters.snapshot().slots_dropped, 1);
+        assert_eq!(
+            tx.send(Bytes::from_static(b"late")).await,
+            Err(SendError::Dropped(DropReason::Shutdown))
+        );
     }
 
     fn counted(reports: &Arc<AtomicUsize>) -> OutboundMessage {
