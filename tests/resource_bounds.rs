@@ -204,6 +204,58 @@ async fn connections_past_max_pending_handshakes_are_closed_at_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_source_cannot_fill_the_handshake_pool() {
+    bounded(async {
+        let per_source = 2;
+        let (l_node, _l) = tcp_node(L, |c| TcpNodeConfig {
+            max_pending_handshakes: 8,
+            max_pending_per_source: per_source,
+            handshake_timeout: Duration::from_secs(2),
+            ..c
+        })
+        .await;
+        let addr = l_node.local_addr();
+        let loud: std::net::IpAddr = "127.0.0.1".parse().expect("literal");
+        let other: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
+        // Two silent connections from one source hold its share...
+        let mut held = Vec::new();
+        for _ in 0..per_source {
+            held.push(HostileDialer::silent_from(loud, addr).await);
+        }
+        // ...so its third is closed at once,
+        let mut shed = HostileDialer::silent_from(loud, addr).await;
+        assert_eq!(read_to_close(&mut shed).await, 0, "closed without a word");
+        assert_eq!(l_node.stats().handshakes_shed, 1);
+        assert_eq!(
+            l_node.last_refusal(),
+            Some(ConnectError::TooManyHandshakesFromSource {
+                from: loud,
+                limit: per_source
+            })
+        );
+        // ...while another source still gets a handshake slot: its
+        // connection stays open until the handshake timeout cuts it.
+        let mut beside = HostileDialer::silent_from(other, addr).await;
+        let early = tokio::time::timeout(Duration::from_millis(500), read_to_close(&mut beside));
+        assert!(early.await.is_err(), "another source is not shed");
+        assert_eq!(l_node.stats().handshakes_shed, 1);
+        // When the held ones time out, the source's share is free again.
+        for mut stream in held {
+            read_to_close(&mut stream).await;
+        }
+        let (a_node, _a) = tcp_node(A, |c| c).await;
+        a_node.register(L, addr);
+        assert!(
+            a_node.connect(L).await.is_ok(),
+            "{:?}",
+            l_node.last_refusal()
+        );
+        assert_eq!(l_node.stats().handshakes_shed, 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dial_to_a_listener_that_never_speaks_times_out() {
     bounded(async {
         let (a_node, _a) = tcp_node(A, |c| TcpNodeConfig {

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -484,6 +484,18 @@ impl HostileDialer {
     /// Connects and says nothing (slowloris).
     pub async fn silent(addr: SocketAddr) -> TcpStream {
         TcpStream::connect(addr).await.expect("connect")
+    }
+
+    /// As [`HostileDialer::silent`], from source IP `from` (any of 127/8
+    /// works on loopback).
+    pub async fn silent_from(from: IpAddr, addr: SocketAddr) -> TcpStream {
+        let socket = match from {
+            IpAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+            IpAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+        }
+        .expect("socket");
+        socket.bind(SocketAddr::new(from, 0)).expect("bind source");
+        socket.connect(addr).await.expect("connect")
     }
 
     /// The hello a real dialer `me` with `key` would send to `to` on this

@@ -22,7 +22,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
@@ -59,6 +59,10 @@ pub struct TcpNodeConfig {
     pub backoff_max: Duration,
     /// Handshakes accepted concurrently; more connections are closed at once. Default 64.
     pub max_pending_handshakes: usize,
+    /// Of those, handshakes from one source IP; its further connections are
+    /// closed at once, so one host's silent dialers cannot fill the pool.
+    /// Default 32.
+    pub max_pending_per_source: usize,
     /// Peers with a live link or a handshake under way; a new peer beyond
     /// this is refused ([`ConnectError::TooManyPeers`]). Default 1024.
     pub max_peers: usize,
@@ -79,6 +83,8 @@ pub struct ConnectorConfig {
     pub backoff_max: Duration,
     /// Handshakes accepted concurrently; more connections are closed at once.
     pub max_pending_handshakes: usize,
+    /// Handshakes from one source IP at once; more are closed at once.
+    pub max_pending_per_source: usize,
     /// Peers with a live link or a handshake under way; a new peer beyond
     /// this is refused ([`ConnectError::TooManyPeers`]).
     pub max_peers: usize,
@@ -101,6 +107,7 @@ impl TcpNodeConfig {
                 backoff_min: self.backoff_min,
                 backoff_max: self.backoff_max,
                 max_pending_handshakes: self.max_pending_handshakes,
+                max_pending_per_source: self.max_pending_per_source,
                 max_peers: self.max_peers,
             },
             self.link,
@@ -117,6 +124,7 @@ impl TcpNodeConfig {
             backoff_min: Duration::from_millis(50),
             backoff_max: Duration::from_secs(5),
             max_pending_handshakes: 64,
+            max_pending_per_source: 32,
             max_peers: 1024,
         }
     }
@@ -169,6 +177,15 @@ pub enum ConnectError {
         /// The configured `max_pending_handshakes`.
         limit: usize,
     },
+    /// An incoming connection's source IP already had
+    /// `max_pending_per_source` handshakes under way; closed without a word.
+    #[error("{limit} handshakes already pending from {from}")]
+    TooManyHandshakesFromSource {
+        /// The connection's source IP.
+        from: IpAddr,
+        /// The configured `max_pending_per_source`.
+        limit: usize,
+    },
 }
 
 impl From<io::Error> for ConnectError {
@@ -192,7 +209,8 @@ impl ConnectError {
             | ConnectError::Incompatible(_)
             | ConnectError::Resources
             | ConnectError::TooManyPeers { .. }
-            | ConnectError::TooManyHandshakes { .. } => false,
+            | ConnectError::TooManyHandshakes { .. }
+            | ConnectError::TooManyHandshakesFromSource { .. } => false,
         }
     }
 }
@@ -214,7 +232,8 @@ pub struct NodeStats {
     /// in `refused` or `dial_failures`).
     pub peer_limit_refusals: u64,
     /// Connections closed at once because `max_pending_handshakes` were
-    /// under way (also counted in `refused`).
+    /// under way, or `max_pending_per_source` from their source IP (also
+    /// counted in `refused`).
     pub handshakes_shed: u64,
 }
 
@@ -403,9 +422,59 @@ struct NodeInner<E: EpochMaker> {
     shutdown: AtomicBool,
     shutdown_notify: Notify,
     handshakes: Arc<Semaphore>,
+    /// Handshakes under way per source IP (an entry only while one is).
+    pending_by_source: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// One handshake counted against its source IP until dropped. Entries exist
+/// only while counted, and each holds a global handshake permit, so the map
+/// never has more than `max_pending_handshakes` entries.
+struct SourcePermit<E: EpochMaker> {
+    inner: Arc<NodeInner<E>>,
+    source: IpAddr,
+}
+
+impl<E: EpochMaker> SourcePermit<E> {
+    fn take(inner: &Arc<NodeInner<E>>, source: IpAddr) -> Option<SourcePermit<E>> {
+        let limit = inner.config.max_pending_per_source.max(1);
+        let mut pending = inner.pending_by_source.lock().expect("node state poisoned");
+        let count = pending.entry(source).or_insert(0);
+        if *count >= limit {
+            return None;
+        }
+        *count += 1;
+        Some(SourcePermit {
+            inner: inner.clone(),
+            source,
+        })
+    }
+}
+
+impl<E: EpochMaker> Drop for SourcePermit<E> {
+    fn drop(&mut self) {
+        let mut pending = self
+            .inner
+            .pending_by_source
+            .lock()
+            .expect("node state poisoned");
+        if let Some(count) = pending.get_mut(&self.source) {
+            *count -= 1;
+            if *count == 0 {
+                pending.remove(&self.source);
+            }
+        }
+    }
 }
 
 impl<E: EpochMaker> NodeInner<E> {
+    /// Closes an accepted connection without a word, counted and logged.
+    fn shed(&self, err: ConnectError, remote: SocketAddr) {
+        *self.last_refusal.lock().expect("node state poisoned") = Some(err);
+        bump(&self.counters.handshakes_shed);
+        bump(&self.counters.refused);
+        tracing::warn!(%remote, %err, "handshake shed; connection closed");
+    }
+
     fn peers(&self) -> MutexGuard<'_, Peers<E>> {
         self.peers.lock().expect("node state poisoned")
     }
@@ -523,6 +592,7 @@ impl<E: EpochMaker> Connector<E> {
             shutdown: AtomicBool::new(false),
             shutdown_notify: Notify::new(),
             handshakes: Arc::new(Semaphore::new(max_pending)),
+            pending_by_source: Mutex::new(HashMap::new()),
         });
         tokio::spawn(accept_loop(inner.clone(), listener));
         Ok(Connector { inner })
@@ -935,11 +1005,16 @@ async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListe
         };
         let Ok(permit) = inner.handshakes.clone().try_acquire_owned() else {
             let limit = inner.config.max_pending_handshakes.max(1);
-            *inner.last_refusal.lock().expect("node state poisoned") =
-                Some(ConnectError::TooManyHandshakes { limit });
-            bump(&inner.counters.handshakes_shed);
-            bump(&inner.counters.refused);
-            tracing::warn!(%remote, "too many pending handshakes; connection closed");
+            inner.shed(ConnectError::TooManyHandshakes { limit }, remote);
+            continue;
+        };
+        let Some(source) = SourcePermit::take(&inner, remote.ip()) else {
+            let limit = inner.config.max_pending_per_source.max(1);
+            let from = remote.ip();
+            inner.shed(
+                ConnectError::TooManyHandshakesFromSource { from, limit },
+                remote,
+            );
             continue;
         };
         let inner = inner.clone();
@@ -947,6 +1022,7 @@ async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListe
             let result = timeout(inner.config.handshake_timeout, accept_once(&inner, stream))
                 .await
                 .unwrap_or(Err(ConnectError::Timeout));
+            drop(source);
             drop(permit);
             match result {
                 Ok(epoch) => tracing::debug!(%remote, %epoch, "accepted"),
