@@ -154,17 +154,28 @@ async fn soft_run(a: &Side, b: &Side, size: usize, n: usize) -> Duration {
             post_recv(b, wc.wr_id as usize + WINDOW, size);
         }
         if ns == 0 && nr == 0 {
+            // Arm both CQs: with coalesced ACKs the sender's completions can
+            // be all that is left to wait for (the window is full, every
+            // receive done), and a wait on the receive CQ alone would sleep
+            // out the timeout.
+            a.send_cq.req_notify().expect("arm");
             b.recv_cq.req_notify().expect("arm");
+            let ns = a.send_cq.poll(&mut wcs).expect("poll");
+            sent += ns;
             let nr = b.recv_cq.poll(&mut wcs).expect("poll");
-            if nr > 0 {
-                for wc in &wcs[..nr] {
-                    received += 1;
-                    post_recv(b, wc.wr_id as usize + WINDOW, size);
-                }
-            } else {
-                // The notification is the wake-up; the timeout only bounds a
-                // wait on the sender side (its completions are polled, not awaited).
-                if tokio::time::timeout(Duration::from_millis(1), b.recv_cq.notified())
+            for wc in &wcs[..nr] {
+                received += 1;
+                post_recv(b, wc.wr_id as usize + WINDOW, size);
+            }
+            if ns == 0 && nr == 0 {
+                // The timeout only bounds a lost wake-up.
+                let either = async {
+                    tokio::select! {
+                        _ = a.send_cq.notified() => {}
+                        _ = b.recv_cq.notified() => {}
+                    }
+                };
+                if tokio::time::timeout(Duration::from_millis(1), either)
                     .await
                     .is_err()
                 {

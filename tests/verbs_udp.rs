@@ -14,16 +14,40 @@ use verbs_suite::{BulkPlan, Harness};
 /// broken build fails instead of hanging CI.
 const FAILSAFE: Duration = Duration::from_secs(60);
 
-struct UdpHarness;
+struct UdpHarness {
+    config: UdpConfig,
+}
+
+impl UdpHarness {
+    /// The defaults: the MTU of `lo` (4096) and UDP GSO where the kernel has it.
+    fn new() -> UdpHarness {
+        UdpHarness {
+            config: UdpConfig::default(),
+        }
+    }
+
+    /// MTU 1024 and one packet per send: every RoCE packet is its own
+    /// datagram on the wire (what a capture on `lo` can decode; GSO sends
+    /// are captured before the kernel splits them) and the no-GSO fallback.
+    fn plain() -> UdpHarness {
+        UdpHarness {
+            config: UdpConfig {
+                link_mtu: Some(1500),
+                segmentation_offload: false,
+                ..UdpConfig::default()
+            },
+        }
+    }
+}
 
 impl Harness for UdpHarness {
     type Dev = SoftDevice;
 
     async fn devices(&mut self) -> (SoftDevice, SoftDevice) {
-        let a = SoftDevice::open_udp(UdpConfig::default())
+        let a = SoftDevice::open_udp(self.config.clone())
             .await
             .expect("open a");
-        let b = SoftDevice::open_udp(UdpConfig::default())
+        let b = SoftDevice::open_udp(self.config.clone())
             .await
             .expect("open b");
         (a, b)
@@ -65,7 +89,14 @@ impl Harness for UdpHarness {
     }
 }
 
-verbs_suite!(UdpHarness);
+verbs_suite!(UdpHarness::new());
+
+/// The same suite at MTU 1024 with every packet sent alone (no GSO).
+mod without_gso {
+    use super::*;
+
+    verbs_suite!(UdpHarness::plain());
+}
 
 /// Capture loopback traffic of two soft devices with tshark, decode it as
 /// RoCEv2 and check every packet decodes (no malformed packets, the opcodes
@@ -79,7 +110,7 @@ async fn tshark_decodes_soft_roce() {
         eprintln!("skipping tshark_decodes_soft_roce: tshark is not installed");
         return;
     }
-    let mut h = UdpHarness;
+    let mut h = UdpHarness::plain();
     let params = verbs_suite::Params {
         rnr_retry: 7,
         min_rnr_timer: 1,
@@ -267,7 +298,7 @@ fn soft_device_is_always_listed() {
 /// RETRY_EXC_ERR once the retries are spent.
 #[tokio::test]
 async fn peer_device_dropped_gives_retry_exceeded() {
-    let mut h = UdpHarness;
+    let mut h = UdpHarness::new();
     let params = verbs_suite::Params {
         retry_cnt: 2,
         timeout: 10,
@@ -361,7 +392,7 @@ async fn ping_over_ipv6_loopback() {
     }])
     .expect("send");
     let mut wc = [verbs_suite::blank_wc()];
-    let mut h = UdpHarness;
+    let mut h = UdpHarness::new();
     assert!(
         h.wait_until(|| cq_b.poll(&mut wc).expect("poll") == 1)
             .await
@@ -375,7 +406,7 @@ async fn ping_over_ipv6_loopback() {
 /// local ACK timeouts fire; after healing the send completes.
 #[tokio::test]
 async fn partition_hook_then_heal_delivers() {
-    let mut h = UdpHarness;
+    let mut h = UdpHarness::new();
     let params = verbs_suite::Params {
         retry_cnt: 7,
         timeout: 12,
@@ -413,4 +444,38 @@ async fn active_mtu_follows_link_mtu() {
         assert!(lo >= 1500, "loopback MTU {lo}");
         assert!(Mtu::for_link_mtu(lo).is_some());
     }
+}
+
+/// Without a link MTU given, the device reads it from the interface that
+/// holds the bind address: on loopback (MTU 65536 on Linux) that is RoCE's
+/// largest, 4096; and a ceiling in `soft.active_mtu` still applies.
+#[tokio::test]
+async fn active_mtu_follows_the_bind_interface() {
+    use qpmux::verbs::soft::SoftConfig;
+    use qpmux::verbs::soft::udp::{bind_interface_mtu, interface_mtu};
+    use qpmux::verbs::{Device, Mtu};
+    let Ok(lo) = interface_mtu("lo") else {
+        eprintln!("skipping active_mtu_follows_the_bind_interface: no /sys/class/net/lo");
+        return;
+    };
+    let localhost = "127.0.0.1".parse().expect("literal");
+    assert_eq!(bind_interface_mtu(localhost), Some(lo));
+    let other = "127.0.0.2".parse().expect("literal");
+    assert_eq!(bind_interface_mtu(other), Some(lo), "127/8 is on lo");
+    let expected = Mtu::for_link_mtu(lo)
+        .expect("lo fits a RoCE MTU")
+        .min(Mtu::Mtu4096);
+    let dev = SoftDevice::open_udp(UdpConfig::default())
+        .await
+        .expect("open");
+    assert_eq!(dev.query_port().active_mtu, expected);
+    let capped = UdpConfig {
+        soft: SoftConfig {
+            active_mtu: Mtu::Mtu2048,
+            ..SoftConfig::default()
+        },
+        ..UdpConfig::default()
+    };
+    let dev = SoftDevice::open_udp(capped).await.expect("open");
+    assert_eq!(dev.query_port().active_mtu, expected.min(Mtu::Mtu2048));
 }

@@ -29,6 +29,11 @@ pub fn lines(title: &str, x_label: &str, y_label: &str, series: &[Series], log_y
         y_min = y_min.min(y);
         y_max = y_max.max(y);
     }
+    if x_min > x_max {
+        // No points (a sweep run with `--cells` and no grid cell): empty axes,
+        // not an endless tick loop from the sentinels.
+        (x_min, x_max, y_min, y_max) = (0.0, 1.0, 1.0, 1.0);
+    }
     if x_max <= x_min {
         x_max = x_min + 1.0;
     }
@@ -133,4 +138,28 @@ pub fn lines(title: &str, x_label: &str, y_label: &str, series: &[Series], log_y
     }
     svg += "</svg>\n";
     svg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plot_without_points_is_empty_axes() {
+        for log_y in [false, true] {
+            let empty = [Series {
+                name: "none".into(),
+                points: Vec::new(),
+            }];
+            let svg = lines("t", "x", "y", &empty, log_y);
+            assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+            assert!(
+                svg.len() < 10_000,
+                "a handful of ticks, got {} bytes",
+                svg.len()
+            );
+            let svg = lines("t", "x", "y", &[], log_y);
+            assert!(svg.trim_end().ends_with("</svg>"));
+        }
+    }
 }

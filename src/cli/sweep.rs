@@ -57,6 +57,54 @@ pub struct SweepArgs {
     /// Skip the V6 criteria cells.
     #[arg(long)]
     pub no_criteria: bool,
+    /// Run only the cells matching one of these patterns, comma-separated
+    /// `PATH[:MODE[:X[:Y]]]`, `*` or an omitted part matching anything
+    /// (e.g. `qpmux-rdma:saturate,velo-tcp-stream:saturate,*:grid:64:1`).
+    /// Verdicts whose cells did not run read "unknown".
+    #[arg(long, value_delimiter = ',')]
+    pub cells: Vec<CellFilter>,
+}
+
+/// One `--cells` pattern: `PATH[:MODE[:X[:Y]]]`, `None` matching anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CellFilter {
+    path: Option<String>,
+    mode: Option<String>,
+    x: Option<u64>,
+    y: Option<u64>,
+}
+
+impl std::str::FromStr for CellFilter {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut parts = s.split(':');
+        let word = |p: Option<&str>| p.filter(|p| !p.is_empty() && *p != "*").map(str::to_string);
+        let path = word(parts.next());
+        let mode = word(parts.next());
+        let number = |p: Option<String>| {
+            p.map(|p| {
+                p.parse::<u64>()
+                    .map_err(|_| format!("{p:?} in {s:?} is not a number"))
+            })
+            .transpose()
+        };
+        let x = number(word(parts.next()))?;
+        let y = number(word(parts.next()))?;
+        if parts.next().is_some() {
+            return Err(format!("{s:?} has more than PATH:MODE:X:Y"));
+        }
+        Ok(CellFilter { path, mode, x, y })
+    }
+}
+
+impl CellFilter {
+    fn matches(&self, path: &str, shape: &Shape) -> bool {
+        self.path.as_deref().is_none_or(|p| p == path)
+            && self.mode.as_deref().is_none_or(|m| m == shape.mode)
+            && self.x.is_none_or(|x| x == shape.x)
+            && self.y.is_none_or(|y| y == shape.y)
+    }
 }
 
 /// One measured cell.
@@ -406,6 +454,10 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
             }
         }
     }
+    if !args.cells.is_empty() {
+        grid.retain(|(path, shape)| args.cells.iter().any(|f| f.matches(path, shape)));
+        anyhow::ensure!(!grid.is_empty(), "--cells matched no cell");
+    }
     let bar = if json {
         ProgressBar::hidden()
     } else {
@@ -684,4 +736,40 @@ fn rasterize(dir: &std::path::Path, names: &[&str]) -> String {
         }
     }
     "PNG copies too".to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(mode: &'static str, x: u64, y: u64) -> Shape {
+        Shape {
+            mode,
+            x,
+            y,
+            workload: Workload::new(x, 1, 64, None),
+        }
+    }
+
+    #[test]
+    fn cell_filters_match_path_mode_and_shape() {
+        let f: CellFilter = "qpmux-rdma:grid:64".parse().expect("parses");
+        assert!(f.matches("qpmux-rdma", &shape("grid", 64, 1)));
+        assert!(f.matches("qpmux-rdma", &shape("grid", 64, 8)));
+        assert!(!f.matches("qpmux-rdma", &shape("grid", 1, 1)));
+        assert!(!f.matches("qpmux-tcp", &shape("grid", 64, 1)));
+        assert!(!f.matches("qpmux-rdma", &shape("saturate", 64, 1)));
+        let any_path: CellFilter = "*:saturate".parse().expect("parses");
+        assert!(any_path.matches("velo-tcp-stream", &shape("saturate", 1, 1)));
+        let y8: CellFilter = ":grid::8".parse().expect("parses");
+        assert!(y8.matches("velo-tcp-mux", &shape("grid", 1024, 8)));
+        assert!(!y8.matches("velo-tcp-mux", &shape("grid", 1024, 1)));
+    }
+
+    #[test]
+    fn bad_cell_filters_are_refused() {
+        assert!("a:b:x".parse::<CellFilter>().is_err());
+        assert!("a:b:1:2:3".parse::<CellFilter>().is_err());
+        assert!("a:b:1:-2".parse::<CellFilter>().is_err());
+    }
 }

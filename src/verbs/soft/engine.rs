@@ -704,6 +704,23 @@ impl QpEngine {
     // ---- responder --------------------------------------------------------
 
     fn respond(&mut self, psn: Psn, kind: AethKind) {
+        // An ACK covers every PSN before it, so a newer one replaces a plain
+        // ACK at the tail of the queue: a burst handled in one driver turn
+        // costs one ACK on the wire (NAKs keep their place and order).
+        if let AethKind::Ack { .. } = kind
+            && let Some(last) = self.responses.back_mut()
+            && matches!(last.aeth.kind, AethKind::Ack { .. })
+            && !psn.before(last.psn)
+        {
+            *last = Response {
+                psn,
+                aeth: AethRepr {
+                    kind,
+                    msn: self.msn & Psn::MASK,
+                },
+            };
+            return;
+        }
         if self.responses.len() >= MAX_PENDING_RESPONSES {
             // A newer ACK covers an older one; drop the oldest plain ACK.
             if let Some(i) = self

@@ -185,7 +185,12 @@ fn ack_requested_on_last_packet_and_every_64_with_at_most_128_unacked() {
     assert_eq!(parse(&first[16]).bth.psn, Psn::new(0));
     p.deliver_b(&first);
     let acks = p.transmit_b();
-    assert_eq!(acks.len(), 2, "one ACK per A-bit packet");
+    assert_eq!(
+        acks.len(),
+        1,
+        "the second A-bit packet's ACK covers the first's"
+    );
+    assert_eq!(parse(&acks[0]).bth.psn, parse(&first[127]).bth.psn);
     p.deliver_a(&acks);
     let rest = p.transmit_a();
     assert_eq!(rest.len(), 72);
@@ -243,7 +248,9 @@ fn one_nak_per_sequence_error_and_duplicates_are_reacked_not_redelivered() {
     p.deliver_b(&resent);
     assert_eq!(Pair::completions(&mut p.b.qp).len(), 3);
     let acks = p.transmit_b();
-    assert_eq!(acks.len(), 3);
+    assert_eq!(acks.len(), 1, "one ACK covers the three");
+    assert_eq!(parse(&acks[0]).bth.psn, parse(&pkts[2]).bth.psn);
+    assert_eq!(parse(&acks[0]).aeth.map(|a| a.msn), Some(3));
     // A duplicate is ACKed again but not delivered again.
     p.deliver_b(&pkts[..1]);
     let reack = p.transmit_b();
@@ -254,6 +261,39 @@ fn one_nak_per_sequence_error_and_duplicates_are_reacked_not_redelivered() {
     );
     assert!(Pair::completions(&mut p.b.qp).is_empty());
     assert_eq!(p.b.qp.counters.duplicates_received, 1);
+}
+
+#[test]
+fn acks_coalesce_between_transmits_but_never_across_a_nak() {
+    let mut p = Pair::new(rts(14, 7, 7), 12);
+    for i in 0..3 {
+        p.recv(i, 64);
+        p.send(i, 8);
+    }
+    let pkts = p.transmit_a();
+    let psn = |i: usize| parse(&pkts[i]).bth.psn;
+    // Transmitted in between: an ACK per A-bit packet.
+    p.deliver_b(&pkts[..1]);
+    let one = p.transmit_b();
+    assert_eq!(one.len(), 1);
+    assert_eq!(parse(&one[0]).bth.psn, psn(0));
+    // A gap, then the missing packet and the one after it, in one turn.
+    p.deliver_b(&pkts[2..]);
+    p.deliver_b(&pkts[1..]);
+    let out: Vec<_> = p.transmit_b().iter().map(|b| parse(b)).collect();
+    let kinds: Vec<_> = out
+        .iter()
+        .map(|r| (r.aeth.map(|a| a.kind), r.bth.psn))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            (Some(AethKind::Nak(NakCode::PsnSequenceError)), psn(1)),
+            (Some(AethKind::Ack { credit: 0x1f }), psn(2)),
+        ],
+        "the NAK keeps its place; the two ACKs after it are one"
+    );
+    assert_eq!(Pair::completions(&mut p.b.qp).len(), 3);
 }
 
 #[test]
