@@ -37,6 +37,9 @@ pub struct Workload {
     pub slow_streams: u64,
     /// How long a slow consumer sleeps after each record.
     pub slow_delay: Duration,
+    /// Call `flush(peer)` for every target after each pass: the forward-pass
+    /// shape for a mux under [`crate::mux::FlushPolicy::Manual`].
+    pub flush_each_pass: bool,
 }
 
 impl Workload {
@@ -50,6 +53,7 @@ impl Workload {
             pace,
             slow_streams: 0,
             slow_delay: Duration::ZERO,
+            flush_each_pass: false,
         }
     }
 
@@ -240,6 +244,14 @@ pub async fn run<L: Link>(
             .await
             .expect("send");
     }
+    let end_pass = || {
+        if workload.flush_each_pass {
+            for &(_, peer) in targets {
+                sender.flush(peer).expect("flush");
+            }
+        }
+    };
+    end_pass();
     while primed.load(Ordering::Relaxed) < fast_total {
         progress.notified().await;
     }
@@ -255,6 +267,7 @@ pub async fn run<L: Link>(
                 .await
                 .expect("send");
         }
+        end_pass();
         if let Some(pace) = workload.pace {
             tokio::time::sleep(pace).await;
         }
@@ -273,6 +286,8 @@ pub async fn run<L: Link>(
     for tx in senders {
         tx.finish(Terminal::Finalized).expect("finish");
     }
+    // Under a manual flush the terminals wait for one too.
+    end_pass();
     for c in consumers {
         c.await.expect("consumer");
     }
@@ -329,6 +344,31 @@ mod tests {
             .await
             .expect("the fast streams finish");
         assert_eq!(report.records, 6 * 200);
+        a.shutdown();
+        b.shutdown();
+    }
+
+    /// Under `FlushPolicy::Manual` a flushed forward pass is one batch.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_flushed_forward_pass_is_one_batch() {
+        let fabric = MemFabric::new(MemConfig::default());
+        let manual = MuxConfig {
+            flush: crate::mux::FlushPolicy::Manual {
+                reply_linger: Duration::from_millis(1),
+            },
+            ..MuxConfig::default()
+        };
+        let a = fabric.node(PeerId(1), manual);
+        let b = fabric.node(PeerId(2), MuxConfig::default());
+        let workload = Workload {
+            flush_each_pass: true,
+            ..Workload::new(64, 20, 64, Some(Duration::from_millis(2)))
+        };
+        let report = tokio::time::timeout(Duration::from_secs(60), run_nodes(&a, &b, 1, workload))
+            .await
+            .expect("every pass is flushed");
+        assert_eq!(report.records, 64 * 20);
+        assert_eq!(report.records_per_batch, 64.0, "{report:?}");
         a.shutdown();
         b.shutdown();
     }

@@ -23,13 +23,18 @@ mod velo_rows;
 use clap::{Parser, Subcommand};
 
 use crate::link::rdma::{RdmaNodeConfig, RdmaTransport};
-use crate::mux::PeerId;
+use crate::mux::{MuxConfig, PeerId};
 use crate::verbs::soft::SoftDevice;
 use crate::verbs::soft::udp::UdpConfig;
 
 /// An RDMA node on a fresh soft device, both bound on 127.0.0.1.
 async fn rdma_node(id: u64) -> anyhow::Result<RdmaTransport<SoftDevice>> {
-    rdma_node_at(id, "127.0.0.1:0".parse().expect("literal")).await
+    rdma_node_with(id, MuxConfig::default()).await
+}
+
+/// As [`rdma_node`], its mux configured by `mux`.
+async fn rdma_node_with(id: u64, mux: MuxConfig) -> anyhow::Result<RdmaTransport<SoftDevice>> {
+    rdma_node_at(id, "127.0.0.1:0".parse().expect("literal"), mux).await
 }
 
 /// An RDMA node whose bootstrap listener binds `bind` (its soft device binds
@@ -37,6 +42,7 @@ async fn rdma_node(id: u64) -> anyhow::Result<RdmaTransport<SoftDevice>> {
 async fn rdma_node_at(
     id: u64,
     bind: std::net::SocketAddr,
+    mux: MuxConfig,
 ) -> anyhow::Result<RdmaTransport<SoftDevice>> {
     let device = SoftDevice::open_udp(UdpConfig {
         bind: std::net::SocketAddr::new(bind.ip(), 0),
@@ -45,6 +51,7 @@ async fn rdma_node_at(
     .await?;
     let config = RdmaNodeConfig {
         bind,
+        mux,
         ..RdmaNodeConfig::new(PeerId(id))
     };
     Ok(RdmaTransport::start(device, config).await?)

@@ -6,7 +6,14 @@ pub struct Series {
     pub name: String,
     /// (x, y) points, x > 0.
     pub points: Vec<(f64, f64)>,
+    /// Colour index: lines of one group (e.g. one path) share a colour.
+    pub group: usize,
+    /// Dash index: tells lines of one group apart (e.g. by peer count).
+    pub dash: usize,
 }
+
+/// Solid, dashed, dotted, dash-dot; cycled.
+const DASHES: [&str; 4] = ["none", "9 4", "2 3", "10 3 2 3"];
 
 const COLORS: [&str; 8] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
@@ -108,14 +115,16 @@ pub fn lines(title: &str, x_label: &str, y_label: &str, series: &[Series], log_y
         escape(y_label)
     );
     for (i, s) in series.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
+        let color = COLORS[s.group % COLORS.len()];
+        let dash = DASHES[s.dash % DASHES.len()];
         let path: Vec<String> = s
             .points
             .iter()
             .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
             .collect();
         svg += &format!(
-            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>\n",
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" \
+             stroke-dasharray=\"{dash}\" points=\"{}\"/>\n",
             path.join(" ")
         );
         for &(x, y) in &s.points {
@@ -127,10 +136,13 @@ pub fn lines(title: &str, x_label: &str, y_label: &str, series: &[Series], log_y
         }
         let ly = top + 14.0 + 18.0 * i as f64;
         svg += &format!(
-            "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"12\" height=\"12\" fill=\"{color}\"/>\n\
+            "<line x1=\"{:.1}\" y1=\"{:.1}\" x2=\"{:.1}\" y2=\"{:.1}\" stroke=\"{color}\" \
+             stroke-width=\"2\" stroke-dasharray=\"{dash}\"/>\n\
              <text x=\"{:.1}\" y=\"{:.1}\">{}</text>\n",
-            left + plot_w + 14.0,
-            ly - 10.0,
+            left + plot_w + 6.0,
+            ly - 4.0,
+            left + plot_w + 28.0,
+            ly - 4.0,
             left + plot_w + 32.0,
             ly,
             escape(&s.name)
@@ -150,6 +162,8 @@ mod tests {
             let empty = [Series {
                 name: "none".into(),
                 points: Vec::new(),
+                group: 0,
+                dash: 0,
             }];
             let svg = lines("t", "x", "y", &empty, log_y);
             assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
@@ -161,5 +175,28 @@ mod tests {
             let svg = lines("t", "x", "y", &[], log_y);
             assert!(svg.trim_end().ends_with("</svg>"));
         }
+    }
+
+    #[test]
+    fn a_group_shares_its_colour_and_dashes_tell_its_lines_apart() {
+        let line = |group, dash| Series {
+            name: format!("g{group} d{dash}"),
+            points: vec![(1.0, 1.0), (2.0, 2.0)],
+            group,
+            dash,
+        };
+        let svg = lines("t", "x", "y", &[line(0, 0), line(0, 1), line(1, 0)], false);
+        let strokes: Vec<&str> = svg.lines().filter(|l| l.starts_with("<polyline")).collect();
+        assert_eq!(strokes.len(), 3);
+        let colour = |l: &str| l.split("stroke=\"").nth(1).map(|r| r[..7].to_string());
+        let dashes = |l: &str| {
+            l.split("stroke-dasharray=\"")
+                .nth(1)
+                .map(|r| r.split('"').next().unwrap_or("").to_string())
+        };
+        assert_eq!(colour(strokes[0]), colour(strokes[1]));
+        assert_ne!(colour(strokes[0]), colour(strokes[2]));
+        assert_ne!(dashes(strokes[0]), dashes(strokes[1]));
+        assert_eq!(dashes(strokes[0]), dashes(strokes[2]));
     }
 }

@@ -23,7 +23,7 @@ use super::plot;
 use crate::demo::{self, Report, StreamWall, Workload};
 use crate::link::Node;
 use crate::link::tcp::{TcpNodeConfig, TcpTransport};
-use crate::mux::{MuxConfig, PeerId};
+use crate::mux::{FlushPolicy, MuxConfig, PeerId};
 
 /// Set in the environment of a sweep re-executed under taskset/prlimit.
 const WRAPPED_ENV: &str = "QPMUX_SWEEP_WRAPPED";
@@ -241,10 +241,24 @@ struct SweepJson<'a> {
 const QPMUX_PATHS: [&str; 2] = ["qpmux-rdma", "qpmux-tcp"];
 const PER_STREAM: &str = "velo-tcp-stream";
 const VELO_MUX: &str = "velo-tcp-mux";
+/// Criteria mode: the grid's paced forward pass with `flush(peer)` after
+/// each pass under `FlushPolicy::Manual`.
+const FLUSHED: &str = "flush-pass";
+
+/// The sender's mux: a flushed forward pass cuts batches only on `flush`.
+fn sender_mux(workload: &Workload) -> MuxConfig {
+    let mut config = MuxConfig::default();
+    if workload.flush_each_pass {
+        config.flush = FlushPolicy::Manual {
+            reply_linger: Duration::from_millis(1),
+        };
+    }
+    config
+}
 
 async fn rdma_cell(y: u64, workload: Workload) -> anyhow::Result<Report> {
     // Each node: its own soft device (one NIC) and bootstrap listener.
-    let sender = super::rdma_node(0).await?;
+    let sender = super::rdma_node_with(0, sender_mux(&workload)).await?;
     let mut receivers = Vec::new();
     for peer in 0..y {
         let node = super::rdma_node(peer + 1).await?;
@@ -266,7 +280,7 @@ async fn tcp_cell(y: u64, workload: Workload) -> anyhow::Result<Report> {
     let sender = TcpTransport::bind(
         TcpNodeConfig::new(PeerId(0)),
         loopback,
-        MuxConfig::default(),
+        sender_mux(&workload),
     )
     .await?;
     let mut receivers = Vec::new();
@@ -320,6 +334,15 @@ fn criteria_shapes(args: &SweepArgs) -> Vec<Shape> {
     let size = args.record_size;
     let paced = Some(Duration::from_millis(1));
     let hol = Workload::new(64, if args.quick { 200 } else { 1000 }, size, paced);
+    let flushed = Workload {
+        flush_each_pass: true,
+        ..Workload::new(
+            64,
+            if args.quick { 50 } else { 200 },
+            size,
+            Some(Duration::from_millis(args.pace_ms)),
+        )
+    };
     vec![
         Shape {
             mode: "saturate",
@@ -332,6 +355,18 @@ fn criteria_shapes(args: &SweepArgs) -> Vec<Shape> {
             x: 1,
             y: 1,
             workload: Workload::new(1, if args.quick { 500 } else { 2000 }, size, paced),
+        },
+        Shape {
+            mode: FLUSHED,
+            x: 64,
+            y: 1,
+            workload: flushed,
+        },
+        Shape {
+            mode: FLUSHED,
+            x: 64,
+            y: 8,
+            workload: flushed,
         },
         Shape {
             mode: "hol-baseline",
@@ -450,6 +485,10 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
     if !args.no_criteria {
         for shape in criteria_shapes(&args) {
             for &path in &paths {
+                // velo's paths have no flush of their own to call.
+                if shape.mode == FLUSHED && !QPMUX_PATHS.contains(&path) {
+                    continue;
+                }
                 grid.push((path, shape));
             }
         }
@@ -631,6 +670,13 @@ fn verdicts(cells: &[Cell]) -> Vec<Verdict> {
                 pair(|c| c.cpu_us_per_record),
                 |r| r < 0.5,
             );
+            judge(
+                "target: records per batch at X/Y = 64 paced = 64 (a flush per forward pass)",
+                path,
+                format!("records per batch ÷ 64, X = 64, Y = {y}, {FLUSHED}"),
+                find(cells, path, FLUSHED, 64, y).map(|c| (c.records_per_batch, 64.0)),
+                |r| r >= 0.99,
+            );
             let mux = find(cells, VELO_MUX, "grid", 64, y).map(|c| c.cpu_us_per_record);
             let ours = find(cells, path, "grid", 64, y).map(|c| c.cpu_us_per_record);
             judge(
@@ -691,18 +737,30 @@ fn verdicts(cells: &[Cell]) -> Vec<Verdict> {
     out
 }
 
-/// One line per (path, Y): points (X, metric); a path that failed at some X
-/// says so in its legend.
+/// One line per (path, Y): points (X, metric), a colour per path and a dash
+/// per Y; a path that failed at some X says so in its legend.
 fn series(cells: &[Cell], metric: impl Fn(&Cell) -> f64) -> Vec<plot::Series> {
     let mut out: Vec<plot::Series> = Vec::new();
+    let mut paths: Vec<&str> = Vec::new();
+    let mut ys: Vec<u64> = Vec::new();
     for c in cells {
         let base = format!("{} Y={}", c.path, c.y);
         let index = match out.iter().position(|s| s.name.starts_with(&base)) {
             Some(i) => i,
             None => {
+                let group = paths.iter().position(|p| *p == c.path).unwrap_or_else(|| {
+                    paths.push(c.path);
+                    paths.len() - 1
+                });
+                let dash = ys.iter().position(|y| *y == c.y).unwrap_or_else(|| {
+                    ys.push(c.y);
+                    ys.len() - 1
+                });
                 out.push(plot::Series {
                     name: base,
                     points: Vec::new(),
+                    group,
+                    dash,
                 });
                 out.len() - 1
             }
