@@ -133,6 +133,20 @@ fn no_rnr(t: &Transport) {
     );
 }
 
+/// [`stream`]s `slots` streams from `a` to each of four peers at once
+/// (anchor = the peer's id).
+async fn stream_to_four(a: &Transport, peers: &[Transport], slots: u64) {
+    let [b, c, d, e] = peers else {
+        panic!("four peers")
+    };
+    tokio::join!(
+        stream(a.mux(), b.node().id(), b.mux(), b.node().id().0, slots),
+        stream(a.mux(), c.node().id(), c.mux(), c.node().id().0, slots),
+        stream(a.mux(), d.node().id(), d.mux(), d.node().id().0, slots),
+        stream(a.mux(), e.node().id(), e.mux(), e.node().id().0, slots)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_slots_over_four_peers_arrive_in_order_exactly_once_without_rnr() {
     bounded(async {
@@ -144,15 +158,7 @@ async fn a_thousand_slots_over_four_peers_arrive_in_order_exactly_once_without_r
         let mut all: Vec<&Transport> = peers.iter().collect();
         all.push(&a);
         mesh(&all);
-        fn run<'a>(a: &'a Transport, p: &'a Transport) -> impl Future<Output = ()> + 'a {
-            stream(a.mux(), p.node().id(), p.mux(), p.node().id().0, 250)
-        }
-        tokio::join!(
-            run(&a, &peers[0]),
-            run(&a, &peers[1]),
-            run(&a, &peers[2]),
-            run(&a, &peers[3])
-        );
+        stream_to_four(&a, &peers, 250).await;
         for p in &peers {
             let id = p.node().id();
             assert_eq!(a.mux().epoch(id), Some(Epoch(1)));
@@ -510,15 +516,7 @@ async fn four_peers_stream_through_a_send_pool_smaller_than_their_send_buffers()
         let mut all: Vec<&Transport> = peers.iter().collect();
         all.push(&a);
         mesh(&all);
-        fn run<'a>(a: &'a Transport, p: &'a Transport) -> impl Future<Output = ()> + 'a {
-            stream(a.mux(), p.node().id(), p.mux(), p.node().id().0, 100)
-        }
-        tokio::join!(
-            run(&a, &peers[0]),
-            run(&a, &peers[1]),
-            run(&a, &peers[2]),
-            run(&a, &peers[3])
-        );
+        stream_to_four(&a, &peers, 100).await;
         for p in &peers {
             assert_eq!(a.mux().epoch(p.node().id()), Some(Epoch(1)));
             assert_eq!(p.mux().stats().slots_dropped, 0);
