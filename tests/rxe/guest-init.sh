@@ -116,6 +116,13 @@ if ip link add veth0 type veth peer name veth1 && ip netns add qpmux-soft \
     # not (yet). Recompute the checksum on the soft side's ingress instead.
     ip netns exec qpmux-soft /usr/sbin/tc qdisc add dev veth1 clsact
     ip netns exec qpmux-soft /usr/sbin/tc filter add dev veth1 ingress matchall action csum udp
+    # Static neighbours both ways: rxe resolves the peer's MAC inside
+    # modify_qp(RTR) with a short timeout, which neighbour discovery under
+    # TCG emulation sometimes misses (RTR failed with ETIMEDOUT in 1 CI run).
+    MAC0=$(cat /sys/class/net/veth0/address)
+    MAC1=$(ip netns exec qpmux-soft /usr/bin/cat /sys/class/net/veth1/address)
+    ip -6 neigh replace fd01::2 lladdr "$MAC1" dev veth0 nud permanent
+    ip netns exec qpmux-soft /usr/sbin/ip -6 neigh replace fd01::1 lladdr "$MAC0" dev veth1 nud permanent
     rdma link add rxe1 type rxe netdev veth0
     for i in $(seq 100); do
         grep -qs "fd01:0000:0000:0000:0000:0000:0000:0001" /sys/class/infiniband/rxe1/ports/1/gids/* && break
