@@ -29,6 +29,18 @@ impl UdpHarness {
     /// MTU 1024 and one packet per send: every RoCE packet is its own
     /// datagram on the wire (what a capture on `lo` can decode; GSO sends
     /// are captured before the kernel splits them) and the no-GSO fallback.
+    /// Socket buffers of 64 KiB (the kernel doubles them): bulk sends find
+    /// the socket full, so inline sends leave packets to the driver's
+    /// backlog and the driver waits for room, while order must hold.
+    fn small_buffers() -> UdpHarness {
+        UdpHarness {
+            config: UdpConfig {
+                socket_buffer: 64 << 10,
+                ..UdpConfig::default()
+            },
+        }
+    }
+
     fn plain() -> UdpHarness {
         UdpHarness {
             config: UdpConfig {
@@ -96,6 +108,13 @@ mod without_gso {
     use super::*;
 
     verbs_suite!(UdpHarness::plain());
+}
+
+/// The same suite with socket buffers too small for a burst.
+mod small_socket_buffers {
+    use super::*;
+
+    verbs_suite!(UdpHarness::small_buffers());
 }
 
 /// Capture loopback traffic of two soft devices with tshark, decode it as
@@ -400,6 +419,88 @@ async fn ping_over_ipv6_loopback() {
     assert_eq!(wc[0].status, qpmux::verbs::WcStatus::Success);
     assert_eq!(mr_b.read(0, 9).expect("read"), b"over ipv6");
     assert_eq!(b.stats().rx_malformed, 0);
+}
+
+/// `post_send` puts its packets on the wire itself once the socket is known
+/// writable. Before that (a fresh device on a current-thread runtime whose
+/// reactor has not run yet) they go to the driver's backlog, and arrive all
+/// the same.
+#[tokio::test]
+async fn a_send_goes_inline_once_the_socket_is_known_writable() {
+    let mut h = UdpHarness::new();
+    let (mut a, mut b) = verbs_suite::connect(&mut h, verbs_suite::Params::default()).await;
+    b.post_recv(1, 0, 64);
+    b.post_recv(2, 64, 64);
+    a.post_send(1, 0, 8, None, true).expect("send 1");
+    let first = a.dev.stats();
+    assert_eq!((first.tx_inline, first.tx_backlogged), (0, 1), "{first:?}");
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
+    a.post_send(2, 8, 8, None, true).expect("send 2");
+    let second = a.dev.stats();
+    assert_eq!(
+        (second.tx_inline, second.tx_backlogged),
+        (1, 1),
+        "{second:?}"
+    );
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 2, 0).await);
+    assert!(verbs_suite::wait_wcs(&mut h, &mut b, 0, 2).await);
+    let ids: Vec<u64> = b.recvs.iter().map(|wc| wc.wr_id).collect();
+    assert_eq!(ids, [1, 2]);
+    assert!(
+        a.sends
+            .iter()
+            .chain(&b.recvs)
+            .all(|wc| wc.status == qpmux::verbs::WcStatus::Success)
+    );
+}
+
+/// Back-to-back 16 KiB SENDs into 64 KiB socket buffers: the receiving
+/// socket drops bursts, so the driver's retransmissions interleave with
+/// fresh inline sends; every message still arrives whole and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_sends_and_retransmissions_keep_their_order() {
+    const MESSAGES: u64 = 256;
+    const LEN: usize = 16 << 10;
+    let mut h = UdpHarness::small_buffers();
+    let params = verbs_suite::Params {
+        mr_len: 4 * LEN,
+        mtu: qpmux::verbs::Mtu::Mtu4096,
+        caps: qpmux::verbs::QpCaps {
+            max_send_wr: 512,
+            max_recv_wr: 512,
+            ..verbs_suite::Params::default().caps
+        },
+        ..verbs_suite::Params::default()
+    };
+    let (mut a, mut b) = verbs_suite::connect(&mut h, params).await;
+    for i in 0..MESSAGES {
+        b.post_recv(i, 0, LEN);
+    }
+    for round in 0..8 {
+        for i in 0..MESSAGES {
+            let imm = (round * MESSAGES + i) as u32;
+            a.post_send(i, (i as usize % 4) * LEN, LEN, Some(imm), true)
+                .expect("send");
+        }
+        assert!(verbs_suite::wait_wcs(&mut h, &mut a, 0, 0).await);
+        let want = ((round + 1) * MESSAGES) as usize;
+        assert!(verbs_suite::wait_wcs(&mut h, &mut b, 0, want).await);
+        assert!(verbs_suite::wait_wcs(&mut h, &mut a, want, 0).await);
+        for i in 0..MESSAGES {
+            b.post_recv(i, 0, LEN);
+        }
+    }
+    for (k, wc) in b.recvs.iter().enumerate() {
+        assert_eq!(wc.status, qpmux::verbs::WcStatus::Success);
+        assert_eq!(wc.imm, Some(k as u32), "message {k} out of order");
+        assert_eq!(wc.byte_len as usize, LEN);
+    }
+    assert!(
+        a.sends
+            .iter()
+            .all(|wc| wc.status == qpmux::verbs::WcStatus::Success)
+    );
+    assert!(a.dev.stats().tx_inline > 0, "{:?}", a.dev.stats());
 }
 
 /// The partition fault hook: while the peer device is cut off the sender's

@@ -36,6 +36,12 @@ pub struct DeviceStats {
     pub rx_unknown_qp: u64,
     /// Datagrams emitted.
     pub tx_datagrams: u64,
+    /// Of those, put on the wire by `post_send` itself rather than the
+    /// UDP driver task.
+    pub tx_inline: u64,
+    /// Datagrams `post_send` emitted but found no room for in the socket
+    /// buffer: handed to the driver, which sent them first.
+    pub tx_backlogged: u64,
     /// Datagrams dropped (either way) by the partition fault hook.
     pub fault_dropped: u64,
     /// Queue pairs ever created on this device.
@@ -67,6 +73,8 @@ pub(crate) struct DeviceCore {
     pub stats: DeviceStats,
     /// Fault hook: drop every datagram in and out, as a cut cable would.
     pub partitioned: bool,
+    /// The UDP driver's hand-off with inline sends (unused in simulation).
+    pub inline: super::udp::InlineGate,
 }
 
 impl DeviceCore {
@@ -83,6 +91,7 @@ impl DeviceCore {
             rr_next: Qpn::new(0),
             stats: DeviceStats::default(),
             partitioned: false,
+            inline: Default::default(),
         }
     }
 

@@ -3,7 +3,7 @@
 //! ```text
 //!  SoftDevice ── Arc<DeviceShared> ── Mutex<DeviceCore> ── QpEngine per QP (sans-IO)
 //!     │ verbs calls lock the core briefly, then kick the driver
-//!     ├─ udp: one tokio task per device owns the socket and drives the core
+//!     ├─ udp: one tokio task per device drives the core; post_send sends inline
 //!     └─ sim: SimNet drives every core in virtual time (seeded faults)
 //! ```
 //!
@@ -15,7 +15,7 @@
 use std::fmt;
 use std::ops::Add;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -120,6 +120,8 @@ pub(crate) struct DeviceShared {
     core: Mutex<DeviceCore>,
     /// Wakes the driver after a command that may have output.
     kick: Arc<Notify>,
+    /// The UDP socket, when a UDP driver runs this device.
+    port: OnceLock<Arc<udp::Port>>,
     /// Wakes the driver when the last handle is gone.
     shutdown: Arc<Notify>,
     next_lkey: AtomicU32,
@@ -132,6 +134,7 @@ impl DeviceShared {
         DeviceShared {
             core: Mutex::new(core),
             kick: Arc::new(Notify::new()),
+            port: OnceLock::new(),
             shutdown: Arc::new(Notify::new()),
             next_lkey: AtomicU32::new(0x100),
             mrs: Arc::default(),
@@ -383,6 +386,39 @@ impl Device for SoftDevice {
 }
 
 impl SoftQp {
+    /// Runs a command that queued work for the wire (a send), then puts the
+    /// packets out from this thread where the driver allows, or kicks it.
+    fn with_engine_transmit<R>(
+        &self,
+        f: impl FnOnce(&mut engine::QpEngine) -> Result<R, VerbsError>,
+    ) -> Result<R, VerbsError> {
+        let mut core = self.dev.core();
+        let r = core
+            .with_qp(self.qpn, f)
+            .unwrap_or(Err(VerbsError::DeviceClosed));
+        let kick = match self.dev.port.get() {
+            Some(port) => udp::transmit_inline(port, &mut core),
+            None => true,
+        };
+        drop(core);
+        if kick {
+            self.dev.kick.notify_one();
+        }
+        r
+    }
+
+    /// Runs a command that leaves nothing for the wire or the timers (a
+    /// receive post): the driver is not woken.
+    fn with_engine_quiet<R>(
+        &self,
+        f: impl FnOnce(&mut engine::QpEngine) -> Result<R, VerbsError>,
+    ) -> Result<R, VerbsError> {
+        self.dev
+            .core()
+            .with_qp(self.qpn, f)
+            .unwrap_or(Err(VerbsError::DeviceClosed))
+    }
+
     fn with_engine<R>(
         &self,
         f: impl FnOnce(&mut engine::QpEngine) -> Result<R, VerbsError>,
@@ -537,7 +573,7 @@ impl QueuePair for SoftQp {
             }
         }
         let mut posted = 0;
-        let r = self.with_engine(|e| {
+        let r = self.with_engine_transmit(|e| {
             for w in wqes {
                 e.post_send(w)?;
                 posted += 1;
@@ -563,7 +599,7 @@ impl QueuePair for SoftQp {
             }
         }
         let mut posted = 0;
-        let r = self.with_engine(|e| {
+        let r = self.with_engine_quiet(|e| {
             for w in wqes {
                 e.post_recv(w)?;
                 posted += 1;

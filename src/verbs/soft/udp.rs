@@ -1,14 +1,18 @@
-//! UDP driver: one tokio task per device owns the socket and drives the core.
+//! UDP driver: one tokio task per device drives the core; `post_send` may
+//! put its own packets on the wire first.
 //!
 //! ```text
 //!  loop (biased select):  shutdown ─► exit
 //!                         readable ─► recvmmsg (+GRO) ─► core.handle_datagram × n, one lock
 //!                         kick (a verbs call) / timer deadline ─► fall through
-//!        then: core.handle_timeout(now); poll_transmit ─► arena ─► sendmsg (+GSO runs)
+//!        then: core.handle_timeout(now); backlog + poll_transmit ─► outbox ─► sendmsg (+GSO runs)
+//!  post_send, core locked, driver not sending: poll_transmit ─► sendmsg now (no task wake);
+//!        a full socket ─► backlog + kick; an earlier timer than the driver knows ─► kick
 //! ```
 //!
 //! Owner: the driver task holds only a `Weak` to the device between turns,
-//! so dropping the last handle ends it. Wall-clock time is mapped onto
+//! so dropping the last handle ends it. The socket is shared ([`Port`]);
+//! [`InlineGate`], inside the core's lock, keeps packets in emission order. Wall-clock time is mapped onto
 //! [`Instant`] from the moment the device opened. Batched socket calls come
 //! from `quinn-udp` (no `unsafe` here): one `sendmsg` carries a run of
 //! equal-size packets to one peer (UDP GSO), one `recvmmsg` takes many
@@ -41,6 +45,13 @@ const RX_SLOTS_GRO: usize = 8;
 const RX_SLOTS_PLAIN: usize = 32;
 /// `recvmmsg` calls per turn before the driver transmits again.
 const RX_CALLS_PER_TURN: usize = 4;
+/// Packets a `post_send` emits itself; more are left to the driver (one
+/// 64 KiB batch at MTU 4096 is 16).
+const INLINE_PACKETS: usize = 16;
+/// While inline sends flow, the driver looks at the timers at least this
+/// often, so a send that arms an ACK timer (67 ms by default) need not
+/// wake it.
+const IDLE_TICK: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// Configuration of a UDP-driven soft device.
 #[derive(Clone, Debug)]
@@ -210,45 +221,223 @@ impl SoftDevice {
         let active_mtu = active_mtu(&config)?;
         let core = DeviceCore::new(gid_of(local.ip()), local.port(), active_mtu, seed);
         let dev = SoftDevice::from_core(core);
+        let port = Arc::new(Port {
+            socket,
+            state,
+            gso: config.segmentation_offload,
+            start: std::time::Instant::now(),
+        });
+        if dev.shared().port.set(port.clone()).is_err() {
+            unreachable!("a new device has no port");
+        }
         let weak = Arc::downgrade(dev.shared());
         let kick = dev.shared().kick.clone();
         let shutdown = dev.shared().shutdown.clone();
-        let driver = Driver::new(socket, state, config.segmentation_offload);
-        tokio::spawn(driver.run(weak, kick, shutdown));
+        tokio::spawn(Driver::new(port).run(weak, kick, shutdown));
         Ok(dev)
     }
 }
 
-/// The socket side of the driver task: batched I/O and its buffers.
-struct Driver {
+/// A device's socket, shared by its driver task and inline sends.
+pub(crate) struct Port {
     socket: UdpSocket,
     state: UdpSocketState,
     gso: bool,
     start: std::time::Instant,
-    /// Packets of one turn, emitted back to back.
+}
+
+impl Port {
+    fn now(&self) -> Instant {
+        Instant::from_start(self.start.elapsed())
+    }
+
+    fn max_segments(&self) -> usize {
+        if self.gso {
+            self.state.max_gso_segments()
+        } else {
+            1
+        }
+    }
+
+    /// One non-blocking `sendmsg` of `contents`, cut into `segment`-byte
+    /// datagrams (GSO) when longer.
+    fn try_send(&self, dst: SocketAddr, contents: &[u8], segment: usize) -> std::io::Result<()> {
+        let transmit = UdpTransmit {
+            destination: dst,
+            ecn: None,
+            contents,
+            segment_size: Some(segment),
+            src_ip: None,
+        };
+        self.socket.try_io(Interest::WRITABLE, || {
+            self.state.try_send((&self.socket).into(), &transmit)
+        })
+    }
+}
+
+/// Packets taken from the core and not yet on the wire, in emission order.
+#[derive(Default)]
+pub(crate) struct Outbox {
+    /// The packets, back to back.
     arena: Vec<u8>,
-    /// (destination, range in `arena`) per packet of the turn.
+    /// (destination, range in `arena`) per packet.
     out: Vec<(SocketAddr, std::ops::Range<usize>)>,
+}
+
+impl Outbox {
+    fn with_capacity(packets: usize) -> Outbox {
+        Outbox {
+            arena: Vec::with_capacity(packets * MAX_PACKET),
+            out: Vec::with_capacity(packets),
+        }
+    }
+
+    fn clear(&mut self) {
+        self.arena.clear();
+        self.out.clear();
+    }
+
+    fn len(&self) -> usize {
+        self.out.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.out.is_empty()
+    }
+
+    /// Emits packets from the core until it has none or `limit` are held.
+    fn collect(&mut self, core: &mut DeviceCore, now: Instant, limit: usize) {
+        while self.out.len() < limit {
+            let start = self.arena.len();
+            self.arena.resize(start + MAX_PACKET, 0);
+            let Some(x) = core.poll_transmit(now, &mut self.arena[start..]) else {
+                self.arena.truncate(start);
+                break;
+            };
+            self.arena.truncate(start + x.len);
+            self.out
+                .push((addr_of(x.dst, x.dst_port), start..start + x.len));
+        }
+    }
+
+    /// Appends `other`'s packets from index `from` on.
+    fn append(&mut self, other: &Outbox, from: usize) {
+        for (dst, range) in &other.out[from..] {
+            let start = self.arena.len();
+            self.arena.extend_from_slice(&other.arena[range.clone()]);
+            self.out.push((*dst, start..self.arena.len()));
+        }
+    }
+
+    /// The packets `i..i + n` as one GSO run: (destination, bytes, segment).
+    fn gso_slice(&self, i: usize, n: usize) -> (SocketAddr, &[u8], usize) {
+        let (dst, first) = &self.out[i];
+        let end = self.out[i + n - 1].1.end;
+        (*dst, &self.arena[first.start..end], first.len())
+    }
+
+    /// Sends packets `from..` without waiting, a GSO run per `sendmsg`; on a full socket
+    /// buffer, the index of the first packet not sent. A packet the kernel
+    /// refuses otherwise is lost, as on a wire (RC retransmits it).
+    fn try_send_from(&self, port: &Port, from: usize) -> Result<(), usize> {
+        let mut i = from;
+        while i < self.out.len() {
+            let n = gso_run(&self.out[i..], port.max_segments());
+            let (dst, bytes, segment) = self.gso_slice(i, n);
+            match port.try_send(dst, bytes, segment) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Err(i),
+                Err(e) if n > 1 => {
+                    tracing::debug!(error = %e, %dst, "soft RoCE GSO send refused; one by one");
+                    for k in i..i + n {
+                        let (dst, bytes, segment) = self.gso_slice(k, 1);
+                        match port.try_send(dst, bytes, segment) {
+                            Ok(()) => {}
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Err(k),
+                            Err(e) => tracing::debug!(error = %e, %dst, "soft RoCE send failed"),
+                        }
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, %dst, "soft RoCE send failed"),
+            }
+            i += n;
+        }
+        Ok(())
+    }
+}
+
+/// How the driver and inline sends share the socket without reordering a
+/// QP's packets. It lives in the device core, so it changes only under the
+/// core's lock; the simulator never touches it.
+#[derive(Default)]
+pub(crate) struct InlineGate {
+    /// The driver holds packets taken from the core and not yet sent: an
+    /// inline send now could overtake them.
+    driver_sending: bool,
+    /// When the sleeping driver next looks at the core's timers.
+    driver_wakes_at: Option<Instant>,
+    /// The last inline send (the driver ticks while they flow).
+    last_inline: Option<Instant>,
+    /// Packets an inline send found no room for: the driver sends them first.
+    backlog: Outbox,
+    /// Reused by inline sends.
+    scratch: Outbox,
+}
+
+/// After a verbs call queued work, with the core locked: puts the core's
+/// packets on the wire from the caller's thread when the driver is not
+/// sending. True when the driver must still be woken (packets left, a full
+/// socket, or a timer earlier than the driver knows of).
+pub(crate) fn transmit_inline(port: &Port, core: &mut DeviceCore) -> bool {
+    if core.inline.driver_sending || !core.inline.backlog.is_empty() {
+        return true;
+    }
+    let now = port.now();
+    let mut outbox = std::mem::take(&mut core.inline.scratch);
+    outbox.clear();
+    outbox.collect(core, now, INLINE_PACKETS);
+    let mut kick = outbox.len() == INLINE_PACKETS;
+    if !outbox.is_empty() {
+        core.inline.last_inline = Some(now);
+        let sent = match outbox.try_send_from(port, 0) {
+            Ok(()) => outbox.len(),
+            Err(unsent) => {
+                core.inline.backlog.append(&outbox, unsent);
+                core.stats.tx_backlogged += (outbox.len() - unsent) as u64;
+                kick = true;
+                unsent
+            }
+        };
+        core.stats.tx_inline += sent as u64;
+    }
+    core.inline.scratch = outbox;
+    let driver_wakes_at = core.inline.driver_wakes_at;
+    kick || core
+        .poll_timeout()
+        .is_some_and(|t| driver_wakes_at.is_none_or(|at| t < at))
+}
+
+/// The driver task's side: batched I/O and its buffers.
+struct Driver {
+    port: Arc<Port>,
+    /// Packets of one turn.
+    outbox: Outbox,
     rx: Vec<u8>,
     rx_slot: usize,
     meta: Vec<RecvMeta>,
 }
 
 impl Driver {
-    fn new(socket: UdpSocket, state: UdpSocketState, gso: bool) -> Driver {
-        let (slots, slot) = if state.gro_segments() > 1 {
+    fn new(port: Arc<Port>) -> Driver {
+        let (slots, slot) = if port.state.gro_segments() > 1 {
             (RX_SLOTS_GRO, 1 << 16)
         } else {
             (RX_SLOTS_PLAIN, MAX_PACKET)
         };
         let slots = slots.clamp(1, quinn_udp::BATCH_SIZE.max(1));
         Driver {
-            socket,
-            state,
-            gso,
-            start: std::time::Instant::now(),
-            arena: Vec::with_capacity(BATCH * MAX_PACKET),
-            out: Vec::with_capacity(BATCH),
+            port,
+            outbox: Outbox::with_capacity(BATCH),
             rx: vec![0; slots * slot],
             rx_slot: slot,
             meta: vec![RecvMeta::default(); slots],
@@ -256,7 +445,7 @@ impl Driver {
     }
 
     fn now(&self) -> Instant {
-        Instant::from_start(self.start.elapsed())
+        self.port.now()
     }
 
     async fn run(
@@ -272,11 +461,32 @@ impl Driver {
                 let mut core = shared.core();
                 let t = self.now();
                 core.handle_timeout(t);
-                self.collect(&mut core, t);
-                core.poll_timeout()
+                self.outbox.clear();
+                // What inline sends could not place goes first.
+                let backlog = std::mem::take(&mut core.inline.backlog);
+                self.outbox.append(&backlog, 0);
+                core.inline.backlog = backlog;
+                core.inline.backlog.clear();
+                self.outbox.collect(&mut core, t, BATCH);
+                core.inline.driver_sending = !self.outbox.is_empty();
+                let mut deadline = core.poll_timeout();
+                let inline_recently = core
+                    .inline
+                    .last_inline
+                    .is_some_and(|at| t.saturating_duration_since(at) < IDLE_TICK);
+                if inline_recently {
+                    let tick = t + IDLE_TICK;
+                    deadline = Some(deadline.map_or(tick, |d| d.min(tick)));
+                }
+                core.inline.driver_wakes_at = deadline;
+                deadline
             };
-            let more = self.out.len() == BATCH;
-            self.send_all().await;
+            let more = self.outbox.len() >= BATCH;
+            if !self.outbox.is_empty() {
+                self.send_all().await;
+                let Some(shared) = dev.upgrade() else { return };
+                shared.core().inline.driver_sending = false;
+            }
             if more {
                 // Output is pending; take what arrived meanwhile, then send again.
                 if !self.receive_ready(&dev) {
@@ -285,7 +495,7 @@ impl Driver {
                 tokio::task::yield_now().await;
                 continue;
             }
-            let start = self.start;
+            let start = self.port.start;
             let sleep = async {
                 match deadline {
                     Some(d) => {
@@ -302,7 +512,7 @@ impl Driver {
                         return;
                     }
                 }
-                r = self.socket.readable() => match r {
+                r = self.port.socket.readable() => match r {
                     Ok(()) => {
                         if !self.receive_ready(&dev) {
                             return;
@@ -316,74 +526,15 @@ impl Driver {
         }
     }
 
-    /// Emit up to a batch of packets into the arena.
-    fn collect(&mut self, core: &mut DeviceCore, now: Instant) {
-        self.arena.clear();
-        self.out.clear();
-        while self.out.len() < BATCH {
-            let start = self.arena.len();
-            self.arena.resize(start + MAX_PACKET, 0);
-            let Some(x) = core.poll_transmit(now, &mut self.arena[start..]) else {
-                self.arena.truncate(start);
-                break;
-            };
-            self.arena.truncate(start + x.len);
-            self.out
-                .push((addr_of(x.dst, x.dst_port), start..start + x.len));
-        }
-    }
-
-    /// Send the turn's packets, a GSO run per `sendmsg` where possible.
+    /// Sends the turn's packets, waiting for room in the socket buffer.
     async fn send_all(&mut self) {
-        let mut i = 0;
-        while i < self.out.len() {
-            let max_segments = if self.gso {
-                self.state.max_gso_segments()
-            } else {
-                1
-            };
-            let n = gso_run(&self.out[i..], max_segments);
-            let (dst, first) = self.out[i].clone();
-            let end = self.out[i + n - 1].1.end;
-            let segment = first.len();
-            let sent = self.send(dst, first.start..end, segment).await;
-            if !sent && n > 1 {
-                // GSO refused (the state has turned it off): one by one.
-                for (dst, range) in self.out[i..i + n].iter().cloned() {
-                    let len = range.len();
-                    self.send(dst, range, len).await;
-                }
+        let mut from = 0;
+        while let Err(unsent) = self.outbox.try_send_from(&self.port, from) {
+            if let Err(e) = self.port.socket.writable().await {
+                tracing::debug!(error = %e, "soft RoCE send failed");
+                return;
             }
-            i += n;
-        }
-    }
-
-    /// One `sendmsg`; false when it failed for a reason other than a full buffer.
-    async fn send(&self, dst: SocketAddr, range: std::ops::Range<usize>, segment: usize) -> bool {
-        let transmit = UdpTransmit {
-            destination: dst,
-            ecn: None,
-            contents: &self.arena[range],
-            segment_size: Some(segment),
-            src_ip: None,
-        };
-        loop {
-            let r = self.socket.try_io(Interest::WRITABLE, || {
-                self.state.try_send((&self.socket).into(), &transmit)
-            });
-            match r {
-                Ok(()) => return true,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if let Err(e) = self.socket.writable().await {
-                        tracing::debug!(error = %e, "soft RoCE send failed");
-                        return false;
-                    }
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, %dst, "soft RoCE send failed");
-                    return false;
-                }
-            }
+            from = unsent;
         }
     }
 
@@ -396,9 +547,10 @@ impl Driver {
                 .chunks_mut(self.rx_slot)
                 .map(IoSliceMut::new)
                 .collect();
-            let r = self.socket.try_io(Interest::READABLE, || {
-                self.state
-                    .recv((&self.socket).into(), &mut bufs, &mut self.meta)
+            let port = &self.port;
+            let r = port.socket.try_io(Interest::READABLE, || {
+                port.state
+                    .recv((&port.socket).into(), &mut bufs, &mut self.meta)
             });
             drop(bufs);
             let n = match r {
