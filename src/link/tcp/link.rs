@@ -82,8 +82,12 @@ struct Inner {
     peer: Option<SocketAddr>,
     socket: Socket,
     state: Mutex<State>,
-    /// Reserve, recv and ended waiters.
-    wake: Notify,
+    /// `reserve` waiters (a buffer came free, or the epoch ended).
+    wake_send: Notify,
+    /// `recv` waiters (a batch arrived, or the epoch ended).
+    wake_recv: Notify,
+    /// `ended` waiters and the graceful writer.
+    wake_end: Notify,
     /// The writer (queue grew, or the epoch ended).
     writer: Notify,
     /// The reader (the consumer dropped a batch, or the epoch ended).
@@ -114,7 +118,9 @@ impl Inner {
         if !graceful(reason) {
             self.shutdown_socket();
         }
-        self.wake.notify_waiters();
+        self.wake_send.notify_waiters();
+        self.wake_recv.notify_waiters();
+        self.wake_end.notify_waiters();
         self.writer.notify_one();
         self.reader.notify_one();
     }
@@ -207,7 +213,9 @@ impl TcpLink {
                     .collect(),
                 ..State::default()
             }),
-            wake: Notify::new(),
+            wake_send: Notify::new(),
+            wake_recv: Notify::new(),
+            wake_end: Notify::new(),
             writer: Notify::new(),
             reader: Notify::new(),
         });
@@ -297,7 +305,7 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
                 state.inbox.push_back(batch);
                 state.batches_received += 1;
                 drop(state);
-                inner.wake.notify_waiters();
+                inner.wake_recv.notify_waiters();
             }
             Ok(None) => break EpochEnd::PeerClosed,
             Err(err) => {
@@ -373,7 +381,7 @@ async fn write_loop(inner: Arc<Inner>, mut wr: OwnedWriteHalf) {
         state.batches_sent += work.len() as u64;
         state.free.extend(work.into_iter().map(|(buf, _)| buf));
         drop(state);
-        inner.wake.notify_waiters();
+        inner.wake_send.notify_waiters();
         if let Err(err) = written {
             tracing::debug!(epoch = %inner.epoch, %err, "tcp link write failed");
             inner.end(end_of_io(&err));
@@ -388,7 +396,7 @@ async fn write_loop(inner: Arc<Inner>, mut wr: OwnedWriteHalf) {
 /// `TCP_USER_TIMEOUT` does not cover), then the socket is cut.
 async fn ended_then_grace(inner: &Inner) {
     loop {
-        let notified = inner.wake.notified();
+        let notified = inner.wake_end.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
         if inner.lock().ended.is_some() {
@@ -445,7 +453,7 @@ impl Drop for TcpSendBuf {
     fn drop(&mut self) {
         if let Some(buf) = self.data.take() {
             self.inner.lock().free.push(buf);
-            self.inner.wake.notify_waiters();
+            self.inner.wake_send.notify_waiters();
         }
     }
 }
@@ -488,7 +496,7 @@ impl Link for TcpLink {
     async fn reserve(&self) -> Result<TcpSendBuf, LinkError> {
         let inner = self.inner();
         loop {
-            let notified = inner.wake.notified();
+            let notified = inner.wake_send.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
@@ -527,7 +535,7 @@ impl Link for TcpLink {
     async fn recv(&self) -> Result<TcpBatch, LinkError> {
         let inner = self.inner();
         loop {
-            let notified = inner.wake.notified();
+            let notified = inner.wake_recv.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
@@ -554,7 +562,7 @@ impl Link for TcpLink {
     async fn ended(&self) -> EpochEnd {
         let inner = self.inner();
         loop {
-            let notified = inner.wake.notified();
+            let notified = inner.wake_end.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             if let Some(reason) = inner.lock().ended {
