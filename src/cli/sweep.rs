@@ -63,6 +63,12 @@ pub struct SweepArgs {
     /// Verdicts whose cells did not run read "unknown".
     #[arg(long, value_delimiter = ',')]
     pub cells: Vec<CellFilter>,
+    /// Measure every cell this many times, interleaved (every cell once,
+    /// then every cell again, ...). Each verdict is then the median of its
+    /// per-round ratios, each ratio from two cells of the same round, and
+    /// the plots show per-point medians.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
+    pub rounds: u32,
 }
 
 /// One `--cells` pattern: `PATH[:MODE[:X[:Y]]]`, `None` matching anything.
@@ -110,6 +116,8 @@ impl CellFilter {
 /// One measured cell.
 #[derive(Debug, Clone, Serialize)]
 pub struct Cell {
+    /// Which round of `--rounds` measured it, from 0.
+    pub round: u32,
     /// The path measured.
     pub path: &'static str,
     /// What the cell is for: `grid` (V5) or a V6 criterion's workload.
@@ -146,8 +154,9 @@ pub struct Cell {
 }
 
 impl Cell {
-    fn new(path: &'static str, shape: Shape, r: &Report) -> Cell {
+    fn new(round: u32, path: &'static str, shape: Shape, r: &Report) -> Cell {
         Cell {
+            round,
             path,
             mode: shape.mode,
             x: shape.x,
@@ -167,8 +176,9 @@ impl Cell {
         }
     }
 
-    fn failed(path: &'static str, shape: Shape, err: &anyhow::Error) -> Cell {
+    fn failed(round: u32, path: &'static str, shape: Shape, err: &anyhow::Error) -> Cell {
         Cell {
+            round,
             path,
             mode: shape.mode,
             x: shape.x,
@@ -209,12 +219,14 @@ pub struct Verdict {
     pub criterion: &'static str,
     /// The path judged.
     pub path: &'static str,
-    /// The measured ratio.
+    /// The measured ratio: over several rounds, the median of `rounds`.
     pub ratio: f64,
+    /// The ratio in each round that measured both of its cells.
+    pub rounds: Vec<f64>,
     /// What the ratio is.
     pub measure: String,
     /// Whether the criterion holds (the design survives / the target is
-    /// met); null when a cell it needs failed.
+    /// met); null when no round measured both of its cells.
     pub holds: Option<bool>,
 }
 
@@ -229,6 +241,8 @@ pub struct Environment {
     pub grid_pace_ms: u64,
     /// Record size, bytes.
     pub record_size: usize,
+    /// Times every cell was measured (`--rounds`).
+    pub rounds: u32,
 }
 
 #[derive(Serialize)]
@@ -304,7 +318,7 @@ async fn tcp_cell(y: u64, workload: Workload) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-async fn measure(path: &'static str, shape: Shape) -> Cell {
+async fn measure(round: u32, path: &'static str, shape: Shape) -> Cell {
     let result = match path {
         "qpmux-rdma" => rdma_cell(shape.y, shape.workload).await,
         "qpmux-tcp" => tcp_cell(shape.y, shape.workload).await,
@@ -321,8 +335,8 @@ async fn measure(path: &'static str, shape: Shape) -> Cell {
         other => Err(anyhow::anyhow!("unknown path {other}")),
     };
     let cell = match result {
-        Ok(report) => Cell::new(path, shape, &report),
-        Err(err) => Cell::failed(path, shape, &err),
+        Ok(report) => Cell::new(round, path, shape, &report),
+        Err(err) => Cell::failed(round, path, shape, &err),
     };
     // Let the torn-down nodes' sockets close before the next cell counts.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -449,6 +463,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         nofile_limit: proc_field("/proc/self/limits", "Max open files"),
         grid_pace_ms: args.pace_ms,
         record_size: args.record_size.max(16),
+        rounds: args.rounds,
     };
     let (xs, ys): (&[u64], &[u64]) = if args.quick {
         (&[1, 64, 1024], &[1, 8])
@@ -500,7 +515,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
     let bar = if json {
         ProgressBar::hidden()
     } else {
-        ProgressBar::new(grid.len() as u64)
+        ProgressBar::new(grid.len() as u64 * u64::from(args.rounds))
     };
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {elapsed} {msg}")
@@ -509,13 +524,21 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
     );
     bar.enable_steady_tick(Duration::from_millis(200));
     let mut cells = Vec::new();
-    for (path, shape) in grid {
-        bar.set_message(format!("{path} {} X={} Y={}", shape.mode, shape.x, shape.y));
-        cells.push(measure(path, shape).await);
-        bar.inc(1);
+    for round in 0..args.rounds {
+        for &(path, shape) in &grid {
+            bar.set_message(format!(
+                "round {} {path} {} X={} Y={}",
+                round + 1,
+                shape.mode,
+                shape.x,
+                shape.y
+            ));
+            cells.push(measure(round, path, shape).await);
+            bar.inc(1);
+        }
     }
     bar.finish_and_clear();
-    let verdicts = verdicts(&cells);
+    let verdicts = verdicts(&cells, args.rounds);
     std::fs::create_dir_all(&args.out)?;
     let json_path = args.out.join("sweep.json");
     let document = SweepJson {
@@ -524,7 +547,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         verdicts: &verdicts,
     };
     std::fs::write(&json_path, serde_json::to_string_pretty(&document)?)?;
-    let grid_cells: Vec<Cell> = cells.iter().filter(|c| c.mode == "grid").cloned().collect();
+    let grid_cells = medians(cells.iter().filter(|c| c.mode == "grid"));
     let plots = [
         (
             "cpu_per_record",
@@ -569,8 +592,16 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         "CPUs {}, open files limit {}; soft provider = user space on loopback, not hardware",
         environment.cpus_allowed, environment.nofile_limit
     );
+    let round_column = |round: &str| {
+        if args.rounds > 1 {
+            format!("{round:>5} ")
+        } else {
+            String::new()
+        }
+    };
     println!(
-        "{:<15} {:<12} {:>5} {:>3} {:>10} {:>9} {:>8} {:>9} {:>9} {:>8} {:>5}",
+        "{}{:<15} {:<12} {:>5} {:>3} {:>10} {:>9} {:>8} {:>9} {:>9} {:>8} {:>5}",
+        round_column("round"),
         "path",
         "mode",
         "X",
@@ -586,13 +617,18 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
     for c in &cells {
         if let Some(err) = &c.error {
             println!(
-                "{:<15} {:<12} {:>5} {:>3} failed: {err}",
-                c.path, c.mode, c.x, c.y
+                "{}{:<15} {:<12} {:>5} {:>3} failed: {err}",
+                round_column(&(c.round + 1).to_string()),
+                c.path,
+                c.mode,
+                c.x,
+                c.y
             );
             continue;
         }
         println!(
-            "{:<15} {:<12} {:>5} {:>3} {:>10.0} {:>9.2} {:>8.1} {:>9.1} {:>9.1} {:>8.1} {:>5}",
+            "{}{:<15} {:<12} {:>5} {:>3} {:>10.0} {:>9.2} {:>8.1} {:>9.1} {:>9.1} {:>8.1} {:>5}",
+            round_column(&(c.round + 1).to_string()),
             c.path,
             c.mode,
             c.x,
@@ -613,8 +649,14 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
             Some(false) => "DOES NOT HOLD",
             None => "unknown",
         };
+        let spread = if v.rounds.len() > 1 {
+            let each: Vec<String> = v.rounds.iter().map(|r| format!("{r:.2}")).collect();
+            format!(", median of rounds {}", each.join(" "))
+        } else {
+            String::new()
+        };
         println!(
-            "{holds:<13} {:<15} {:.2} ({}): {}",
+            "{holds:<13} {:<15} {:.2} ({}{spread}): {}",
             v.path, v.ratio, v.measure, v.criterion
         );
     }
@@ -625,72 +667,131 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn find<'a>(cells: &'a [Cell], path: &str, mode: &str, x: u64, y: u64) -> Option<&'a Cell> {
-    cells
-        .iter()
-        .find(|c| c.path == path && c.mode == mode && c.x == x && c.y == y && c.ok())
+fn find<'a>(
+    cells: &'a [Cell],
+    round: u32,
+    path: &str,
+    mode: &str,
+    x: u64,
+    y: u64,
+) -> Option<&'a Cell> {
+    cells.iter().find(|c| {
+        c.round == round && c.path == path && c.mode == mode && c.x == x && c.y == y && c.ok()
+    })
 }
 
-/// The V6 criteria and targets, each a ratio of two cells of this run.
-fn verdicts(cells: &[Cell]) -> Vec<Verdict> {
-    let mut out = Vec::new();
-    let mut judge =
-        |criterion, path, measure: String, pair: Option<(f64, f64)>, holds: fn(f64) -> bool| {
-            let ratio = pair.map_or(f64::NAN, |(a, b)| a / b);
-            out.push(Verdict {
-                criterion,
-                path,
-                ratio,
-                measure,
-                holds: pair.map(|_| holds(ratio)),
-            });
+/// The median of the finite values; NaN when there are none.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.retain(|v| v.is_finite());
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 {
+        values[mid]
+    } else {
+        (values[mid - 1] + values[mid]) / 2.0
+    }
+}
+
+/// One cell per (path, mode, X, Y), in first-seen order, whose CPU and
+/// latencies are the medians over its rounds that succeeded; a point whose
+/// every round failed stays failed.
+fn medians<'a>(cells: impl Iterator<Item = &'a Cell>) -> Vec<Cell> {
+    let cells: Vec<&Cell> = cells.collect();
+    let mut out: Vec<Cell> = Vec::new();
+    for c in &cells {
+        let same = |d: &Cell| d.path == c.path && d.mode == c.mode && d.x == c.x && d.y == c.y;
+        if out.iter().any(same) {
+            continue;
+        }
+        let rounds: Vec<&Cell> = cells
+            .iter()
+            .copied()
+            .filter(|d| same(d) && d.ok())
+            .collect();
+        let Some(first) = rounds.first() else {
+            out.push((*c).clone());
+            continue;
         };
+        let of = |metric: fn(&Cell) -> f64| median(rounds.iter().map(|d| metric(d)).collect());
+        out.push(Cell {
+            cpu_us_per_record: of(|d| d.cpu_us_per_record),
+            p50_us: of(|d| d.p50_us),
+            p99_us: of(|d| d.p99_us),
+            ..(*first).clone()
+        });
+    }
+    out
+}
+
+/// The V6 criteria and targets, each a ratio of two cells of one round;
+/// over several rounds, the median of the rounds' ratios.
+fn verdicts(cells: &[Cell], rounds: u32) -> Vec<Verdict> {
+    let mut out = Vec::new();
+    let mut judge = |criterion,
+                     path,
+                     measure: String,
+                     pair: &dyn Fn(u32) -> Option<(f64, f64)>,
+                     holds: fn(f64) -> bool| {
+        let ratios: Vec<f64> = (0..rounds).filter_map(pair).map(|(a, b)| a / b).collect();
+        let ratio = median(ratios.clone());
+        out.push(Verdict {
+            criterion,
+            path,
+            ratio,
+            measure,
+            holds: (!ratios.is_empty()).then(|| holds(ratio)),
+            rounds: ratios,
+        });
+    };
     for path in QPMUX_PATHS {
         for y in [1, 8] {
-            let pair = |metric: fn(&Cell) -> f64| {
-                let (Some(at64), Some(at1)) = (
-                    find(cells, path, "grid", 64, y),
-                    find(cells, path, "grid", 1, y),
-                ) else {
-                    return None;
-                };
+            let pair = |round, metric: fn(&Cell) -> f64| {
+                let at64 = find(cells, round, path, "grid", 64, y)?;
+                let at1 = find(cells, round, path, "grid", 1, y)?;
                 Some((metric(at64), metric(at1)))
             };
             judge(
                 "batching improves at X/Y = 64",
                 path,
                 format!("records per batch, X = 64 ÷ X = 1, Y = {y}"),
-                pair(|c| c.records_per_batch),
+                &|round| pair(round, |c| c.records_per_batch),
                 |r| r > 4.0,
             );
             judge(
                 "CPU falls at X/Y = 64",
                 path,
                 format!("CPU per record, X = 64 ÷ X = 1, Y = {y}"),
-                pair(|c| c.cpu_us_per_record),
+                &|round| pair(round, |c| c.cpu_us_per_record),
                 |r| r < 0.5,
             );
             judge(
                 "target: records per batch at X/Y = 64 paced = 64 (a flush per forward pass)",
                 path,
                 format!("records per batch ÷ 64, X = 64, Y = {y}, {FLUSHED}"),
-                find(cells, path, FLUSHED, 64, y).map(|c| (c.records_per_batch, 64.0)),
+                &|round| {
+                    find(cells, round, path, FLUSHED, 64, y).map(|c| (c.records_per_batch, 64.0))
+                },
                 |r| r >= 0.99,
             );
-            let mux = find(cells, VELO_MUX, "grid", 64, y).map(|c| c.cpu_us_per_record);
-            let ours = find(cells, path, "grid", 64, y).map(|c| c.cpu_us_per_record);
             judge(
                 "target: CPU per record ≤ 0.5× velo's messenger mux at X/Y = 64",
                 path,
                 format!("CPU per record ÷ {VELO_MUX}'s, X = 64, Y = {y}"),
-                ours.zip(mux),
+                &|round| {
+                    let ours = find(cells, round, path, "grid", 64, y)?;
+                    let mux = find(cells, round, VELO_MUX, "grid", 64, y)?;
+                    Some((ours.cpu_us_per_record, mux.cpu_us_per_record))
+                },
                 |r| r <= 0.5,
             );
         }
     }
-    let against_per_stream = |path: &str, mode: &str, metric: fn(&Cell) -> f64| {
-        let ours = find(cells, path, mode, 1, 1)?;
-        let theirs = find(cells, PER_STREAM, mode, 1, 1)?;
+    let against_per_stream = |round, path: &str, mode: &str, metric: fn(&Cell) -> f64| {
+        let ours = find(cells, round, path, mode, 1, 1)?;
+        let theirs = find(cells, round, PER_STREAM, mode, 1, 1)?;
         Some((metric(ours), metric(theirs)))
     };
     for path in QPMUX_PATHS {
@@ -698,39 +799,41 @@ fn verdicts(cells: &[Cell]) -> Vec<Verdict> {
             "p99 at X/Y = 1 within 2× the per-stream path",
             path,
             format!("p99 ÷ {PER_STREAM}'s, X = Y = 1, one pass per ms"),
-            against_per_stream(path, "latency-1ms", |c| c.p99_us),
+            &|round| against_per_stream(round, path, "latency-1ms", |c| c.p99_us),
             |r| r <= 2.0,
         );
         judge(
             "target: one saturating stream ≥ the per-stream path's records/s",
             path,
             format!("records/s ÷ {PER_STREAM}'s, X = Y = 1, back to back"),
-            against_per_stream(path, "saturate", |c| c.records_per_sec),
+            &|round| against_per_stream(round, path, "saturate", |c| c.records_per_sec),
             |r| r >= 1.0,
         );
         judge(
             "target: p50 at X/Y = 1 ≤ the per-stream path's",
             path,
             format!("p50 ÷ {PER_STREAM}'s, X = Y = 1, one pass per ms"),
-            against_per_stream(path, "latency-1ms", |c| c.p50_us),
+            &|round| against_per_stream(round, path, "latency-1ms", |c| c.p50_us),
             |r| r <= 1.0,
         );
         judge(
             "target: p99 at X/Y = 1 ≤ the per-stream path's",
             path,
             format!("p99 ÷ {PER_STREAM}'s, X = Y = 1, one pass per ms"),
-            against_per_stream(path, "latency-1ms", |c| c.p99_us),
+            &|round| against_per_stream(round, path, "latency-1ms", |c| c.p99_us),
             |r| r <= 1.0,
         );
     }
     for path in [QPMUX_PATHS[0], QPMUX_PATHS[1], VELO_MUX, PER_STREAM] {
-        let slow = find(cells, path, "hol-slow", 64, 1).map(|c| c.p99_us);
-        let base = find(cells, path, "hol-baseline", 64, 1).map(|c| c.p99_us);
         judge(
             "no head-of-line blocking with mixed fast and slow consumers",
             path,
             "fast streams' p99 with 8 of 64 consumers slow (20 ms a record) ÷ with none".into(),
-            slow.zip(base),
+            &|round| {
+                let slow = find(cells, round, path, "hol-slow", 64, 1)?;
+                let base = find(cells, round, path, "hol-baseline", 64, 1)?;
+                Some((slow.p99_us, base.p99_us))
+            },
             |r| r <= 2.0,
         );
     }
@@ -822,6 +925,77 @@ mod tests {
         let y8: CellFilter = ":grid::8".parse().expect("parses");
         assert!(y8.matches("velo-tcp-mux", &shape("grid", 1024, 8)));
         assert!(!y8.matches("velo-tcp-mux", &shape("grid", 1024, 1)));
+    }
+
+    fn cell(round: u32, path: &'static str, x: u64, cpu: f64) -> Cell {
+        let report = Report {
+            records: 1000,
+            elapsed: Duration::from_secs(1),
+            cpu: Duration::from_secs_f64(cpu * 1e-3),
+            records_per_batch: x as f64,
+            p50: Duration::from_micros(50),
+            p99: Duration::from_micros(100),
+            peak_rss: 0,
+            fds: 3,
+        };
+        Cell::new(round, path, shape("grid", x, 1), &report)
+    }
+
+    #[test]
+    fn a_verdict_over_rounds_is_the_median_of_same_round_ratios() {
+        let mut cells = Vec::new();
+        // CPU µs per record at X = 64, Y = 1: ours ÷ velo's mux is 0.4, 0.9,
+        // 0.45 by round; round 3 has no velo cell and is skipped.
+        for (round, ours, theirs) in [(0, 2.0, 5.0), (1, 4.5, 5.0), (2, 1.8, 4.0)] {
+            cells.push(cell(round, "qpmux-rdma", 64, ours));
+            cells.push(cell(round, VELO_MUX, 64, theirs));
+        }
+        cells.push(cell(3, "qpmux-rdma", 64, 9.0));
+        let verdicts = verdicts(&cells, 4);
+        let cpu = verdicts
+            .iter()
+            .find(|v| {
+                v.path == "qpmux-rdma"
+                    && v.measure.contains("X = 64, Y = 1")
+                    && v.criterion.contains("0.5×")
+            })
+            .expect("the CPU target is judged");
+        assert_eq!(cpu.rounds.len(), 3);
+        assert!((cpu.ratio - 0.45).abs() < 1e-9, "{cpu:?}");
+        assert_eq!(cpu.holds, Some(true));
+        // A verdict none of whose rounds has both cells is unknown.
+        let saturate = verdicts
+            .iter()
+            .find(|v| v.path == "qpmux-rdma" && v.measure.contains("back to back"))
+            .expect("judged");
+        assert_eq!((saturate.holds, saturate.rounds.len()), (None, 0));
+    }
+
+    #[test]
+    fn plotted_points_are_medians_over_rounds_and_failures_are_skipped() {
+        let mut cells: Vec<Cell> = [3.0, 1.0, 2.0]
+            .into_iter()
+            .enumerate()
+            .map(|(round, cpu)| cell(round as u32, "qpmux-tcp", 8, cpu))
+            .collect();
+        cells.push(Cell::failed(
+            3,
+            "qpmux-tcp",
+            shape("grid", 8, 1),
+            &anyhow::anyhow!("lost"),
+        ));
+        cells.push(Cell::failed(
+            0,
+            "qpmux-rdma",
+            shape("grid", 8, 1),
+            &anyhow::anyhow!("lost"),
+        ));
+        let points = medians(cells.iter());
+        assert_eq!(points.len(), 2);
+        assert!((points[0].cpu_us_per_record - 2.0).abs() < 1e-9);
+        assert!(points[0].ok());
+        assert!(!points[1].ok());
+        assert!(median(vec![f64::NAN, 4.0, 1.0, 2.0, 3.0]).eq(&2.5));
     }
 
     #[test]
