@@ -383,6 +383,51 @@ async fn reserve_waits_for_a_free_send_buffer_and_posts_are_bounded() {
     .await;
 }
 
+/// Batches bigger than the socket buffers, posted while the receiver holds
+/// its quota: the writer's `writev`s stop mid-batch, resume where they
+/// stopped, and every byte arrives in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_cut_by_a_full_socket_arrive_whole_and_in_order() {
+    bounded(async {
+        const BATCHES: u8 = 24;
+        let config = TcpLinkConfig {
+            max_batch: 256 * 1024,
+            send_buffers: 4,
+            recv_batches: 1,
+            ..TcpLinkConfig::default()
+        };
+        let (a, b) = link_pair(&config).await;
+        let payload = |i: u8| -> Vec<u8> {
+            (0..256 * 1024 - usize::from(i))
+                .map(|k| (k as u8) ^ i)
+                .collect()
+        };
+        let sender = {
+            let a = a.clone();
+            tokio::spawn(async move {
+                for i in 0..BATCHES {
+                    post(&a, &payload(i)).await;
+                }
+            })
+        };
+        // Hold the quota until the sender has run out of buffers: the
+        // socket is full and later batches wait in the queue.
+        let held = b.recv().await.expect("batch 0");
+        until(|| a.stats().batches_sent >= 1).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(&held[..], &payload(0)[..]);
+        drop(held);
+        for i in 1..BATCHES {
+            let batch = b.recv().await.expect("batch");
+            assert_eq!(batch.len(), payload(i).len(), "batch {i}");
+            assert!(batch[..] == payload(i)[..], "batch {i} corrupted");
+        }
+        sender.await.expect("sender");
+        until(|| a.stats().batches_sent == u64::from(BATCHES)).await;
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reader_stops_while_the_consumer_holds_its_quota() {
     bounded(async {
