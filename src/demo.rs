@@ -348,7 +348,12 @@ mod tests {
         b.shutdown();
     }
 
-    /// Under `FlushPolicy::Manual` a flushed forward pass is one batch.
+    /// Under `FlushPolicy::Manual` a flushed forward pass is never cut into
+    /// several batches: 64 records a batch, or more where a late peer task
+    /// found the next pass queued too (seen once under CI load: 19 batches
+    /// for 20 passes). The default `Auto` policy cuts passes (fewer than 64
+    /// a batch in the sweep's grid cells); a flush that wrote nothing until
+    /// the end would leave one or two batches.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_flushed_forward_pass_is_one_batch() {
         let fabric = MemFabric::new(MemConfig::default());
@@ -368,7 +373,9 @@ mod tests {
             .await
             .expect("every pass is flushed");
         assert_eq!(report.records, 64 * 20);
-        assert_eq!(report.records_per_batch, 64.0, "{report:?}");
+        let batches = report.records as f64 / report.records_per_batch;
+        assert!(batches <= 20.0, "a pass was cut: {report:?}");
+        assert!(batches >= 10.0, "flushes did not write: {report:?}");
         a.shutdown();
         b.shutdown();
     }
