@@ -244,13 +244,8 @@ pub async fn run<L: Link>(
             .await
             .expect("send");
     }
-    let end_pass = || {
-        if workload.flush_each_pass {
-            for &(_, peer) in targets {
-                sender.flush(peer).expect("flush");
-            }
-        }
-    };
+    let peers: Vec<PeerId> = targets.iter().map(|&(_, peer)| peer).collect();
+    let end_pass = || flush_all(sender, &peers, workload.flush_each_pass);
     end_pass();
     while primed.load(Ordering::Relaxed) < fast_total {
         progress.notified().await;
@@ -259,19 +254,29 @@ pub async fn run<L: Link>(
     reset_peak_rss();
     let cpu_before = process_cpu();
     let start = Instant::now();
-    for _ in 0..workload.passes {
-        for tx in &mut senders {
-            let stamp = origin.elapsed().as_nanos() as u64;
-            record[..8].copy_from_slice(&stamp.to_be_bytes());
-            tx.send(Bytes::copy_from_slice(&record))
-                .await
-                .expect("send");
-        }
-        end_pass();
-        if let Some(pace) = workload.pace {
-            tokio::time::sleep(pace).await;
-        }
-    }
+    // The producer is a runtime task, as an application's is, not the
+    // thread blocked in `block_on` (whose every send would wake a worker
+    // from another thread): docs/benchmarks.md § "The producer is a task".
+    let producer = {
+        let (sender, peers) = (sender.clone(), peers.clone());
+        tokio::spawn(async move {
+            for _ in 0..workload.passes {
+                for tx in &mut senders {
+                    let stamp = origin.elapsed().as_nanos() as u64;
+                    record[..8].copy_from_slice(&stamp.to_be_bytes());
+                    tx.send(Bytes::copy_from_slice(&record))
+                        .await
+                        .expect("send");
+                }
+                flush_all(&sender, &peers, workload.flush_each_pass);
+                if let Some(pace) = workload.pace {
+                    tokio::time::sleep(pace).await;
+                }
+            }
+            senders
+        })
+    };
+    let senders = producer.await.expect("the producer task");
     while received.load(Ordering::Relaxed) < total {
         progress.notified().await;
     }
@@ -308,6 +313,15 @@ pub async fn run<L: Link>(
         p99,
         peak_rss: rss,
         fds,
+    }
+}
+
+/// `flush(peer)` for every peer, when the workload flushes its passes.
+fn flush_all<L: Link>(sender: &Mux<L>, peers: &[PeerId], on: bool) {
+    if on {
+        for &peer in peers {
+            sender.flush(peer).expect("flush");
+        }
     }
 }
 

@@ -205,14 +205,19 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
     reset_peak_rss();
     let cpu_before = process_cpu();
     let start = Instant::now();
-    for _ in 0..workload.passes {
-        for tx in &senders {
-            tx.send(record(workload.record_size, origin, false)).await?;
+    // A runtime task, as in `demo::run` (the qpmux rows).
+    let producer = tokio::spawn(async move {
+        for _ in 0..workload.passes {
+            for tx in &senders {
+                tx.send(record(workload.record_size, origin, false)).await?;
+            }
+            if let Some(pace) = workload.pace {
+                tokio::time::sleep(pace).await;
+            }
         }
-        if let Some(pace) = workload.pace {
-            tokio::time::sleep(pace).await;
-        }
-    }
+        anyhow::Ok(senders)
+    });
+    let senders = producer.await??;
     if let Err(seen) = until_count(&received, &progress, total).await {
         abort_all(&tasks);
         abort_all(&slow_tasks);

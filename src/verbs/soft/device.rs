@@ -39,8 +39,9 @@ pub struct DeviceStats {
     /// Of those, put on the wire by `post_send` itself rather than the
     /// UDP driver task.
     pub tx_inline: u64,
-    /// Datagrams `post_send` emitted but found no room for in the socket
-    /// buffer: handed to the driver, which sent them first.
+    /// Datagrams `post_send` emitted but could not send (a full socket
+    /// buffer, or one not yet known writable): handed to the driver, which
+    /// sent them first.
     pub tx_backlogged: u64,
     /// Datagrams dropped (either way) by the partition fault hook.
     pub fault_dropped: u64,

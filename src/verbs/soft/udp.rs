@@ -12,8 +12,9 @@
 //!
 //! Owner: the driver task holds only a `Weak` to the device between turns,
 //! so dropping the last handle ends it. The socket is shared ([`Port`]);
-//! [`InlineGate`], inside the core's lock, keeps packets in emission order. Wall-clock time is mapped onto
-//! [`Instant`] from the moment the device opened. Batched socket calls come
+//! [`InlineGate`], inside the core's lock, keeps packets in emission order.
+//! Wall-clock time is mapped onto [`Instant`] from the moment the device
+//! opened. Batched socket calls come
 //! from `quinn-udp` (no `unsafe` here): one `sendmsg` carries a run of
 //! equal-size packets to one peer (UDP GSO), one `recvmmsg` takes many
 //! datagrams, GRO-merged or not. Without GSO every packet goes alone.
@@ -49,8 +50,9 @@ const RX_CALLS_PER_TURN: usize = 4;
 /// 64 KiB batch at MTU 4096 is 16).
 const INLINE_PACKETS: usize = 16;
 /// While inline sends flow, the driver looks at the timers at least this
-/// often, so a send that arms an ACK timer (67 ms by default) need not
-/// wake it.
+/// often, so a send that arms a later timer (the ACK timer: 67 ms by
+/// default) need not wake it. Timers keep their precision: once one is due
+/// within a tick, the driver sleeps until it exactly.
 const IDLE_TICK: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// Configuration of a UDP-driven soft device.
@@ -336,9 +338,10 @@ impl Outbox {
         (*dst, &self.arena[first.start..end], first.len())
     }
 
-    /// Sends packets `from..` without waiting, a GSO run per `sendmsg`; on a full socket
-    /// buffer, the index of the first packet not sent. A packet the kernel
-    /// refuses otherwise is lost, as on a wire (RC retransmits it).
+    /// Sends packets `from..` without waiting, a GSO run per `sendmsg`; on
+    /// a full socket buffer (or one tokio has not yet seen writable), the
+    /// index of the first packet not sent. A packet the kernel refuses
+    /// otherwise is lost, as on a wire (RC retransmits it).
     fn try_send_from(&self, port: &Port, from: usize) -> Result<(), usize> {
         let mut i = from;
         while i < self.out.len() {
