@@ -778,11 +778,6 @@ pub trait MemoryRegion: Send + Sync {
 
 /// A completion queue.
 pub trait CompletionQueue: Send + Sync {
-    /// True when several tasks may await [`notified`](Self::notified) at
-    /// once: each event wakes one of them, the most recently waiting first,
-    /// and a waiter dropped after its wakeup passes it on. False where only
-    /// one waiter is ever woken (a completion channel's fd under `AsyncFd`).
-    const SHARED_WAIT: bool;
     /// Move up to `out.len()` completions into `out`; returns how many.
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, VerbsError>;
     /// Arm the notification (`ibv_req_notify_cq`): the next completion added

@@ -193,7 +193,6 @@ impl<D: Device + 'static> PreparedEnd<D> {
             cq: self.cq,
             recv_mrs: self.recv_mrs,
             state: Mutex::new(state),
-            polling: Mutex::new(()),
             lease: self.pool.lease(config.send_buffers),
             _registration: self.registration,
             address: self.address,

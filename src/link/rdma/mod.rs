@@ -3,18 +3,15 @@
 //! ```text
 //!  mux ─ reserve() ─► credit + SQ slot + pool chunk (owned guard) ─ encode in place ─ post()
 //!        post() ─► SEND_WITH_IMM(imm = receives re-posted, 31 bits | starved)
-//!  poller (CQ) ─► recv WC: imm ─► credit; data ─► ready; empty ─► re-post now
+//!  poller (owns the CQ) ─► recv WC: imm ─► credit; data ─► ready; empty ─► re-post now
 //!                       ─► send WC (every k-th signaled) ─► chunks to the pool, SQ slots back
 //!  mux ◄─ recv() ◄─ ready ─ Batch (owned guard on a receive MR) ─ drop ─► re-post ─► owed
-//!         recv() waiting on an empty ready queue takes the CQ's events itself
-//!         where the provider allows (`CompletionQueue::SHARED_WAIT`): one task wake less
 //!  error WC, failed post, fail() ─► QP to ERR ─► ended; completed receives drain first
 //! ```
 //!
 //! Owner: `Shared::state` (one mutex) holds credit, SQ slots, posted chunks
 //! and the ready queue; the send pool (`pool.rs`, shared by a node's links)
-//! owns free chunks; the CQ is polled under `Shared::polling`, by the poller
-//! task or by a waiting `recv`, so completions are handled in CQ order. Sends are posted under
+//! owns free chunks; the poller task alone polls the CQ. Sends are posted under
 //! that mutex, so immediates leave in the order they were counted. Design,
 //! rulings and open hazards: docs/rdma-link.md.
 
@@ -44,8 +41,8 @@ pub use self::registered::{MemlockLimit, RegisteredBudget, Registration};
 use super::{EpochEnd, Link, LinkError, LinkFault};
 use crate::mux::protocol::Epoch;
 use crate::verbs::{
-    CompletionQueue, Device, MemoryRegion, PostError, QpAddress, QueuePair, RecvWr, SendOpcode,
-    SendWr, Sge, VerbsError, WcStatus,
+    Device, MemoryRegion, PostError, QpAddress, QueuePair, RecvWr, SendOpcode, SendWr, Sge,
+    VerbsError, WcStatus,
 };
 
 /// Receive WR ids carry this bit; send WR ids are a sequence number below it.
@@ -269,8 +266,6 @@ struct Shared<D: Device> {
     cq: D::Cq,
     recv_mrs: Vec<D::Mr>,
     state: Mutex<State<D>>,
-    /// Held from `poll` through handling: completions are handled in order.
-    polling: Mutex<()>,
     /// This end's share of the send pool (its PD is the QP's).
     lease: Lease<D>,
     /// The node budget's bytes for the receive MRs, given back after them.
@@ -797,7 +792,6 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
 
     async fn recv(&self) -> Result<RdmaBatch<D>, LinkError> {
         let shared = self.shared();
-        let mut took_events = false;
         loop {
             let notified = shared.wake_recv.notified();
             tokio::pin!(notified);
@@ -805,13 +799,6 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
             {
                 let mut st = shared.lock();
                 if let Some((idx, len)) = st.ready.pop_front() {
-                    drop(st);
-                    if took_events {
-                        // The event this call took left the CQ disarmed;
-                        // arm it again for the poller (a failure is the
-                        // poller's to report).
-                        let _ = shared.arm_and_drain();
-                    }
                     // Completed, not re-posted: the provider is done with it.
                     // A receive MR is one chunk.
                     let guard = shared.recv_mrs[idx].lock_chunk(0);
@@ -827,25 +814,7 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                     return Err(shared.ended_error(reason));
                 }
             }
-            if !<D::Cq as CompletionQueue>::SHARED_WAIT {
-                notified.await;
-                continue;
-            }
-            // Take the CQ's next event here rather than through the poller.
-            match shared.arm_and_drain() {
-                Some(true) => continue,
-                Some(false) => {}
-                None => {
-                    notified.await;
-                    continue;
-                }
-            }
-            took_events = true;
-            tokio::select! {
-                biased;
-                () = notified => {}
-                () = shared.cq.notified() => {}
-            }
+            notified.await;
         }
     }
 

@@ -7,10 +7,8 @@
 //!  or when every user handle is gone
 //! ```
 //!
-//! Owner: this task polls the CQ, and so does a `recv` waiting on an empty
-//! ready queue where the provider lets two tasks wait (`SHARED_WAIT`); both
-//! poll and handle under `Shared::polling`, and change link state only
-//! under `Shared::state`.
+//! Owner: this task alone calls `poll`, `req_notify` and `notified` on the CQ;
+//! it changes link state only under `Shared::state`.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -54,33 +52,7 @@ impl<D: Device + 'static> Shared<D> {
         st.ended.is_some() && st.recv_posted == 0
     }
 
-    /// `recv`'s share of the poller's work: polls until the CQ is empty,
-    /// arms it, polls once more. Whether anything was handled; `None` when
-    /// the CQ failed (the epoch is ending: wait for the poller's drain).
-    pub(super) fn arm_and_drain(&self) -> Option<bool> {
-        let mut wcs = [EMPTY_WC; POLL_BATCH];
-        let mut handled = false;
-        loop {
-            match self.poll_once(&mut wcs) {
-                Polled::Some => handled = true,
-                Polled::Failed => return None,
-                Polled::Empty => break,
-            }
-        }
-        if self.cq.req_notify().is_err() {
-            // The poller meets the same error and ends the epoch.
-            self.wake_poller.notify_one();
-            return None;
-        }
-        match self.poll_once(&mut wcs) {
-            Polled::Empty => Some(handled),
-            Polled::Some => Some(true),
-            Polled::Failed => None,
-        }
-    }
-
     fn poll_once(&self, wcs: &mut [WorkCompletion]) -> Polled {
-        let _polling = self.polling.lock().expect("rdma link poll lock poisoned");
         match self.cq.poll(wcs) {
             Ok(0) => Polled::Empty,
             Ok(n) => {
@@ -128,13 +100,7 @@ impl<D: Device + 'static> Shared<D> {
         }
         debug_assert!(st.credit.invariant_holds());
         let ended_now = end.is_some_and(|reason| st.set_end(reason));
-        // A waiting `recv` may have taken the last flush; the poller must
-        // still see that it is done.
-        let poller_done = st.ended.is_some() && st.recv_posted == 0;
         drop(st);
-        if poller_done {
-            self.wake_poller.notify_one();
-        }
         self.wake_send.notify_waiters();
         if received {
             self.wake_recv.notify_waiters();

@@ -228,9 +228,6 @@ fn map_status(s: u32) -> WcStatus {
 }
 
 impl CompletionQueue for IbvCq {
-    // `AsyncFd::poll_read_ready` keeps only the latest waker.
-    const SHARED_WAIT: bool = false;
-
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, VerbsError> {
         const BATCH: usize = 32;
         let mut n = 0;

@@ -2,15 +2,13 @@
 //!
 //! ```text
 //!  device core ─ push(wc) ─► entries ─► poll(&mut [wc])   (caller)
-//!                  └─ armed? ─► disarm, Notify::notify_last ─► notified().await
+//!                  └─ armed? ─► disarm, Notify::notify_one ─► notified().await
 //! ```
 //!
 //! Owner: the device core pushes (under its lock), the caller polls. A
 //! notification fires only for a completion pushed after `req_notify`, and at
 //! most once per arm, like `ibv_req_notify_cq`. An un-awaited notification
-//! stays pending (as an unread event in a completion channel would). Of
-//! several waiters the most recent is woken: a link's `recv` waits briefly,
-//! its poller task for long, and the one in a hurry should get the event.
+//! stays pending (as an unread event in a completion channel would).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -49,7 +47,7 @@ impl CqShared {
         }
         if inner.armed {
             inner.armed = false;
-            self.notify.notify_last();
+            self.notify.notify_one();
         }
     }
 }
@@ -87,8 +85,6 @@ impl SoftCq {
 }
 
 impl CompletionQueue for SoftCq {
-    const SHARED_WAIT: bool = true;
-
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, VerbsError> {
         let mut inner = self.shared.lock();
         if inner.overrun {
