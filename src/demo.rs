@@ -365,9 +365,10 @@ mod tests {
     /// Under `FlushPolicy::Manual` a flushed forward pass is never cut into
     /// several batches: 64 records a batch, or more where a late peer task
     /// found the next pass queued too (seen once under CI load: 19 batches
-    /// for 20 passes). The default `Auto` policy cuts passes (fewer than 64
-    /// a batch in the sweep's grid cells); a flush that wrote nothing until
-    /// the end would leave one or two batches.
+    /// for 20 passes); a flush that wrote nothing until the end would leave
+    /// one or two batches. (With the producer a task, `Auto` also sends
+    /// these passes whole; that Manual waits for the flush is
+    /// `a_manual_flush_holds_records_until_flushed_then_sends_one_batch`.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_flushed_forward_pass_is_one_batch() {
         let fabric = MemFabric::new(MemConfig::default());

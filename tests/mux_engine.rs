@@ -295,6 +295,59 @@ async fn link_failure_delivers_then_drops_every_live_slot_exactly_once() {
     );
 }
 
+/// Under `FlushPolicy::Manual` records wait for `flush(peer)`: nothing is
+/// written before it, and what was queued leaves as one batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manual_flush_holds_records_until_flushed_then_sends_one_batch() {
+    let manual = MuxConfig {
+        flush: FlushPolicy::Manual {
+            reply_linger: Duration::from_secs(3600),
+        },
+        ..MuxConfig::default()
+    };
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = Mux::new(manual, fabric.dialer(A));
+    fabric.add(A, a.clone());
+    let b = Mux::new(MuxConfig::default(), fabric.dialer(B));
+    fabric.add(B, b.clone());
+    let mut ends = Vec::new();
+    for s in 0..8u64 {
+        let key = StreamKey::new(31, s);
+        ends.push((a.open(B, key).expect("open"), b.bind(key).expect("bind")));
+    }
+    tokio::time::timeout(Duration::from_secs(20), async {
+        // The first record opens each slot; it too waits for a flush.
+        for (s, (tx, _)) in ends.iter_mut().enumerate() {
+            tx.send(record(s as u64, 0, 64)).await.expect("send");
+        }
+        a.flush(B).expect("flush");
+        for (_, rx) in &mut ends {
+            assert!(matches!(rx.recv().await, Some(Frame::Data(_))));
+        }
+        let before = a.stats();
+        for (s, (tx, _)) in ends.iter_mut().enumerate() {
+            tx.send(record(s as u64, 1, 64)).await.expect("send");
+        }
+        for _ in 0..50 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            assert_eq!(
+                a.stats().batches_sent,
+                before.batches_sent,
+                "written before a flush"
+            );
+        }
+        a.flush(B).expect("flush");
+        for (_, rx) in &mut ends {
+            assert!(matches!(rx.recv().await, Some(Frame::Data(_))));
+        }
+        let after = a.stats();
+        assert_eq!(after.batches_sent - before.batches_sent, 1);
+        assert_eq!(after.records_sent - before.records_sent, 8);
+    })
+    .await
+    .expect("flushed records arrive");
+}
+
 /// docs/design.md § "A slot whose Open never left": a manual flush holds the
 /// Open back, so both epochs die with the slot in their table, unannounced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
