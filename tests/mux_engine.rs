@@ -295,21 +295,28 @@ async fn link_failure_delivers_then_drops_every_live_slot_exactly_once() {
     );
 }
 
-/// Under `FlushPolicy::Manual` records wait for `flush(peer)`: nothing is
-/// written before it, and what was queued leaves as one batch.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_manual_flush_holds_records_until_flushed_then_sends_one_batch() {
-    let manual = MuxConfig {
+/// A under a manual flush whose control waits an hour (so only `flush`
+/// writes), B with the defaults, on one mem fabric.
+fn held_and_default() -> (Arc<MemFabric>, Mux<MemLink>, Mux<MemLink>) {
+    let held = MuxConfig {
         flush: FlushPolicy::Manual {
             reply_linger: Duration::from_secs(3600),
         },
         ..MuxConfig::default()
     };
     let fabric = MemFabric::new(MemConfig::default());
-    let a = Mux::new(manual, fabric.dialer(A));
+    let a = Mux::new(held, fabric.dialer(A));
     fabric.add(A, a.clone());
     let b = Mux::new(MuxConfig::default(), fabric.dialer(B));
     fabric.add(B, b.clone());
+    (fabric, a, b)
+}
+
+/// Under `FlushPolicy::Manual` records wait for `flush(peer)`: nothing is
+/// written before it, and what was queued leaves as one batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manual_flush_holds_records_until_flushed_then_sends_one_batch() {
+    let (_fabric, a, b) = held_and_default();
     let mut ends = Vec::new();
     for s in 0..8u64 {
         let key = StreamKey::new(31, s);
@@ -352,17 +359,7 @@ async fn a_manual_flush_holds_records_until_flushed_then_sends_one_batch() {
 /// Open back, so both epochs die with the slot in their table, unannounced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_whose_open_never_left_two_dying_epochs_reaches_its_receiver_on_the_third() {
-    let held = MuxConfig {
-        flush: FlushPolicy::Manual {
-            reply_linger: Duration::from_secs(3600),
-        },
-        ..MuxConfig::default()
-    };
-    let fabric = MemFabric::new(MemConfig::default());
-    let a = Mux::new(held, fabric.dialer(A));
-    fabric.add(A, a.clone());
-    let b = Mux::new(MuxConfig::default(), fabric.dialer(B));
-    fabric.add(B, b.clone());
+    let (fabric, a, b) = held_and_default();
     let key = StreamKey::new(21, 1);
     let mut rx = b.bind(key).expect("bind");
     let mut tx = a.open(B, key).expect("open");
