@@ -68,6 +68,8 @@ struct State {
     queue: VecDeque<(Vec<u8>, usize)>,
     inbox: VecDeque<Vec<u8>>,
     held: usize,
+    /// The reader stopped for back-pressure and waits for a batch to drop.
+    reader_stalled: bool,
     ended: Option<EpochEnd>,
     batches_sent: u64,
     batches_received: u64,
@@ -90,7 +92,7 @@ struct Inner {
     wake_end: Notify,
     /// The writer (queue grew, or the epoch ended).
     writer: Notify,
-    /// The reader (the consumer dropped a batch, or the epoch ended).
+    /// The stalled reader (the consumer dropped a batch, or the epoch ended).
     reader: Notify,
 }
 
@@ -282,13 +284,15 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
-                let state = inner.lock();
+                let mut state = inner.lock();
                 if state.ended.is_some() {
                     return;
                 }
                 if state.inbox.len() + state.held < inner.recv_batches {
+                    state.reader_stalled = false;
                     break;
                 }
+                state.reader_stalled = true;
             }
             notified.await;
         }
@@ -339,12 +343,10 @@ async fn read_batch<R: tokio::io::AsyncBufRead + Unpin>(
 
 async fn wait_ended(inner: &Inner) {
     loop {
-        let notified = inner.reader.notified();
+        let notified = inner.wake_end.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
         if inner.lock().ended.is_some() {
-            // Pass the wake-up on: the back-pressure wait shares this Notify.
-            inner.reader.notify_one();
             return;
         }
         notified.await;
@@ -476,8 +478,14 @@ impl Drop for TcpBatch {
     fn drop(&mut self) {
         let mut state = self.inner.lock();
         state.held = state.held.saturating_sub(1);
+        // Only a stalled reader is woken: waking one that sits in `read`
+        // costs the consumer's task its turn (and, on tokio, a worker's
+        // futex wake-up) on every batch.
+        let stalled = std::mem::take(&mut state.reader_stalled);
         drop(state);
-        self.inner.reader.notify_one();
+        if stalled {
+            self.inner.reader.notify_one();
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 //! ```text
 //!  loop (biased select):  shutdown ─► exit
 //!                         readable ─► recvmmsg (+GRO) ─► core.handle_datagram × n, one lock
+//!                                     ─► yield: the woken receivers run before the ACKs go
 //!                         kick (a verbs call) / timer deadline ─► fall through
 //!        then: core.handle_timeout(now); backlog + poll_transmit ─► outbox ─► sendmsg (+GSO runs)
 //!  post_send, core locked, driver not sending: poll_transmit ─► sendmsg now (no task wake);
@@ -492,7 +493,7 @@ impl Driver {
             }
             if more {
                 // Output is pending; take what arrived meanwhile, then send again.
-                if !self.receive_ready(&dev) {
+                if self.receive_ready(&dev).is_none() {
                     return;
                 }
                 tokio::task::yield_now().await;
@@ -516,11 +517,15 @@ impl Driver {
                     }
                 }
                 r = self.port.socket.readable() => match r {
-                    Ok(()) => {
-                        if !self.receive_ready(&dev) {
-                            return;
-                        }
-                    }
+                    Ok(()) => match self.receive_ready(&dev) {
+                        None => return,
+                        // What arrived woke the CQ's poller, and through it
+                        // a mux task and a consumer: they run before this
+                        // turn's ACKs are sent (docs/soft-provider.md §
+                        // "ACKs after the receivers").
+                        Some(handled) if handled > 0 => tokio::task::yield_now().await,
+                        Some(_) => {}
+                    },
                     Err(e) => tracing::debug!(error = %e, "soft RoCE receive failed"),
                 },
                 _ = kick.notified() => {}
@@ -542,8 +547,9 @@ impl Driver {
     }
 
     /// Handle what is already queued, a `recvmmsg` at a time, without
-    /// waiting; false once the device is gone.
-    fn receive_ready(&mut self, dev: &Weak<DeviceShared>) -> bool {
+    /// waiting; how many datagrams, or `None` once the device is gone.
+    fn receive_ready(&mut self, dev: &Weak<DeviceShared>) -> Option<usize> {
+        let mut handled = 0;
         for _ in 0..RX_CALLS_PER_TURN {
             let mut bufs: Vec<IoSliceMut<'_>> = self
                 .rx
@@ -562,12 +568,10 @@ impl Driver {
                     if e.kind() != std::io::ErrorKind::WouldBlock {
                         tracing::debug!(error = %e, "soft RoCE receive failed");
                     }
-                    return true;
+                    return Some(handled);
                 }
             };
-            let Some(shared) = dev.upgrade() else {
-                return false;
-            };
+            let shared = dev.upgrade()?;
             let now = self.now();
             let mut core = shared.core();
             for (meta, buf) in self.meta[..n].iter().zip(self.rx.chunks(self.rx_slot)) {
@@ -577,13 +581,14 @@ impl Driver {
                 let stride = if meta.stride == 0 { len } else { meta.stride };
                 for datagram in buf[..len].chunks(stride.max(1)) {
                     core.handle_datagram(now, src, from.port(), datagram);
+                    handled += 1;
                 }
             }
             if n < self.meta.len() {
-                return true;
+                break;
             }
         }
-        true
+        Some(handled)
     }
 }
 
