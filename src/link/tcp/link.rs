@@ -1,7 +1,8 @@
 //! [`TcpLink`]: one epoch over one TCP connection.
 //!
 //! ```text
-//!  reserve() ─► free send buffer ─ post() ─► queue ─► writer task ─ writev(len|batch …) ─► socket
+//!  reserve() ─► free send buffer ─ post() ─► writev(len|batch) now, when nothing is queued or being written
+//!                                          └► else (or the rest of a partial write) ─► queue ─► writer task ─ writev(…) ─► socket
 //!  recv() ◄─ inbox ◄─ reader task ◄─ read len|batch ◄─ socket   (stops while `recv_batches` are held)
 //!  fail() / socket error / EOF ─► ended (first reason wins) ─► shutdown(Both)
 //! ```
@@ -18,7 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use socket2::{SockRef, Socket, TcpKeepalive};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Notify;
@@ -62,10 +63,22 @@ const WRITE_BATCHES: usize = 256;
 /// How long a graceful close may keep flushing after the epoch ended.
 const FLUSH_GRACE: Duration = Duration::from_secs(2);
 
+/// A posted batch waiting for the writer: its buffer, the batch's length,
+/// and how many bytes of its frame (`len|batch`) are already written.
+#[derive(Debug)]
+struct Queued {
+    buf: Vec<u8>,
+    len: usize,
+    written: usize,
+}
+
 #[derive(Debug, Default)]
 struct State {
     free: Vec<Vec<u8>>,
-    queue: VecDeque<(Vec<u8>, usize)>,
+    queue: VecDeque<Queued>,
+    /// The writer holds batches taken from the queue: a `post` writing
+    /// now would overtake them.
+    writer_busy: bool,
     inbox: VecDeque<Vec<u8>>,
     held: usize,
     /// The reader stopped for back-pressure and waits for a batch to drop.
@@ -83,6 +96,8 @@ struct Inner {
     recv_batches: usize,
     peer: Option<SocketAddr>,
     socket: Socket,
+    /// Written by `post` itself when the writer is idle, else by the writer.
+    wr: OwnedWriteHalf,
     state: Mutex<State>,
     /// `reserve` waiters (a buffer came free, or the epoch ended).
     wake_send: Notify,
@@ -202,6 +217,7 @@ impl TcpLink {
         let socket = SockRef::from(&stream).try_clone()?;
         let peer = stream.peer_addr().ok();
         let send_max = config.max_batch.min(peer_max_batch);
+        let (rd, wr) = stream.into_split();
         let inner = Arc::new(Inner {
             epoch,
             send_max,
@@ -209,6 +225,7 @@ impl TcpLink {
             recv_batches: config.recv_batches.max(1),
             peer,
             socket,
+            wr,
             state: Mutex::new(State {
                 free: (0..config.send_buffers.max(1))
                     .map(|_| vec![0u8; send_max])
@@ -221,9 +238,8 @@ impl TcpLink {
             writer: Notify::new(),
             reader: Notify::new(),
         });
-        let (rd, wr) = stream.into_split();
         tokio::spawn(read_loop(inner.clone(), prefix, rd));
-        tokio::spawn(write_loop(inner.clone(), wr));
+        tokio::spawn(write_loop(inner.clone()));
         Ok(TcpLink {
             handle: Arc::new(Handle(inner)),
         })
@@ -353,7 +369,7 @@ async fn wait_ended(inner: &Inner) {
     }
 }
 
-async fn write_loop(inner: Arc<Inner>, mut wr: OwnedWriteHalf) {
+async fn write_loop(inner: Arc<Inner>) {
     loop {
         let notified = inner.writer.notified();
         tokio::pin!(notified);
@@ -362,10 +378,11 @@ async fn write_loop(inner: Arc<Inner>, mut wr: OwnedWriteHalf) {
             let mut state = inner.lock();
             let ended = state.ended;
             let n = state.queue.len().min(WRITE_BATCHES);
-            let work: Vec<(Vec<u8>, usize)> = match ended {
+            let work: Vec<Queued> = match ended {
                 Some(reason) if !graceful(reason) => Vec::new(),
                 Some(_) | None => state.queue.drain(..n).collect(),
             };
+            state.writer_busy = !work.is_empty();
             (work, ended)
         };
         if work.is_empty() {
@@ -376,12 +393,13 @@ async fn write_loop(inner: Arc<Inner>, mut wr: OwnedWriteHalf) {
             continue;
         }
         let written = tokio::select! {
-            written = write_batches(&mut wr, &work) => written,
+            written = write_batches(&inner.wr, &work) => written,
             () = ended_then_grace(&inner) => Err(io::ErrorKind::TimedOut.into()),
         };
         let mut state = inner.lock();
+        state.writer_busy = false;
         state.batches_sent += work.len() as u64;
-        state.free.extend(work.into_iter().map(|(buf, _)| buf));
+        state.free.extend(work.into_iter().map(|q| q.buf));
         drop(state);
         inner.wake_send.notify_waiters();
         if let Err(err) = written {
@@ -409,26 +427,60 @@ async fn ended_then_grace(inner: &Inner) {
     tokio::time::sleep(FLUSH_GRACE).await;
 }
 
-/// Writes `len|batch` for every batch with as few `writev`s as the kernel allows.
-async fn write_batches(wr: &mut OwnedWriteHalf, work: &[(Vec<u8>, usize)]) -> io::Result<()> {
-    let headers: Vec<[u8; 4]> = work
-        .iter()
-        .map(|(_, len)| (*len as u32).to_be_bytes())
-        .collect();
-    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(work.len() * 2);
-    for ((buf, len), header) in work.iter().zip(&headers) {
-        slices.push(IoSlice::new(header));
-        slices.push(IoSlice::new(&buf[..*len]));
+/// The unwritten rest of each batch's frame (`len|batch`), as slices.
+fn frame_slices<'a>(work: &'a [Queued], headers: &'a [[u8; 4]]) -> Vec<IoSlice<'a>> {
+    let mut slices = Vec::with_capacity(work.len() * 2);
+    for (q, header) in work.iter().zip(headers) {
+        let body = &q.buf[..q.len];
+        if q.written < header.len() {
+            slices.push(IoSlice::new(&header[q.written..]));
+            slices.push(IoSlice::new(body));
+        } else {
+            slices.push(IoSlice::new(&body[q.written - header.len()..]));
+        }
     }
+    slices
+}
+
+/// Writes what is left of every batch with as few `writev`s as the kernel allows.
+async fn write_batches(wr: &OwnedWriteHalf, work: &[Queued]) -> io::Result<()> {
+    let headers: Vec<[u8; 4]> = work.iter().map(|q| (q.len as u32).to_be_bytes()).collect();
+    let mut slices = frame_slices(work, &headers);
     let mut rest: &mut [IoSlice<'_>] = &mut slices;
     while !rest.is_empty() {
-        let n = wr.write_vectored(rest).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
+        wr.writable().await?;
+        match wr.try_write_vectored(rest) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut rest, n),
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
+            Err(err) => return Err(err),
         }
-        IoSlice::advance_slices(&mut rest, n);
     }
     Ok(())
+}
+
+/// Writes one batch's frame without waiting; how many bytes went out
+/// (fewer than the frame on a full socket, or one tokio has not yet seen
+/// writable).
+fn write_now(wr: &OwnedWriteHalf, q: &Queued) -> io::Result<usize> {
+    let headers = [(q.len as u32).to_be_bytes()];
+    let mut slices = frame_slices(std::slice::from_ref(q), &headers);
+    let mut rest: &mut [IoSlice<'_>] = &mut slices;
+    let mut written = 0;
+    while !rest.is_empty() {
+        match wr.try_write_vectored(rest) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                written += n;
+                IoSlice::advance_slices(&mut rest, n);
+            }
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
+            Err(err) if written == 0 => return Err(err),
+            // Some bytes left: the writer meets the error and ends the epoch.
+            Err(_) => break,
+        }
+    }
+    Ok(written)
 }
 
 /// A send buffer holding one link credit (a free buffer of the pool).
@@ -533,8 +585,29 @@ impl Link for TcpLink {
         if let Some(err) = inner.ended_error(&state) {
             return Err(err);
         }
-        let data = buf.data.take().expect("a send buffer is posted once");
-        state.queue.push_back((data, len));
+        let mut queued = Queued {
+            buf: buf.data.take().expect("a send buffer is posted once"),
+            len,
+            written: 0,
+        };
+        if !state.writer_busy && state.queue.is_empty() {
+            // Nothing ahead of this batch: write it from here, under the lock
+            // that keeps the writer from starting meanwhile (docs/design.md §
+            // "Wake only a waiter, and let the receiver run first").
+            match write_now(&inner.wr, &queued) {
+                Ok(n) if n == len + 4 => {
+                    state.batches_sent += 1;
+                    state.free.push(queued.buf);
+                    drop(state);
+                    inner.wake_send.notify_waiters();
+                    return Ok(());
+                }
+                Ok(n) => queued.written = n,
+                // The writer meets it again and ends the epoch.
+                Err(_) => {}
+            }
+        }
+        state.queue.push_back(queued);
         drop(state);
         inner.writer.notify_one();
         Ok(())
