@@ -276,27 +276,30 @@ async fn a_restarted_peer_on_the_same_address_gets_a_new_epoch() {
 // ---- The link alone, over a loopback connection (no handshake). ----
 
 async fn link_pair(config: &TcpLinkConfig) -> (TcpLink, TcpLink) {
+    link_pair_with_buffers(config, None).await
+}
+
+/// A link pair whose sockets ask for `buffers` bytes of send and receive
+/// buffer (the kernel doubles and floors it), so a few batches fill them.
+async fn link_pair_with_buffers(
+    config: &TcpLinkConfig,
+    buffers: Option<usize>,
+) -> (TcpLink, TcpLink) {
     let listener = tokio::net::TcpListener::bind(any_port())
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (dialed, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-    let a = TcpLink::new(
-        dialed.expect("connect"),
-        Vec::new(),
-        Epoch(1),
-        config,
-        config.max_batch,
-    )
-    .expect("link");
-    let b = TcpLink::new(
-        accepted.expect("accept").0,
-        Vec::new(),
-        Epoch(1),
-        config,
-        config.max_batch,
-    )
-    .expect("link");
+    let (dialed, accepted) = (dialed.expect("connect"), accepted.expect("accept").0);
+    if let Some(bytes) = buffers {
+        for stream in [&dialed, &accepted] {
+            let sock = socket2::SockRef::from(stream);
+            sock.set_send_buffer_size(bytes).expect("SO_SNDBUF");
+            sock.set_recv_buffer_size(bytes).expect("SO_RCVBUF");
+        }
+    }
+    let a = TcpLink::new(dialed, Vec::new(), Epoch(1), config, config.max_batch).expect("link");
+    let b = TcpLink::new(accepted, Vec::new(), Epoch(1), config, config.max_batch).expect("link");
     (a, b)
 }
 
@@ -424,6 +427,74 @@ async fn batches_cut_by_a_full_socket_arrive_whole_and_in_order() {
         }
         sender.await.expect("sender");
         until(|| a.stats().batches_sent == u64::from(BATCHES)).await;
+    })
+    .await;
+}
+
+/// Two tasks posting at once, batches from 1 byte to 192 KiB over sockets
+/// with small buffers: some go out from `post` itself, some from the
+/// writer, many cut by a full socket and finished by the writer while later
+/// posts arrive. Every batch arrives whole, and each poster's
+/// batches in the order it posted them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn posts_written_inline_or_by_the_writer_keep_each_posters_order() {
+    bounded(async {
+        const PER_POSTER: u32 = 300;
+        let config = TcpLinkConfig {
+            max_batch: 192 * 1024,
+            send_buffers: 6,
+            recv_batches: 2,
+            ..TcpLinkConfig::default()
+        };
+        let (a, b) = link_pair_with_buffers(&config, Some(16 * 1024)).await;
+        // Batch `seq` of `poster`: a header, then bytes derived from both.
+        let batch = |poster: u8, seq: u32| -> Vec<u8> {
+            let len = match seq % 5 {
+                0 => 1,
+                1 => 64,
+                2 => 4096,
+                3 => 64 * 1024 + seq as usize,
+                _ => 192 * 1024,
+            }
+            .max(5);
+            let mut v: Vec<u8> = (0..len).map(|k| (k as u8) ^ poster ^ (seq as u8)).collect();
+            v[0] = poster;
+            v[1..5].copy_from_slice(&seq.to_be_bytes());
+            v
+        };
+        let posters: Vec<_> = (0..2u8)
+            .map(|poster| {
+                let a = a.clone();
+                tokio::spawn(async move {
+                    for seq in 0..PER_POSTER {
+                        post(&a, &batch(poster, seq)).await;
+                        if seq % 7 == 0 {
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut next = [0u32; 2];
+        for _ in 0..2 * PER_POSTER {
+            let got = b.recv().await.expect("batch");
+            let poster = got[0];
+            let seq = u32::from_be_bytes(got[1..5].try_into().expect("header"));
+            assert_eq!(seq, next[poster as usize], "poster {poster} out of order");
+            assert!(
+                got[..] == batch(poster, seq)[..],
+                "batch {poster}/{seq} corrupted"
+            );
+            next[poster as usize] += 1;
+            if seq % 11 == 0 {
+                // Hold the quota a moment: the socket fills, posts queue.
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        for p in posters {
+            p.await.expect("poster");
+        }
+        assert_eq!(a.stats().batches_sent, u64::from(2 * PER_POSTER));
     })
     .await;
 }

@@ -421,6 +421,33 @@ async fn ping_over_ipv6_loopback() {
     assert_eq!(b.stats().rx_malformed, 0);
 }
 
+/// The driver lets the receivers run before it sends a receive turn's ACKs.
+/// A responder that destroys its QP the moment its last receive completes
+/// (woken by the CQ, before the driver's next turn) still sends the ACK it
+/// owes, so the requester's send completes `Success`, not `RetryExcErr`.
+#[tokio::test]
+async fn a_qp_dropped_as_its_last_receive_completes_still_acknowledges_it() {
+    use qpmux::verbs::CompletionQueue as _;
+    let mut h = UdpHarness::new();
+    let params = verbs_suite::Params {
+        retry_cnt: 1,
+        timeout: 10,
+        ..verbs_suite::Params::default()
+    };
+    let (mut a, b) = verbs_suite::connect(&mut h, params).await;
+    b.post_recv(1, 0, 64);
+    b.recv_cq.req_notify().expect("arm");
+    let notified = b.recv_cq.notified();
+    a.post_send(1, 0, 8, None, true).expect("send");
+    notified.await;
+    let mut wc = [verbs_suite::blank_wc()];
+    assert_eq!(b.recv_cq.poll(&mut wc).expect("poll"), 1);
+    assert_eq!(wc[0].status, qpmux::verbs::WcStatus::Success);
+    drop(b);
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
+    assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::Success);
+}
+
 /// `post_send` puts its packets on the wire itself once the socket is known
 /// writable. Before that (a fresh device on a current-thread runtime whose
 /// reactor has not run yet) they go to the driver's backlog, and arrive all

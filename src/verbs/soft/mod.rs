@@ -191,7 +191,19 @@ impl fmt::Debug for SoftQp {
 
 impl Drop for SoftQp {
     fn drop(&mut self) {
-        self.dev.core().destroy_qp(self.qpn);
+        let mut core = self.dev.core();
+        // What the core already owes the wire leaves first: the driver
+        // sends a receive turn's ACKs after the receivers ran, so a peer's
+        // last message may be completed here and its ACK still unsent.
+        let kick = match self.dev.port.get() {
+            Some(port) => udp::transmit_inline(port, &mut core),
+            None => false,
+        };
+        core.destroy_qp(self.qpn);
+        drop(core);
+        if kick {
+            self.dev.kick.notify_one();
+        }
     }
 }
 
