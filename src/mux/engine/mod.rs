@@ -429,82 +429,7 @@ async fn run_epoch<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, link: L) -
     core.set_sink(shared.sink.get().cloned());
     core.handle_control(Instant::now());
     let mut messages: Option<flume::Receiver<OutboundMessage>> = lock(&entry.messages).take();
-    let mut drain_until: Option<Instant> = None;
-    let end = loop {
-        if let Some(fresh) = lock(&entry.messages).take() {
-            messages = Some(fresh);
-        }
-        let shutdown = shared.shutdown_notify.notified();
-        tokio::pin!(shutdown);
-        shutdown.as_mut().enable();
-        let now = Instant::now();
-        if shared.shutdown.load(Ordering::Acquire) {
-            // Write what is already queued (bounded by the linger), then say goodbye.
-            let until = *drain_until.get_or_insert(now + config.shutdown_linger);
-            // Take what producers queued before the shutdown, then judge.
-            core.handle_control(now);
-            if core.is_quiet() || now >= until {
-                try_goodbye(&link, &mut core).await;
-                break EpochEnd::Shutdown;
-            }
-        }
-        if core.goodbye_received() {
-            break EpochEnd::PeerClosed;
-        }
-        let mut deadline = core.poll_timeout();
-        if let Some(until) = drain_until {
-            deadline = deadline.min(until);
-        }
-        if let Some(since) = core.idle_since() {
-            let retire_at = since + config.idle_retire;
-            if now >= retire_at && entry.control.state().dirty_inlets.is_empty() {
-                try_goodbye(&link, &mut core).await;
-                break EpochEnd::Closed;
-            }
-            deadline = deadline.min(retire_at);
-        }
-        let write = core.wants_write(now);
-        let take_message = messages.is_some() && core.wants_messages();
-        let next_message = async {
-            match &messages {
-                Some(rx) => rx.recv_async().await.ok(),
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            message = next_message, if take_message => match message {
-                Some(message) => core.handle_message(message, Instant::now()),
-                None => messages = None,
-            },
-            received = link.recv() => match received {
-                Ok(batch) => {
-                    if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
-                        break EpochEnd::Violation(violation);
-                    }
-                }
-                Err(err) => break end_of(err),
-            },
-            _ = entry.control.wake.notified() => core.handle_control(Instant::now()),
-            // The permit may predate this link (stored while we were waiting).
-            _ = entry.link_arrived.notified() => if lock(&entry.incoming).is_some() {
-                break EpochEnd::Replaced;
-            },
-            reserved = link.reserve(), if write => match reserved {
-                Ok(mut buf) => {
-                    let len = core.poll_batch(&mut buf, Instant::now());
-                    if len > 0 {
-                        if let Err(err) = link.post(buf, len) {
-                            break end_of(err);
-                        }
-                        core.batch_posted();
-                    }
-                }
-                Err(err) => break end_of(err),
-            },
-            _ = sleep_until(deadline) => core.handle_timeout(Instant::now()),
-            _ = shutdown => {}
-        }
-    };
+    let end = serve_epoch(shared, entry, &link, &mut core, &mut messages).await;
     if let EpochEnd::Violation(violation) = end {
         Counters::add(&shared.counters.protocol_violations, 1);
         tracing::warn!(peer = ?entry.control.peer, epoch = %core.epoch(), %violation,
@@ -544,4 +469,112 @@ async fn run_epoch<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, link: L) -
     Counters::add(&shared.counters.epoch_deaths, 1);
     *lock(&entry.epoch) = None;
     end
+}
+
+/// One epoch's turns until it ends: a `select!` over the link's `recv`, the
+/// producers' wake-up, the flush gate's `reserve`, the timer and shutdown.
+async fn serve_epoch<L: Link>(
+    shared: &Shared<L>,
+    entry: &PeerEntry<L>,
+    link: &L,
+    core: &mut PeerCore,
+    messages: &mut Option<flume::Receiver<OutboundMessage>>,
+) -> EpochEnd {
+    let config = &shared.config;
+    let mut drain_until: Option<Instant> = None;
+    // The waits live across turns and are renewed only when they fire: a
+    // turn then costs no waiter-list or timer-wheel round trips for the
+    // waits that did not (docs/design.md § "Wake only a waiter, and let the
+    // receiver run first").
+    let shutdown = shared.shutdown_notify.notified();
+    let wake = entry.control.wake.notified();
+    let arrived = entry.link_arrived.notified();
+    let received = link.recv();
+    let timer = sleep_until(core.poll_timeout());
+    tokio::pin!(shutdown, wake, arrived, received, timer);
+    loop {
+        if let Some(fresh) = lock(&entry.messages).take() {
+            *messages = Some(fresh);
+        }
+        shutdown.as_mut().enable();
+        let now = Instant::now();
+        if shared.shutdown.load(Ordering::Acquire) {
+            // Write what is already queued (bounded by the linger), then say goodbye.
+            let until = *drain_until.get_or_insert(now + config.shutdown_linger);
+            // Take what producers queued before the shutdown, then judge.
+            core.handle_control(now);
+            if core.is_quiet() || now >= until {
+                try_goodbye(link, core).await;
+                break EpochEnd::Shutdown;
+            }
+        }
+        if core.goodbye_received() {
+            break EpochEnd::PeerClosed;
+        }
+        let mut deadline = core.poll_timeout();
+        if let Some(until) = drain_until {
+            deadline = deadline.min(until);
+        }
+        if let Some(since) = core.idle_since() {
+            let retire_at = since + config.idle_retire;
+            if now >= retire_at && entry.control.state().dirty_inlets.is_empty() {
+                try_goodbye(link, core).await;
+                break EpochEnd::Closed;
+            }
+            deadline = deadline.min(retire_at);
+        }
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
+        }
+        let write = core.wants_write(now);
+        let take_message = messages.is_some() && core.wants_messages();
+        let next_message = async {
+            match &*messages {
+                Some(rx) => rx.recv_async().await.ok(),
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            message = next_message, if take_message => match message {
+                Some(message) => core.handle_message(message, Instant::now()),
+                None => *messages = None,
+            },
+            batch = &mut received => {
+                received.set(link.recv());
+                match batch {
+                    Ok(batch) => {
+                        if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
+                            break EpochEnd::Violation(violation);
+                        }
+                    }
+                    Err(err) => break end_of(err),
+                }
+            },
+            () = &mut wake => {
+                wake.set(entry.control.wake.notified());
+                core.handle_control(Instant::now());
+            },
+            // The permit may predate this link (stored while we were waiting).
+            () = &mut arrived => {
+                arrived.set(entry.link_arrived.notified());
+                if lock(&entry.incoming).is_some() {
+                    break EpochEnd::Replaced;
+                }
+            },
+            reserved = link.reserve(), if write => match reserved {
+                Ok(mut buf) => {
+                    let len = core.poll_batch(&mut buf, Instant::now());
+                    if len > 0 {
+                        if let Err(err) = link.post(buf, len) {
+                            break end_of(err);
+                        }
+                        core.batch_posted();
+                    }
+                }
+                Err(err) => break end_of(err),
+            },
+            () = &mut timer => core.handle_timeout(Instant::now()),
+            () = &mut shutdown => shutdown.set(shared.shutdown_notify.notified()),
+        }
+    }
 }
