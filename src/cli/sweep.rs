@@ -6,7 +6,7 @@
 //! installed) and the verdicts.
 //!
 //! ```text
-//!  [--pin-cores/--nofile: re-exec under taskset/prlimit]
+//!  [--pin-cores/--nofile/--sched: re-exec under taskset/prlimit/chrt]
 //!  for path, Y, X: fresh nodes ─► workload ─► Cell (or "failed at N streams")
 //!  criteria cells ─► verdicts (ratios within this run)
 //!  cells + verdicts ─► sweep.json ─► cpu_per_record, p50_latency, p99_latency (.svg/.png)
@@ -54,6 +54,12 @@ pub struct SweepArgs {
     /// the sweep re-executes itself under `prlimit`.
     #[arg(long)]
     pub nofile: Option<u64>,
+    /// Run under this Linux scheduling policy: the sweep re-executes itself
+    /// under `chrt`. `batch` keeps a waking runtime worker from preempting
+    /// the one that woke it on a shared CPU (docs/design.md § "Workers that
+    /// preempt their waker").
+    #[arg(long, value_enum)]
+    pub sched: Option<SchedPolicy>,
     /// Skip the V6 criteria cells.
     #[arg(long)]
     pub no_criteria: bool,
@@ -69,6 +75,15 @@ pub struct SweepArgs {
     /// the plots show per-point medians.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
     pub rounds: u32,
+}
+
+/// A Linux scheduling policy for `--sched`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SchedPolicy {
+    /// `SCHED_OTHER`, the default.
+    Normal,
+    /// `SCHED_BATCH`: no wakeup preemption.
+    Batch,
 }
 
 /// One `--cells` pattern: `PATH[:MODE[:X[:Y]]]`, `None` matching anything.
@@ -237,6 +252,8 @@ pub struct Environment {
     pub cpus_allowed: String,
     /// Soft limit on open files.
     pub nofile_limit: String,
+    /// Linux scheduling policy of this process (`normal`, `batch`, ...).
+    pub sched_policy: String,
     /// Milliseconds between passes in the grid.
     pub grid_pace_ms: u64,
     /// Record size, bytes.
@@ -405,7 +422,7 @@ fn criteria_shapes(args: &SweepArgs) -> Vec<Shape> {
 /// whether it did (and the child's outcome).
 fn reexec_wrapped(args: &SweepArgs) -> Option<anyhow::Result<()>> {
     if std::env::var_os(WRAPPED_ENV).is_some()
-        || (args.pin_cores.is_none() && args.nofile.is_none())
+        || (args.pin_cores.is_none() && args.nofile.is_none() && args.sched.is_none())
     {
         return None;
     }
@@ -417,6 +434,13 @@ fn reexec_wrapped(args: &SweepArgs) -> Option<anyhow::Result<()>> {
                 format!("--nofile={n}").into(),
                 "--".into(),
             ]);
+        }
+        if let Some(policy) = args.sched {
+            let flag = match policy {
+                SchedPolicy::Normal => "--other",
+                SchedPolicy::Batch => "--batch",
+            };
+            argv.extend(["chrt".into(), flag.into(), "0".into()]);
         }
         if let Some(cores) = args.pin_cores {
             anyhow::ensure!(cores > 0, "--pin-cores needs at least one core");
@@ -437,6 +461,28 @@ fn reexec_wrapped(args: &SweepArgs) -> Option<anyhow::Result<()>> {
         Ok(())
     };
     Some(run())
+}
+
+/// This process's scheduling policy, from the `policy` line of
+/// `/proc/self/sched`.
+fn sched_policy() -> String {
+    std::fs::read_to_string("/proc/self/sched")
+        .map_or_else(|_| "unknown".to_string(), |text| policy_name(&text))
+}
+
+fn policy_name(proc_sched: &str) -> String {
+    let number = proc_sched
+        .lines()
+        .find(|l| l.starts_with("policy"))
+        .and_then(|line| line.split(':').nth(1))
+        .map(str::trim);
+    match number {
+        Some("0") => "normal".to_string(),
+        Some("3") => "batch".to_string(),
+        Some("5") => "idle".to_string(),
+        Some(other) => format!("policy {other}"),
+        None => "unknown".to_string(),
+    }
 }
 
 fn proc_field(file: &str, prefix: &str) -> String {
@@ -461,6 +507,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
     let environment = Environment {
         cpus_allowed: proc_field("/proc/self/status", "Cpus_allowed_list:"),
         nofile_limit: proc_field("/proc/self/limits", "Max open files"),
+        sched_policy: sched_policy(),
         grid_pace_ms: args.pace_ms,
         record_size: args.record_size.max(16),
         rounds: args.rounds,
@@ -589,8 +636,8 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "CPUs {}, open files limit {}; soft provider = user space on loopback, not hardware",
-        environment.cpus_allowed, environment.nofile_limit
+        "CPUs {}, open files limit {}, scheduling policy {}; soft provider = user space on loopback, not hardware",
+        environment.cpus_allowed, environment.nofile_limit, environment.sched_policy
     );
     let round_column = |round: &str| {
         if args.rounds > 1 {
@@ -996,6 +1043,20 @@ mod tests {
         assert!(points[0].ok());
         assert!(!points[1].ok());
         assert!(median(vec![f64::NAN, 4.0, 1.0, 2.0, 3.0]).eq(&2.5));
+    }
+
+    #[test]
+    fn the_scheduling_policy_is_named_from_proc_self_sched() {
+        let text = |n: &str| {
+            format!(
+                "se.nr_migrations : 3\npolicy{:>40}\nprio : 120\n",
+                format!(": {n}")
+            )
+        };
+        assert_eq!(policy_name(&text("0")), "normal");
+        assert_eq!(policy_name(&text("3")), "batch");
+        assert_eq!(policy_name(&text("7")), "policy 7");
+        assert_eq!(policy_name("prio : 120\n"), "unknown");
     }
 
     #[test]
