@@ -446,7 +446,10 @@ async fn posts_written_inline_or_by_the_writer_keep_each_posters_order() {
             recv_batches: 2,
             ..TcpLinkConfig::default()
         };
-        let (a, b) = link_pair_with_buffers(&config, Some(16 * 1024)).await;
+        // 64 KiB (the kernel doubles it) is still under a 192 KiB batch, so
+        // inline writes stop part-way; 16 KiB stalled loopback TCP in
+        // zero-window episodes of ~200 ms each (95 in one run, past the bound).
+        let (a, b) = link_pair_with_buffers(&config, Some(64 * 1024)).await;
         // Batch `seq` of `poster`: a header, then bytes derived from both.
         let batch = |poster: u8, seq: u32| -> Vec<u8> {
             let len = match seq % 5 {
