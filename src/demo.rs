@@ -85,6 +85,9 @@ pub struct Report {
     pub elapsed: Duration,
     /// Process CPU time (user + system) spent meanwhile.
     pub cpu: Duration,
+    /// Times the process's threads were put on a CPU meanwhile (each wake-up
+    /// of a sleeping thread, each preemption's return): [`process_runs`].
+    pub cpu_runs: u64,
     /// Records per batch on the sending mux.
     pub records_per_batch: f64,
     /// Median one-way record latency.
@@ -107,23 +110,38 @@ impl Report {
     pub fn cpu_per_record_us(&self) -> f64 {
         self.cpu.as_secs_f64() * 1e6 / self.records.max(1) as f64
     }
+
+    /// Threads put on a CPU per record.
+    pub fn runs_per_record(&self) -> f64 {
+        self.cpu_runs as f64 / self.records.max(1) as f64
+    }
 }
 
 /// Process CPU time so far: the sum over its threads of the nanoseconds each
 /// spent on a CPU (`/proc/self/task/*/schedstat`, nanosecond resolution).
 /// Threads that already exited are not counted; the tokio workers live on.
 pub fn process_cpu() -> Duration {
+    Duration::from_nanos(schedstat_sum(0))
+}
+
+/// How many times this process's threads have been put on a CPU (the third
+/// field of each thread's `schedstat`: timeslices run).
+pub fn process_runs() -> u64 {
+    schedstat_sum(2)
+}
+
+/// Field `field` of `/proc/self/task/*/schedstat`, summed over the threads.
+fn schedstat_sum(field: usize) -> u64 {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return Duration::ZERO;
+        return 0;
     };
-    let nanos: u64 = tasks
+    tasks
         .filter_map(|task| {
             let path = task.ok()?.path().join("schedstat");
             let text = std::fs::read_to_string(path).ok()?;
-            text.split_whitespace().next()?.parse::<u64>().ok()
+            text.split_whitespace().nth(field)?.parse::<u64>().ok()
         })
-        .sum();
-    Duration::from_nanos(nanos)
+        .sum()
 }
 
 /// Peak resident set size of the process in bytes (`VmHWM`).
@@ -253,6 +271,7 @@ pub async fn run<L: Link>(
     let before = sender.stats();
     reset_peak_rss();
     let cpu_before = process_cpu();
+    let runs_before = process_runs();
     let start = Instant::now();
     // The producer is a runtime task, as an application's is, not the
     // thread blocked in `block_on` (whose every send would wake a worker
@@ -282,6 +301,7 @@ pub async fn run<L: Link>(
     }
     let elapsed = start.elapsed();
     let cpu = process_cpu().saturating_sub(cpu_before);
+    let cpu_runs = process_runs().saturating_sub(runs_before);
     let fds = open_fds();
     let rss = peak_rss();
     let after = sender.stats();
@@ -304,6 +324,7 @@ pub async fn run<L: Link>(
         records: total,
         elapsed,
         cpu,
+        cpu_runs,
         records_per_batch: if batches == 0 {
             0.0
         } else {

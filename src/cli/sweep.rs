@@ -151,6 +151,10 @@ pub struct Cell {
     pub records_per_sec: f64,
     /// Process CPU per record, microseconds.
     pub cpu_us_per_record: f64,
+    /// Times the process's threads were put on a CPU, per record: a
+    /// worker-to-worker wake-up ping-pong shows here (docs/design.md §
+    /// "Workers that preempt their waker").
+    pub runs_per_record: f64,
     /// Records per batch on the sender (null where the path does not say).
     pub records_per_batch: f64,
     /// Median one-way latency, microseconds.
@@ -181,6 +185,7 @@ impl Cell {
             wall_s: r.elapsed.as_secs_f64(),
             records_per_sec: r.rate(),
             cpu_us_per_record: r.cpu_per_record_us(),
+            runs_per_record: r.runs_per_record(),
             records_per_batch: r.records_per_batch,
             p50_us: r.p50.as_secs_f64() * 1e6,
             p99_us: r.p99.as_secs_f64() * 1e6,
@@ -203,6 +208,7 @@ impl Cell {
             wall_s: f64::NAN,
             records_per_sec: f64::NAN,
             cpu_us_per_record: f64::NAN,
+            runs_per_record: f64::NAN,
             records_per_batch: f64::NAN,
             p50_us: f64::NAN,
             p99_us: f64::NAN,
@@ -647,7 +653,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         }
     };
     println!(
-        "{}{:<15} {:<12} {:>5} {:>3} {:>10} {:>9} {:>8} {:>9} {:>9} {:>8} {:>5}",
+        "{}{:<15} {:<12} {:>5} {:>3} {:>10} {:>9} {:>7} {:>8} {:>9} {:>9} {:>8} {:>5}",
         round_column("round"),
         "path",
         "mode",
@@ -655,6 +661,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         "Y",
         "records/s",
         "CPU µs/r",
+        "runs/r",
         "rec/bat",
         "p50 µs",
         "p99 µs",
@@ -674,7 +681,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
             continue;
         }
         println!(
-            "{}{:<15} {:<12} {:>5} {:>3} {:>10.0} {:>9.2} {:>8.1} {:>9.1} {:>9.1} {:>8.1} {:>5}",
+            "{}{:<15} {:<12} {:>5} {:>3} {:>10.0} {:>9.2} {:>7.2} {:>8.1} {:>9.1} {:>9.1} {:>8.1} {:>5}",
             round_column(&(c.round + 1).to_string()),
             c.path,
             c.mode,
@@ -682,6 +689,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
             c.y,
             c.records_per_sec,
             c.cpu_us_per_record,
+            c.runs_per_record,
             c.records_per_batch,
             c.p50_us,
             c.p99_us,
@@ -765,6 +773,7 @@ fn medians<'a>(cells: impl Iterator<Item = &'a Cell>) -> Vec<Cell> {
         let of = |metric: fn(&Cell) -> f64| median(rounds.iter().map(|d| metric(d)).collect());
         out.push(Cell {
             cpu_us_per_record: of(|d| d.cpu_us_per_record),
+            runs_per_record: of(|d| d.runs_per_record),
             p50_us: of(|d| d.p50_us),
             p99_us: of(|d| d.p99_us),
             ..(*first).clone()
@@ -979,6 +988,7 @@ mod tests {
             records: 1000,
             elapsed: Duration::from_secs(1),
             cpu: Duration::from_secs_f64(cpu * 1e-3),
+            cpu_runs: 500,
             records_per_batch: x as f64,
             p50: Duration::from_micros(50),
             p99: Duration::from_micros(100),
@@ -1040,6 +1050,7 @@ mod tests {
         let points = medians(cells.iter());
         assert_eq!(points.len(), 2);
         assert!((points[0].cpu_us_per_record - 2.0).abs() < 1e-9);
+        assert!((points[0].runs_per_record - 0.5).abs() < 1e-9);
         assert!(points[0].ok());
         assert!(!points[1].ok());
         assert!(median(vec![f64::NAN, 4.0, 1.0, 2.0, 3.0]).eq(&2.5));

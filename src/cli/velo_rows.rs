@@ -26,7 +26,8 @@ use velo::streaming::StreamFrame;
 use velo::transports::tcp::TcpTransportBuilder;
 
 use crate::demo::{
-    Report, StreamWall, Workload, open_fds, peak_rss, percentiles, process_cpu, reset_peak_rss,
+    Report, StreamWall, Workload, open_fds, peak_rss, percentiles, process_cpu, process_runs,
+    reset_peak_rss,
 };
 
 /// How long a run may go without a record arriving before it is declared
@@ -204,6 +205,7 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
     }
     reset_peak_rss();
     let cpu_before = process_cpu();
+    let runs_before = process_runs();
     let start = Instant::now();
     // A runtime task, as in `demo::run` (the qpmux rows).
     let producer = tokio::spawn(async move {
@@ -225,6 +227,7 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
     }
     let elapsed = start.elapsed();
     let cpu = process_cpu().saturating_sub(cpu_before);
+    let cpu_runs = process_runs().saturating_sub(runs_before);
     let (fds, rss) = (open_fds(), peak_rss());
     abort_all(&slow_tasks);
     for tx in senders {
@@ -238,6 +241,7 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
         records: total,
         elapsed,
         cpu,
+        cpu_runs,
         // velo does not expose its batches; NaN prints as such.
         records_per_batch: f64::NAN,
         p50,
