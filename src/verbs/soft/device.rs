@@ -210,6 +210,11 @@ impl DeviceCore {
             .min()
     }
 
+    /// Whether some QP has a packet to emit now.
+    pub fn wants_transmit(&self) -> bool {
+        self.qps.values().any(|e| e.engine.wants_transmit())
+    }
+
     /// Next datagram of any QP, round robin from the QP after the last sender.
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
         loop {

@@ -447,6 +447,17 @@ impl QpEngine {
         self.path.as_ref()
     }
 
+    /// Whether [`poll_transmit`](Self::poll_transmit) would emit a packet now.
+    pub fn wants_transmit(&self) -> bool {
+        self.path.is_some()
+            && (!self.responses.is_empty()
+                || self.state == QpState::Rts
+                    && !self.rnr_waiting
+                    && self.next_psn != self.alloc_psn
+                    && self.next_psn.diff(self.una) < MAX_UNACKED as i32
+                    && self.sq.get(self.send_idx).is_some())
+    }
+
     /// Emit the next packet into `buf` (which holds at least MTU + overhead
     /// bytes); returns its length. Responses go before new requests.
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize> {

@@ -104,19 +104,26 @@ impl Pair {
 
     /// Everything A would transmit now.
     fn transmit_a(&mut self) -> Vec<Vec<u8>> {
-        let mut out = Vec::new();
-        while let Some(n) = self.a.qp.poll_transmit(self.now, &mut self.buf) {
-            out.push(self.buf[..n].to_vec());
-        }
-        out
+        Pair::transmit(&mut self.a.qp, self.now, &mut self.buf)
     }
 
     fn transmit_b(&mut self) -> Vec<Vec<u8>> {
+        Pair::transmit(&mut self.b.qp, self.now, &mut self.buf)
+    }
+
+    /// Everything `qp` would transmit now; `wants_transmit` must agree
+    /// before every packet and after the last.
+    fn transmit(qp: &mut QpEngine, now: Instant, buf: &mut [u8]) -> Vec<Vec<u8>> {
         let mut out = Vec::new();
-        while let Some(n) = self.b.qp.poll_transmit(self.now, &mut self.buf) {
-            out.push(self.buf[..n].to_vec());
+        loop {
+            let wants = qp.wants_transmit();
+            let Some(n) = qp.poll_transmit(now, buf) else {
+                assert!(!wants, "wants_transmit promised a packet");
+                return out;
+            };
+            assert!(wants, "a packet that wants_transmit did not announce");
+            out.push(buf[..n].to_vec());
         }
-        out
     }
 
     fn deliver_b(&mut self, pkts: &[Vec<u8>]) {

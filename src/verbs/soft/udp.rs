@@ -523,7 +523,12 @@ impl Driver {
                         // a mux task and a consumer: they run before this
                         // turn's ACKs are sent (docs/soft-provider.md §
                         // "ACKs after the receivers").
-                        Some(handled) if handled > 0 => tokio::task::yield_now().await,
+                        // With nothing to send the yield orders nothing,
+                        // and it would cost a worker wake-up (§ "A yield
+                        // only before output").
+                        Some(handled) if handled > 0 && output_pending(&dev) => {
+                            tokio::task::yield_now().await
+                        }
                         Some(_) => {}
                     },
                     Err(e) => tracing::debug!(error = %e, "soft RoCE receive failed"),
@@ -590,6 +595,14 @@ impl Driver {
         }
         Some(handled)
     }
+}
+
+/// Whether the device has packets for the wire: a backlog, or a QP's.
+fn output_pending(dev: &Weak<DeviceShared>) -> bool {
+    dev.upgrade().is_some_and(|shared| {
+        let core = shared.core();
+        !core.inline.backlog.is_empty() || core.wants_transmit()
+    })
 }
 
 /// How many packets from the front of `out` one GSO send can carry: same
