@@ -20,6 +20,7 @@ use tokio::sync::{Mutex, Notify};
 
 use crate::link::{Link, Node};
 use crate::mux::{Frame, Mux, MuxTransport, PeerId, StreamKey, Terminal};
+use crate::stages::{self, STAGES, Stage};
 
 /// Shape of one workload run.
 #[derive(Clone, Copy, Debug)]
@@ -98,6 +99,22 @@ pub struct Report {
     pub peak_rss: u64,
     /// Open file descriptors at the end of the run.
     pub fds: u64,
+    /// Where a record's time went, when [`crate::stages`] were on.
+    pub stages: Option<StageMedians>,
+}
+
+/// Median offset from the producer's stamp, in microseconds, of each later
+/// [`Stage`](crate::stages::Stage) (Woken, Encoded, Posted, Received,
+/// Decoding) and then of the delivery; `None` where no record passed it.
+pub type StageMedians = [Option<f64>; STAGES];
+
+/// Per-stage medians of the offsets taken at each delivery.
+pub fn stage_medians(samples: &[[Option<u64>; STAGES]]) -> StageMedians {
+    std::array::from_fn(|i| {
+        let mut at: Vec<u64> = samples.iter().filter_map(|s| s[i]).collect();
+        at.sort_unstable();
+        at.get(at.len() / 2).map(|&ns| ns as f64 / 1e3)
+    })
 }
 
 impl Report {
@@ -199,6 +216,7 @@ pub async fn run<L: Link>(
     let fast_total = workload.fast_streams() * targets.len() as u64;
     let primed = Arc::new(AtomicU64::new(0));
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
+    let stage_samples = Arc::new(Mutex::new(Vec::new()));
     let record_size = workload.record_size.max(16);
     let mut consumers = Vec::new();
     let mut senders = Vec::new();
@@ -227,14 +245,16 @@ pub async fn run<L: Link>(
                 }));
                 continue;
             }
-            let (received, progress, latencies, primed) = (
+            let (received, progress, latencies, primed, stage_samples) = (
                 received.clone(),
                 progress.clone(),
                 latencies.clone(),
                 primed.clone(),
+                stage_samples.clone(),
             );
             consumers.push(tokio::spawn(async move {
                 let mut local = Vec::new();
+                let mut offsets = Vec::new();
                 while let Some(frame) = rx.recv().await {
                     let Frame::Data(record) = frame else { break };
                     let stamp = u64::from_be_bytes(record[..8].try_into().expect("stamped"));
@@ -243,12 +263,16 @@ pub async fn run<L: Link>(
                         progress.notify_one();
                         continue;
                     }
+                    if stages::enabled() {
+                        offsets.push(stages::offsets_at_delivery());
+                    }
                     let now = origin.elapsed().as_nanos() as u64;
                     local.push(now.saturating_sub(stamp));
                     received.fetch_add(1, Ordering::Relaxed);
                     progress.notify_one();
                 }
                 latencies.lock().await.extend(local);
+                stage_samples.lock().await.extend(offsets);
             }));
             senders.push(tx);
         }
@@ -282,6 +306,7 @@ pub async fn run<L: Link>(
             for _ in 0..workload.passes {
                 for tx in &mut senders {
                     let stamp = origin.elapsed().as_nanos() as u64;
+                    stages::mark(Stage::Stamped);
                     record[..8].copy_from_slice(&stamp.to_be_bytes());
                     tx.send(Bytes::copy_from_slice(&record))
                         .await
@@ -318,6 +343,8 @@ pub async fn run<L: Link>(
     }
     let lat = std::mem::take(&mut *latencies.lock().await);
     let (p50, p99) = percentiles(lat);
+    let stage_samples = std::mem::take(&mut *stage_samples.lock().await);
+    let stages = (!stage_samples.is_empty()).then(|| stage_medians(&stage_samples));
     let batches = after.batches_sent - before.batches_sent;
     let records = after.records_sent - before.records_sent;
     Report {
@@ -334,6 +361,7 @@ pub async fn run<L: Link>(
         p99,
         peak_rss: rss,
         fds,
+        stages,
     }
 }
 

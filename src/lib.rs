@@ -21,6 +21,7 @@ pub mod cli;
 pub mod demo;
 pub mod link;
 pub mod mux;
+pub mod stages;
 #[cfg(feature = "velo")]
 pub mod velo;
 pub mod verbs;

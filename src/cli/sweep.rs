@@ -75,6 +75,12 @@ pub struct SweepArgs {
     /// the plots show per-point medians.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
     pub rounds: u32,
+    /// In the `latency-1ms` cells (one record in flight at a time), time
+    /// each record's stages on the qpmux paths: woken, encoded, posted,
+    /// received, decoding, delivered (src/stages.rs). Off by default: the
+    /// marks cost the qpmux paths a little the velo paths do not pay.
+    #[arg(long)]
+    pub stages: bool,
 }
 
 /// A Linux scheduling policy for `--sched`.
@@ -170,6 +176,10 @@ pub struct Cell {
     pub failed_at_streams: Option<u64>,
     /// Why the cell failed, if it did.
     pub error: Option<String>,
+    /// With `--stages`: median microseconds from the producer's stamp to
+    /// each stage (woken, encoded, posted, received, decoding, delivered),
+    /// null where the path has no such point.
+    pub stages_us: Option<demo::StageMedians>,
 }
 
 impl Cell {
@@ -193,6 +203,7 @@ impl Cell {
             fds: r.fds,
             failed_at_streams: None,
             error: None,
+            stages_us: r.stages,
         }
     }
 
@@ -216,6 +227,7 @@ impl Cell {
             fds: demo::open_fds(),
             failed_at_streams: err.downcast_ref::<StreamWall>().map(|w| w.carried),
             error: Some(format!("{err:#}")),
+            stages_us: None,
         }
     }
 
@@ -281,6 +293,8 @@ const VELO_MUX: &str = "velo-tcp-mux";
 /// Criteria mode: the grid's paced forward pass with `flush(peer)` after
 /// each pass under `FlushPolicy::Manual`.
 const FLUSHED: &str = "flush-pass";
+/// Criteria mode: X = Y = 1, one record per millisecond.
+const LATENCY: &str = "latency-1ms";
 
 /// The sender's mux: a flushed forward pass cuts batches only on `flush`.
 fn sender_mux(workload: &Workload) -> MuxConfig {
@@ -341,7 +355,8 @@ async fn tcp_cell(y: u64, workload: Workload) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-async fn measure(round: u32, path: &'static str, shape: Shape) -> Cell {
+async fn measure(round: u32, path: &'static str, shape: Shape, stages: bool) -> Cell {
+    crate::stages::set_enabled(stages && shape.mode == LATENCY);
     let result = match path {
         "qpmux-rdma" => rdma_cell(shape.y, shape.workload).await,
         "qpmux-tcp" => tcp_cell(shape.y, shape.workload).await,
@@ -357,6 +372,7 @@ async fn measure(round: u32, path: &'static str, shape: Shape) -> Cell {
         }
         other => Err(anyhow::anyhow!("unknown path {other}")),
     };
+    crate::stages::set_enabled(false);
     let cell = match result {
         Ok(report) => Cell::new(round, path, shape, &report),
         Err(err) => Cell::failed(round, path, shape, &err),
@@ -364,6 +380,35 @@ async fn measure(round: u32, path: &'static str, shape: Shape) -> Cell {
     // Let the torn-down nodes' sockets close before the next cell counts.
     tokio::time::sleep(Duration::from_millis(200)).await;
     cell
+}
+
+/// With `--stages`: where each timed cell's records spent their time.
+fn print_stages(cells: &[Cell]) {
+    let timed: Vec<&Cell> = cells.iter().filter(|c| c.stages_us.is_some()).collect();
+    if timed.is_empty() {
+        return;
+    }
+    println!();
+    println!("median µs from the producer's stamp to each stage (one record in flight):");
+    println!(
+        "{:<15} {:<12} {:>8} {:>8} {:>8} {:>9} {:>9} {:>10}",
+        "path", "mode", "woken", "encoded", "posted", "received", "decoding", "delivered"
+    );
+    for c in timed {
+        let at = c.stages_us.unwrap_or_default();
+        let col = |v: Option<f64>| v.map_or_else(|| "–".to_string(), |v| format!("{v:.1}"));
+        println!(
+            "{:<15} {:<12} {:>8} {:>8} {:>8} {:>9} {:>9} {:>10}",
+            c.path,
+            c.mode,
+            col(at[0]),
+            col(at[1]),
+            col(at[2]),
+            col(at[3]),
+            col(at[4]),
+            col(at[5])
+        );
+    }
 }
 
 /// The V6 criteria cells: every path on each shape.
@@ -388,7 +433,7 @@ fn criteria_shapes(args: &SweepArgs) -> Vec<Shape> {
             workload: Workload::new(1, if args.quick { 20_000 } else { 100_000 }, size, None),
         },
         Shape {
-            mode: "latency-1ms",
+            mode: LATENCY,
             x: 1,
             y: 1,
             workload: Workload::new(1, if args.quick { 500 } else { 2000 }, size, paced),
@@ -586,7 +631,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
                 shape.x,
                 shape.y
             ));
-            cells.push(measure(round, path, shape).await);
+            cells.push(measure(round, path, shape, args.stages).await);
             bar.inc(1);
         }
     }
@@ -697,6 +742,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
             c.fds
         );
     }
+    print_stages(&cells);
     println!();
     for v in &verdicts {
         let holds = match v.holds {
@@ -855,7 +901,7 @@ fn verdicts(cells: &[Cell], rounds: u32) -> Vec<Verdict> {
             "p99 at X/Y = 1 within 2× the per-stream path",
             path,
             format!("p99 ÷ {PER_STREAM}'s, X = Y = 1, one pass per ms"),
-            &|round| against_per_stream(round, path, "latency-1ms", |c| c.p99_us),
+            &|round| against_per_stream(round, path, LATENCY, |c| c.p99_us),
             |r| r <= 2.0,
         );
         judge(
@@ -869,14 +915,14 @@ fn verdicts(cells: &[Cell], rounds: u32) -> Vec<Verdict> {
             "target: p50 at X/Y = 1 ≤ the per-stream path's",
             path,
             format!("p50 ÷ {PER_STREAM}'s, X = Y = 1, one pass per ms"),
-            &|round| against_per_stream(round, path, "latency-1ms", |c| c.p50_us),
+            &|round| against_per_stream(round, path, LATENCY, |c| c.p50_us),
             |r| r <= 1.0,
         );
         judge(
             "target: p99 at X/Y = 1 ≤ the per-stream path's",
             path,
             format!("p99 ÷ {PER_STREAM}'s, X = Y = 1, one pass per ms"),
-            &|round| against_per_stream(round, path, "latency-1ms", |c| c.p99_us),
+            &|round| against_per_stream(round, path, LATENCY, |c| c.p99_us),
             |r| r <= 1.0,
         );
     }
@@ -994,6 +1040,7 @@ mod tests {
             p99: Duration::from_micros(100),
             peak_rss: 0,
             fds: 3,
+            stages: None,
         };
         Cell::new(round, path, shape("grid", x, 1), &report)
     }

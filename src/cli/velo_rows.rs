@@ -248,6 +248,8 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
         p99,
         peak_rss: rss,
         fds,
+        // velo's internals carry no stage marks.
+        stages: None,
     })
 }
 

@@ -26,6 +26,7 @@ use tokio::sync::Notify;
 
 use crate::link::{EpochEnd, Link, LinkError, LinkFault};
 use crate::mux::protocol::Epoch;
+use crate::stages::{self, Stage};
 
 /// Shape of a TCP link. Defaults are documented per field.
 #[derive(Clone, Debug)]
@@ -318,6 +319,7 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
         };
         match read {
             Ok(Some(batch)) => {
+                stages::mark(Stage::Received);
                 let mut state = inner.lock();
                 if state.ended.is_some() {
                     return;

@@ -37,6 +37,7 @@ use super::slot::{Inlet, PeerControl, Registry, SlotReceiver, SlotSender};
 use super::stats::{Counters, Stats};
 use super::surface::{AsMux, DropReason, MuxError, MuxTransport, PeerId, StreamKey};
 use crate::link::{EpochEnd, Link, LinkError, LinkFault};
+use crate::stages::{self, Stage};
 
 /// How often a peer with work and no link asks its dialer again.
 const REDIAL_INTERVAL: Duration = Duration::from_secs(1);
@@ -543,6 +544,7 @@ async fn serve_epoch<L: Link>(
                 received.set(link.recv());
                 match batch {
                     Ok(batch) => {
+                        stages::mark(Stage::Decoding);
                         if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
                             break EpochEnd::Violation(violation);
                         }
@@ -551,6 +553,7 @@ async fn serve_epoch<L: Link>(
                 }
             },
             () = &mut wake => {
+                stages::mark(Stage::Woken);
                 wake.set(entry.control.wake.notified());
                 core.handle_control(Instant::now());
             },
@@ -565,9 +568,11 @@ async fn serve_epoch<L: Link>(
                 Ok(mut buf) => {
                     let len = core.poll_batch(&mut buf, Instant::now());
                     if len > 0 {
+                        stages::mark(Stage::Encoded);
                         if let Err(err) = link.post(buf, len) {
                             break end_of(err);
                         }
+                        stages::mark(Stage::Posted);
                         core.batch_posted();
                     }
                 }

@@ -32,6 +32,7 @@ use tokio::net::UdpSocket;
 use super::device::DeviceCore;
 use super::wire::MAX_OVERHEAD;
 use super::{DeviceShared, Instant, SoftConfig, SoftDevice};
+use crate::stages::{self, Stage};
 use crate::verbs::{Gid, Mtu, VerbsError};
 
 /// Packets emitted per turn, so receiving is not starved by a long send queue
@@ -576,6 +577,7 @@ impl Driver {
                     return Some(handled);
                 }
             };
+            stages::mark(Stage::Received);
             let shared = dev.upgrade()?;
             let now = self.now();
             let mut core = shared.core();
