@@ -654,10 +654,18 @@ impl SlotReceiver {
 
     /// The next frame, or `None` once the terminal has been returned.
     pub async fn recv(&mut self) -> Option<Frame> {
+        // A frame already buffered needs no waiter (§ "A send with room
+        // registers no waiter" in docs/design.md, the same on this side).
+        match self.try_recv() {
+            Ok(frame) => return Some(frame),
+            Err(RecvError::Ended) => return None,
+            Err(RecvError::Empty) => {}
+        }
         let rx = self.rx.clone();
         loop {
             let ready = rx.ready.notified();
             tokio::pin!(ready);
+            // Registered before the re-check: a frame pushed after it wakes us.
             ready.as_mut().enable();
             match self.try_recv() {
                 Ok(frame) => return Some(frame),

@@ -695,13 +695,18 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
             registered: false,
             queued: false,
         };
+        // The first look registers no waiter (a buffer is usually free);
+        // a miss registers both and looks again before waiting.
+        let mut armed = false;
         loop {
             let notified = shared.wake_send.notified();
             tokio::pin!(notified);
-            notified.as_mut().enable();
             let freed = shared.lease.notified();
             tokio::pin!(freed);
-            freed.as_mut().enable();
+            if armed {
+                notified.as_mut().enable();
+                freed.as_mut().enable();
+            }
             {
                 let mut st = shared.lock();
                 if let Some(reason) = st.ended {
@@ -738,6 +743,9 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                     waiter.registered = true;
                     st.reserve_waiters += 1;
                 }
+            }
+            if !std::mem::replace(&mut armed, true) {
+                continue;
             }
             tokio::select! {
                 () = &mut notified => {}
@@ -792,10 +800,13 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
 
     async fn recv(&self) -> Result<RdmaBatch<D>, LinkError> {
         let shared = self.shared();
+        let mut armed = false;
         loop {
             let notified = shared.wake_recv.notified();
             tokio::pin!(notified);
-            notified.as_mut().enable();
+            if armed {
+                notified.as_mut().enable();
+            }
             {
                 let mut st = shared.lock();
                 if let Some((idx, len)) = st.ready.pop_front() {
@@ -814,7 +825,9 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                     return Err(shared.ended_error(reason));
                 }
             }
-            notified.await;
+            if std::mem::replace(&mut armed, true) {
+                notified.await;
+            }
         }
     }
 

@@ -557,10 +557,14 @@ impl Link for TcpLink {
 
     async fn reserve(&self) -> Result<TcpSendBuf, LinkError> {
         let inner = self.inner();
+        // The first look registers no waiter; a miss registers, then looks again.
+        let mut armed = false;
         loop {
             let notified = inner.wake_send.notified();
             tokio::pin!(notified);
-            notified.as_mut().enable();
+            if armed {
+                notified.as_mut().enable();
+            }
             {
                 let mut state = inner.lock();
                 if let Some(err) = inner.ended_error(&state) {
@@ -573,7 +577,9 @@ impl Link for TcpLink {
                     });
                 }
             }
-            notified.await;
+            if std::mem::replace(&mut armed, true) {
+                notified.await;
+            }
         }
     }
 
@@ -617,10 +623,13 @@ impl Link for TcpLink {
 
     async fn recv(&self) -> Result<TcpBatch, LinkError> {
         let inner = self.inner();
+        let mut armed = false;
         loop {
             let notified = inner.wake_recv.notified();
             tokio::pin!(notified);
-            notified.as_mut().enable();
+            if armed {
+                notified.as_mut().enable();
+            }
             {
                 let mut state = inner.lock();
                 if let Some(data) = state.inbox.pop_front() {
@@ -634,7 +643,9 @@ impl Link for TcpLink {
                     return Err(err);
                 }
             }
-            notified.await;
+            if std::mem::replace(&mut armed, true) {
+                notified.await;
+            }
         }
     }
 
