@@ -295,11 +295,11 @@ pub(crate) fn configure(stream: &TcpStream, config: &TcpLinkConfig) -> io::Resul
 async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
     let mut rd = BufReader::with_capacity(64 * 1024, std::io::Cursor::new(prefix).chain(rd));
     let reason = loop {
-        // Back-pressure: stop reading while the consumer holds enough.
+        // Back-pressure: stop reading while the consumer holds enough. The
+        // consumer's `notify_one` after it sees `reader_stalled` leaves a
+        // permit if we are not waiting yet, so no waiter is registered
+        // before the check (a stale permit costs one more look).
         loop {
-            let notified = inner.reader.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
             {
                 let mut state = inner.lock();
                 if state.ended.is_some() {
@@ -311,7 +311,7 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
                 }
                 state.reader_stalled = true;
             }
-            notified.await;
+            inner.reader.notified().await;
         }
         let read = tokio::select! {
             read = read_batch(&mut rd, inner.recv_max) => read,
