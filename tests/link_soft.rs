@@ -24,6 +24,10 @@ impl LinkHarness for SoftHarness {
         Some(devices.iter().map(|d| d.counters().rnr_naks_sent).sum())
     }
 
+    fn handler_calls(devices: &[SoftDevice]) -> Option<u64> {
+        Some(devices.iter().map(|d| d.stats().cq_handler_calls).sum())
+    }
+
     fn stream_slots(&self) -> u64 {
         200
     }

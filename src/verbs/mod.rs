@@ -65,6 +65,7 @@
 use std::fmt;
 use std::future::Future;
 use std::net::Ipv6Addr;
+use std::sync::Weak;
 use std::time::Duration;
 
 pub mod soft;
@@ -786,6 +787,23 @@ pub trait CompletionQueue: Send + Sync {
     /// Resolves once per arm, after a completion arrived following the arm.
     /// Usage: arm, poll until empty, then await; repeat.
     fn notified(&self) -> impl Future<Output = ()> + Send;
+    /// Installs a handler that the provider calls from its own progress
+    /// context with completions that context added, in place of the
+    /// notification (kernel verbs' `ib_comp_handler`). A completion the
+    /// handler takes fires no notification; one it declines (it returned
+    /// false) fires it as usual. Completions added by a verbs call (a flush
+    /// on `modify_to_error`) are only ever notified. Returns false, and
+    /// keeps nothing, where the provider has no such context (libibverbs).
+    fn set_handler(&self, handler: Weak<dyn CompletionHandler>) -> bool;
+}
+
+/// Takes completions in a provider's progress context; see
+/// [`CompletionQueue::set_handler`].
+pub trait CompletionHandler: Send + Sync {
+    /// Completions were added. Called with no provider lock held; may post
+    /// and poll. Returns true if it polled the CQ empty, false if it could
+    /// not poll now (someone else is polling), so the provider notifies.
+    fn completions_ready(&self) -> bool;
 }
 
 /// A reliable-connected queue pair.

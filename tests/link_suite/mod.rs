@@ -39,6 +39,9 @@ pub trait LinkHarness {
     /// RNR NAKs sent so far by these devices, if the provider counts them;
     /// the suite asserts the count does not move.
     fn rnr_naks(devices: &[Self::Dev]) -> Option<u64>;
+    /// Calls of the link's completion handler these devices made, if the
+    /// provider runs one; the suite asserts that streaming made some.
+    fn handler_calls(devices: &[Self::Dev]) -> Option<u64>;
     /// Slots in the streaming test (kernel rxe under TCG is slow).
     fn stream_slots(&self) -> u64;
 }
@@ -223,6 +226,9 @@ pub async fn many_slots_in_order_without_rnr<H: LinkHarness>(h: &mut H) {
         rnr_before,
         "credit made RNR unreachable"
     );
+    if let Some(calls) = H::handler_calls(&fabric.devices()) {
+        assert!(calls > 0, "the provider handed completions to the link");
+    }
     let (x, y) = fabric.links().expect("link");
     assert_eq!((x.end_reason(), y.end_reason()), (None, None));
     assert!(x.stats().batches_sent + y.stats().batches_sent > 0);

@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use tokio::sync::Notify;
 use tracing::Instrument;
@@ -26,7 +26,8 @@ use super::{Handle, LinkStats, RECV_TAG, RdmaConfig, RdmaError, RdmaLink, Shared
 use crate::link::{EpochEnd, Link};
 use crate::mux::protocol::Epoch;
 use crate::verbs::{
-    AccessFlags, Device, InitAttr, Mtu, QpAddress, QpCaps, QueuePair, RecvWr, RtrAttr, RtsAttr, Sge,
+    AccessFlags, CompletionHandler, CompletionQueue, Device, InitAttr, Mtu, QpAddress, QpCaps,
+    QueuePair, RecvWr, RtrAttr, RtsAttr, Sge,
 };
 
 /// One link end with its resources created and receives posted, waiting for
@@ -202,6 +203,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             wake_recv: Notify::new(),
             wake_end: Notify::new(),
             wake_poller: Notify::new(),
+            polling: poller::PollBuf::new(),
             detached: AtomicBool::new(false),
             on_end: Mutex::new(Vec::new()),
             span: tracing::debug_span!(
@@ -211,6 +213,10 @@ impl<D: Device + 'static> PreparedEnd<D> {
                 peer_qpn = peer.qpn.value()
             ),
         });
+        // The soft provider hands completions to the link in its driver's
+        // turn; libibverbs declines, and the poller alone takes them.
+        let handler: Weak<dyn CompletionHandler> = Arc::downgrade(&shared) as _;
+        shared.cq.set_handler(handler);
         tokio::spawn(poller::run(shared.clone()).instrument(shared.span.clone()));
         Ok(RdmaLink {
             handle: Arc::new(Handle { shared }),

@@ -3,7 +3,7 @@
 //! ```text
 //!  mux ─ reserve() ─► credit + SQ slot + pool chunk (owned guard) ─ encode in place ─ post()
 //!        post() ─► SEND_WITH_IMM(imm = receives re-posted, 31 bits | starved)
-//!  poller (owns the CQ) ─► recv WC: imm ─► credit; data ─► ready; empty ─► re-post now
+//!  poller / handler    ─► recv WC: imm ─► credit; data ─► ready; empty ─► re-post now
 //!                       ─► send WC (every k-th signaled) ─► chunks to the pool, SQ slots back
 //!  mux ◄─ recv() ◄─ ready ─ Batch (owned guard on a receive MR) ─ drop ─► re-post ─► owed
 //!  error WC, failed post, fail() ─► QP to ERR ─► ended; completed receives drain first
@@ -11,7 +11,8 @@
 //!
 //! Owner: `Shared::state` (one mutex) holds credit, SQ slots, posted chunks
 //! and the ready queue; the send pool (`pool.rs`, shared by a node's links)
-//! owns free chunks; the poller task alone polls the CQ. Sends are posted under
+//! owns free chunks; the poller task, or the provider's completion handler in
+//! its place, polls the CQ (one at a time). Sends are posted under
 //! that mutex, so immediates leave in the order they were counted. Design,
 //! rulings and open hazards: docs/rdma-link.md.
 
@@ -277,6 +278,9 @@ struct Shared<D: Device> {
     wake_recv: Notify,
     wake_end: Notify,
     wake_poller: Notify,
+    /// Held by whoever polls the CQ: the poller task, or the provider's
+    /// completion handler.
+    polling: Mutex<poller::PollBuf>,
     detached: AtomicBool,
     on_end: Mutex<Vec<EndHook>>,
     /// `rdma_link{epoch, qpn, peer_qpn}`: the poller and liveness tasks run in it.

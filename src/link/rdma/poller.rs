@@ -1,22 +1,28 @@
-//! The completion poller: the one task that owns a link end's CQ.
+//! The completion poller: the task that owns a link end's CQ, and the
+//! handler a provider may run in its place.
 //!
 //! ```text
 //!  loop { poll ─► on_completions ; empty? spin a few yields ;
 //!         req_notify ─► poll once more (arm before the final drain) ─► notified().await }
 //!  exits when the epoch has ended and every posted receive has completed,
 //!  or when every user handle is gone
+//!  soft driver, after its receive turn ─► completions_ready ─► poll ─► on_completions
 //! ```
 //!
-//! Owner: this task alone calls `poll`, `req_notify` and `notified` on the CQ;
-//! it changes link state only under `Shared::state`.
+//! Owner: whoever holds `Shared::polling` (this task, or the provider's
+//! handler, which only tries the lock) polls, so completions are handled in
+//! CQ order; only this task arms and waits. Link state changes only under
+//! `Shared::state`. Why the handler: docs/soft-provider.md § "Completions
+//! handled in the driver's turn".
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 use super::{RECV_TAG, Shared, State, fault_of, ibv_status};
 use crate::link::{EpochEnd, LinkFault};
 use crate::verbs::{
-    CompletionQueue, Device, QpState, Qpn, QueuePair, WcOpcode, WcStatus, WorkCompletion,
+    CompletionHandler, CompletionQueue, Device, QpState, Qpn, QueuePair, WcOpcode, WcStatus,
+    WorkCompletion,
 };
 
 /// Completions taken per `poll`.
@@ -32,6 +38,16 @@ const EMPTY_WC: WorkCompletion = WorkCompletion {
     imm: None,
     qp_num: Qpn::new(0),
 };
+
+/// The buffer completions are polled into; holding its lock is the right
+/// to poll.
+pub(super) struct PollBuf([WorkCompletion; POLL_BATCH]);
+
+impl PollBuf {
+    pub(super) fn new() -> Mutex<PollBuf> {
+        Mutex::new(PollBuf([EMPTY_WC; POLL_BATCH]))
+    }
+}
 
 enum Polled {
     Some,
@@ -52,7 +68,8 @@ impl<D: Device + 'static> Shared<D> {
         st.ended.is_some() && st.recv_posted == 0
     }
 
-    fn poll_once(&self, wcs: &mut [WorkCompletion]) -> Polled {
+    fn poll_once(&self, buf: &mut PollBuf) -> Polled {
+        let wcs = &mut buf.0;
         match self.cq.poll(wcs) {
             Ok(0) => Polled::Empty,
             Ok(n) => {
@@ -220,11 +237,33 @@ impl<D: Device + 'static> Shared<D> {
     }
 }
 
+impl<D: Device + 'static> Shared<D> {
+    fn poll_locked(&self) -> Polled {
+        self.poll_once(&mut self.polling.lock().expect("poll buffer poisoned"))
+    }
+}
+
+impl<D: Device + 'static> CompletionHandler for Shared<D> {
+    fn completions_ready(&self) -> bool {
+        // The poller holds it only while polling, and it polls again before
+        // it waits: declining then loses nothing.
+        let Ok(mut buf) = self.polling.try_lock() else {
+            return false;
+        };
+        let _in_link = self.span.enter();
+        while let Polled::Some = self.poll_once(&mut buf) {}
+        drop(buf);
+        if self.finished() {
+            self.wake_poller.notify_one();
+        }
+        true
+    }
+}
+
 async fn poll_until_done<D: Device + 'static>(shared: &Shared<D>) {
-    let mut wcs = [EMPTY_WC; POLL_BATCH];
     let mut empty_polls = 0;
     loop {
-        match shared.poll_once(&mut wcs) {
+        match shared.poll_locked() {
             Polled::Some => {
                 empty_polls = 0;
                 continue;
@@ -246,7 +285,7 @@ async fn poll_until_done<D: Device + 'static>(shared: &Shared<D>) {
             shared.end(EpochEnd::Fault(fault_of(&err)));
             return;
         }
-        match shared.poll_once(&mut wcs) {
+        match shared.poll_locked() {
             Polled::Some => continue,
             Polled::Failed => return,
             Polled::Empty => {}

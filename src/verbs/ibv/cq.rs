@@ -305,6 +305,11 @@ impl CompletionQueue for IbvCq {
             }
         })
     }
+
+    fn set_handler(&self, _handler: std::sync::Weak<dyn crate::verbs::CompletionHandler>) -> bool {
+        // libibverbs reports completions through the channel fd only.
+        false
+    }
 }
 
 /// Borrowed fd of the device's async-event queue.

@@ -1,22 +1,28 @@
-//! Soft completion queues with one-shot, edge-triggered notification.
+//! Soft completion queues with one-shot, edge-triggered notification, or a
+//! handler that the driver runs after its turn.
 //!
 //! ```text
 //!  device core ─ push(wc) ─► entries ─► poll(&mut [wc])   (caller)
-//!                  └─ armed? ─► disarm, Notify::notify_one ─► notified().await
+//!                  ├─ armed? ─► disarm, Notify::notify_one ─► notified().await
+//!                  └─ in the driver's turn, handler set ─► due ─► driver, unlocked:
+//!                        dispatch ─► handler polls │ declined ─► armed? ─► notify
 //! ```
 //!
 //! Owner: the device core pushes (under its lock), the caller polls. A
 //! notification fires only for a completion pushed after `req_notify`, and at
 //! most once per arm, like `ibv_req_notify_cq`. An un-awaited notification
-//! stays pending (as an unread event in a completion channel would).
+//! stays pending (as an unread event in a completion channel would). Only
+//! the driver dispatches a handler, holding no lock of its own or a link's:
+//! a verbs call dispatching one could meet a second link's verbs call doing
+//! the same, each holding the state lock the other's handler needs.
 
 use std::collections::VecDeque;
 use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use tokio::sync::Notify;
 
-use crate::verbs::{CompletionQueue, VerbsError, WorkCompletion};
+use crate::verbs::{CompletionHandler, CompletionQueue, VerbsError, WorkCompletion};
 
 #[derive(Debug)]
 struct CqInner {
@@ -24,12 +30,15 @@ struct CqInner {
     depth: usize,
     armed: bool,
     overrun: bool,
+    /// On the driver's list of CQs whose handler is owed a call.
+    due: bool,
 }
 
 #[derive(Debug)]
 pub(crate) struct CqShared {
     inner: Mutex<CqInner>,
     notify: Notify,
+    handler: OnceLock<Weak<dyn CompletionHandler>>,
 }
 
 impl CqShared {
@@ -38,16 +47,46 @@ impl CqShared {
     }
 
     /// Add a completion; an overflowing CQ is marked overrun and unusable.
-    pub fn push(&self, wc: WorkCompletion) {
+    /// With `defer` (the driver's turn) and a handler installed, the handler
+    /// is owed a call instead of the notification firing: returns true when
+    /// this CQ just became due, and the caller must [`dispatch`] it once the
+    /// device lock is released.
+    ///
+    /// [`dispatch`]: CqShared::dispatch
+    pub fn push(&self, wc: WorkCompletion, defer: bool) -> bool {
         let mut inner = self.lock();
         if inner.entries.len() >= inner.depth {
             inner.overrun = true;
         } else {
             inner.entries.push_back(wc);
         }
+        if defer && self.handler.get().is_some() {
+            return !std::mem::replace(&mut inner.due, true);
+        }
+        Self::fire_if_armed(&mut inner, &self.notify);
+        false
+    }
+
+    /// Runs the handler for what the driver's turn added; if it declines,
+    /// or is gone with its link, the armed notification fires instead.
+    pub fn dispatch(&self) {
+        // Cleared first: a completion pushed while the handler runs makes
+        // the CQ due again rather than being missed.
+        self.lock().due = false;
+        let taken = self
+            .handler
+            .get()
+            .and_then(Weak::upgrade)
+            .is_some_and(|handler| handler.completions_ready());
+        if !taken {
+            Self::fire_if_armed(&mut self.lock(), &self.notify);
+        }
+    }
+
+    fn fire_if_armed(inner: &mut CqInner, notify: &Notify) {
         if inner.armed {
             inner.armed = false;
-            self.notify.notify_one();
+            notify.notify_one();
         }
     }
 }
@@ -67,8 +106,10 @@ impl SoftCq {
                     depth,
                     armed: false,
                     overrun: false,
+                    due: false,
                 }),
                 notify: Notify::new(),
+                handler: OnceLock::new(),
             }),
         }
     }
@@ -109,5 +150,118 @@ impl CompletionQueue for SoftCq {
     fn notified(&self) -> impl Future<Output = ()> + Send {
         let shared = self.shared.clone();
         async move { shared.notify.notified().await }
+    }
+
+    /// Kept for the CQ's life; a second handler is refused (false).
+    fn set_handler(&self, handler: Weak<dyn CompletionHandler>) -> bool {
+        self.shared.handler.set(handler).is_ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::verbs::{Qpn, WcOpcode, WcStatus};
+
+    fn wc(wr_id: u64) -> WorkCompletion {
+        WorkCompletion {
+            wr_id,
+            status: WcStatus::Success,
+            opcode: WcOpcode::Recv,
+            byte_len: 0,
+            imm: None,
+            qp_num: Qpn::new(1),
+        }
+    }
+
+    /// Polls the CQ empty when called, unless told to decline.
+    struct Drainer {
+        cq: SoftCq,
+        decline: AtomicBool,
+        calls: AtomicUsize,
+        taken: AtomicUsize,
+    }
+
+    impl CompletionHandler for Drainer {
+        fn completions_ready(&self) -> bool {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            if self.decline.load(Ordering::Relaxed) {
+                return false;
+            }
+            let mut out = [wc(0); 4];
+            while let Ok(n @ 1..) = self.cq.poll(&mut out) {
+                self.taken.fetch_add(n, Ordering::Relaxed);
+            }
+            true
+        }
+    }
+
+    fn with_handler() -> (SoftCq, Arc<Drainer>) {
+        let cq = SoftCq::new(16);
+        let drainer = Arc::new(Drainer {
+            cq: cq.clone(),
+            decline: AtomicBool::new(false),
+            calls: AtomicUsize::new(0),
+            taken: AtomicUsize::new(0),
+        });
+        let handler: Weak<dyn CompletionHandler> = Arc::downgrade(&drainer) as _;
+        assert!(cq.set_handler(handler.clone()));
+        assert!(!cq.set_handler(handler), "a second handler is refused");
+        (cq, drainer)
+    }
+
+    async fn fired(cq: &SoftCq) -> bool {
+        tokio::time::timeout(Duration::from_millis(20), cq.notified())
+            .await
+            .is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_deferred_completion_goes_to_the_handler_and_fires_nothing() {
+        let (cq, drainer) = with_handler();
+        cq.req_notify().unwrap();
+        assert!(cq.shared.push(wc(1), true), "the first makes the CQ due");
+        assert!(!cq.shared.push(wc(2), true), "already due");
+        cq.shared.dispatch();
+        assert_eq!(drainer.calls.load(Ordering::Relaxed), 1);
+        assert_eq!(drainer.taken.load(Ordering::Relaxed), 2);
+        assert!(!fired(&cq).await);
+        // Still armed: a completion from a verbs call (not deferred) fires.
+        assert!(!cq.shared.push(wc(3), false));
+        assert!(fired(&cq).await);
+        assert_eq!(cq.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_declined_or_orphaned_dispatch_fires_the_armed_notification() {
+        let (cq, drainer) = with_handler();
+        drainer.decline.store(true, Ordering::Relaxed);
+        cq.req_notify().unwrap();
+        assert!(cq.shared.push(wc(1), true));
+        cq.shared.dispatch();
+        assert!(fired(&cq).await, "declined: the waiter is told");
+        assert_eq!(cq.len(), 1, "nothing was taken");
+
+        // The due flag was cleared: the next turn owes a call again.
+        cq.req_notify().unwrap();
+        assert!(cq.shared.push(wc(2), true));
+        drop(drainer);
+        cq.shared.dispatch();
+        assert!(fired(&cq).await, "no handler left: the waiter is told");
+        assert_eq!(cq.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn without_a_handler_a_deferred_push_notifies_as_before() {
+        let cq = SoftCq::new(16);
+        cq.req_notify().unwrap();
+        assert!(
+            !cq.shared.push(wc(1), true),
+            "nothing is owed without a handler"
+        );
+        assert!(fired(&cq).await);
     }
 }

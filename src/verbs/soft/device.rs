@@ -6,6 +6,7 @@
 //!  driver ─ handle_timeout(now) ─────────────► every engine
 //!  driver ◄ poll_transmit(now, buf) ◄──────── engines, round robin
 //!  engines ─ poll_completion ─► CqShared::push (send or recv CQ of that QP)
+//!  in the driver's turn ─► due CQs ─► take_due ─► driver dispatches, unlocked
 //! ```
 //!
 //! Owner: `DeviceShared::core` (one mutex). The UDP driver task or the
@@ -47,6 +48,9 @@ pub struct DeviceStats {
     pub fault_dropped: u64,
     /// Queue pairs ever created on this device.
     pub qps_created: u64,
+    /// Completion handler calls the driver owed after its turns (one per CQ
+    /// a turn added completions to, where a link installed a handler).
+    pub cq_handler_calls: u64,
 }
 
 pub(crate) struct QpEntry {
@@ -76,6 +80,24 @@ pub(crate) struct DeviceCore {
     pub partitioned: bool,
     /// The UDP driver's hand-off with inline sends (unused in simulation).
     pub inline: super::udp::InlineGate,
+    completions: Completions,
+}
+
+/// Where engine completions go: to their CQ, which notifies, or, while the
+/// driver's turn defers them, also onto the list of CQs whose handler the
+/// driver runs after it unlocks.
+#[derive(Default)]
+struct Completions {
+    deferring: bool,
+    due: Vec<Arc<CqShared>>,
+}
+
+impl Completions {
+    fn push(&mut self, cq: &Arc<CqShared>, wc: crate::verbs::WorkCompletion) {
+        if cq.push(wc, self.deferring) {
+            self.due.push(cq.clone());
+        }
+    }
 }
 
 impl DeviceCore {
@@ -93,6 +115,7 @@ impl DeviceCore {
             stats: DeviceStats::default(),
             partitioned: false,
             inline: Default::default(),
+            completions: Completions::default(),
         }
     }
 
@@ -130,6 +153,21 @@ impl DeviceCore {
         self.qps.len()
     }
 
+    /// From now until [`DeviceCore::take_due`], completions for a CQ with a
+    /// handler owe that handler a call instead of notifying (the driver's
+    /// turn; verbs calls never defer).
+    pub fn defer_completions(&mut self) {
+        self.completions.deferring = true;
+    }
+
+    /// Ends deferring and moves the CQs owed a handler call into `out`; the
+    /// caller runs `CqShared::dispatch` on each once it has unlocked.
+    pub fn take_due(&mut self, out: &mut Vec<Arc<CqShared>>) {
+        self.completions.deferring = false;
+        self.stats.cq_handler_calls += self.completions.due.len() as u64;
+        out.append(&mut self.completions.due);
+    }
+
     pub fn destroy_qp(&mut self, qpn: Qpn) {
         self.qps.remove(&qpn);
     }
@@ -138,7 +176,7 @@ impl DeviceCore {
     pub fn with_qp<R>(&mut self, qpn: Qpn, f: impl FnOnce(&mut QpEngine) -> R) -> Option<R> {
         let entry = self.qps.get_mut(&qpn)?;
         let r = f(&mut entry.engine);
-        drain(entry);
+        drain(entry, &mut self.completions);
         Some(r)
     }
 
@@ -185,7 +223,7 @@ impl DeviceCore {
         match Packet::parse(&ctx, bytes) {
             Ok(pkt) => {
                 entry.engine.handle_packet(now, &pkt);
-                drain(entry);
+                drain(entry, &mut self.completions);
             }
             Err(e) => {
                 tracing::trace!(error = %e, "dropping malformed RoCE datagram");
@@ -198,7 +236,7 @@ impl DeviceCore {
         for entry in self.qps.values_mut() {
             if entry.engine.poll_timeout().is_some_and(|t| t <= now) {
                 entry.engine.handle_timeout(now);
-                drain(entry);
+                drain(entry, &mut self.completions);
             }
         }
     }
@@ -237,7 +275,7 @@ impl DeviceCore {
         for _ in 0..self.qps.len() {
             let entry = self.qps.get_mut(&qpn).expect("key taken from the map");
             if let Some(len) = entry.engine.poll_transmit(now, buf) {
-                drain(entry);
+                drain(entry, &mut self.completions);
                 let path = entry.engine.path().expect("a QP that transmits has a path");
                 self.rr_next = Qpn::new(qpn.value() + 1);
                 self.stats.tx_datagrams += 1;
@@ -253,11 +291,11 @@ impl DeviceCore {
     }
 }
 
-fn drain(entry: &mut QpEntry) {
+fn drain(entry: &mut QpEntry, completions: &mut Completions) {
     while let Some((side, wc)) = entry.engine.poll_completion() {
         match side {
-            CqSide::Send => entry.send_cq.push(wc),
-            CqSide::Recv => entry.recv_cq.push(wc),
+            CqSide::Send => completions.push(&entry.send_cq, wc),
+            CqSide::Recv => completions.push(&entry.recv_cq, wc),
         }
     }
 }

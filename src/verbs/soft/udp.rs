@@ -4,6 +4,7 @@
 //! ```text
 //!  loop (biased select):  shutdown ─► exit
 //!                         readable ─► recvmmsg (+GRO) ─► core.handle_datagram × n, one lock
+//!                                     ─► unlocked: CQ handlers (a link takes its batch)
 //!                                     ─► yield: the woken receivers run before the ACKs go
 //!                         kick (a verbs call) / timer deadline ─► fall through
 //!        then: core.handle_timeout(now); backlog + poll_transmit ─► outbox ─► sendmsg (+GSO runs)
@@ -29,6 +30,7 @@ use quinn_udp::{RecvMeta, Transmit as UdpTransmit, UdpSocketState};
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
 
+use super::cq::CqShared;
 use super::device::DeviceCore;
 use super::wire::MAX_OVERHEAD;
 use super::{DeviceShared, Instant, SoftConfig, SoftDevice};
@@ -430,6 +432,8 @@ struct Driver {
     rx: Vec<u8>,
     rx_slot: usize,
     meta: Vec<RecvMeta>,
+    /// CQs owed a handler call, reused across turns.
+    due: Vec<Arc<CqShared>>,
 }
 
 impl Driver {
@@ -446,6 +450,7 @@ impl Driver {
             rx: vec![0; slots * slot],
             rx_slot: slot,
             meta: vec![RecvMeta::default(); slots],
+            due: Vec::new(),
         }
     }
 
@@ -465,6 +470,7 @@ impl Driver {
                 let Some(shared) = dev.upgrade() else { return };
                 let mut core = shared.core();
                 let t = self.now();
+                core.defer_completions();
                 core.handle_timeout(t);
                 self.outbox.clear();
                 // What inline sends could not place goes first.
@@ -484,8 +490,10 @@ impl Driver {
                     deadline = Some(deadline.map_or(tick, |d| d.min(tick)));
                 }
                 core.inline.driver_wakes_at = deadline;
+                core.take_due(&mut self.due);
                 deadline
             };
+            self.dispatch_due();
             let more = self.outbox.len() >= BATCH;
             if !self.outbox.is_empty() {
                 self.send_all().await;
@@ -520,9 +528,9 @@ impl Driver {
                 r = self.port.socket.readable() => match r {
                     Ok(()) => match self.receive_ready(&dev) {
                         None => return,
-                        // What arrived woke the CQ's poller, and through it
-                        // a mux task and a consumer: they run before this
-                        // turn's ACKs are sent (docs/soft-provider.md §
+                        // What arrived went to the links' CQ handlers,
+                        // which woke a mux task (and it a consumer): they
+                        // run before this turn's ACKs are sent (docs/soft-provider.md §
                         // "ACKs after the receivers").
                         // With nothing to send the yield orders nothing,
                         // and it would cost a worker wake-up (§ "A yield
@@ -537,6 +545,15 @@ impl Driver {
                 _ = kick.notified() => {}
                 _ = sleep => {}
             }
+        }
+    }
+
+    /// Runs the handlers of the CQs this turn added completions to, with no
+    /// lock held: the receiving link takes its batch now, not a task hop
+    /// later (docs/soft-provider.md § "Completions handled in the driver's turn").
+    fn dispatch_due(&mut self) {
+        for cq in self.due.drain(..) {
+            cq.dispatch();
         }
     }
 
@@ -581,6 +598,7 @@ impl Driver {
             let shared = dev.upgrade()?;
             let now = self.now();
             let mut core = shared.core();
+            core.defer_completions();
             for (meta, buf) in self.meta[..n].iter().zip(self.rx.chunks(self.rx_slot)) {
                 let from = meta.addr;
                 let src = gid_of(from.ip());
@@ -591,6 +609,9 @@ impl Driver {
                     handled += 1;
                 }
             }
+            core.take_due(&mut self.due);
+            drop(core);
+            self.dispatch_due();
             if n < self.meta.len() {
                 break;
             }
