@@ -101,6 +101,9 @@ pub struct Report {
     pub fds: u64,
     /// Where a record's time went, when [`crate::stages`] were on.
     pub stages: Option<StageMedians>,
+    /// The same for the slowest 1% of records by delivery offset: where
+    /// the tail's time went.
+    pub stages_slowest: Option<StageMedians>,
 }
 
 /// Median offset from the producer's stamp, in microseconds, of each later
@@ -115,6 +118,20 @@ pub fn stage_medians(samples: &[[Option<u64>; STAGES]]) -> StageMedians {
         at.sort_unstable();
         at.get(at.len() / 2).map(|&ns| ns as f64 / 1e3)
     })
+}
+
+/// [`stage_medians`] of the slowest 1% of records by delivery offset (at
+/// least one record).
+pub fn slowest_stage_medians(samples: &[[Option<u64>; STAGES]]) -> StageMedians {
+    let mut delivered: Vec<&[Option<u64>; STAGES]> =
+        samples.iter().filter(|s| s[STAGES - 1].is_some()).collect();
+    delivered.sort_unstable_by_key(|s| s[STAGES - 1]);
+    let keep = (delivered.len() / 100).max(1).min(delivered.len());
+    let slowest: Vec<[Option<u64>; STAGES]> = delivered[delivered.len() - keep..]
+        .iter()
+        .map(|s| **s)
+        .collect();
+    stage_medians(&slowest)
 }
 
 impl Report {
@@ -345,6 +362,7 @@ pub async fn run<L: Link>(
     let (p50, p99) = percentiles(lat);
     let stage_samples = std::mem::take(&mut *stage_samples.lock().await);
     let stages = (!stage_samples.is_empty()).then(|| stage_medians(&stage_samples));
+    let stages_slowest = (!stage_samples.is_empty()).then(|| slowest_stage_medians(&stage_samples));
     let batches = after.batches_sent - before.batches_sent;
     let records = after.records_sent - before.records_sent;
     Report {
@@ -362,6 +380,7 @@ pub async fn run<L: Link>(
         peak_rss: rss,
         fds,
         stages,
+        stages_slowest,
     }
 }
 
@@ -390,6 +409,36 @@ mod tests {
     use super::*;
     use crate::link::mem::{MemConfig, MemFabric};
     use crate::mux::MuxConfig;
+
+    #[test]
+    fn the_slowest_percent_is_the_records_delivered_last() {
+        // 200 records delivered at 10 µs, two at 50 µs whose post took 40.
+        let fast = [
+            None,
+            Some(1_000),
+            Some(2_000),
+            Some(3_000),
+            Some(8_000),
+            Some(10_000),
+        ];
+        let slow = [
+            None,
+            Some(1_000),
+            Some(2_000),
+            Some(42_000),
+            Some(48_000),
+            Some(50_000),
+        ];
+        let mut samples = vec![fast; 200];
+        samples.insert(50, slow);
+        samples.push(slow);
+        let us = |ns: u64| Some(ns as f64 / 1e3);
+        assert_eq!(stage_medians(&samples)[3], us(3_000));
+        let slowest = slowest_stage_medians(&samples);
+        assert_eq!(slowest[3], us(42_000), "the two slow records are the tail");
+        assert_eq!(slowest[5], us(50_000));
+        assert_eq!(slowest_stage_medians(&[]), [None; STAGES]);
+    }
 
     /// Slow consumers whose producers are blocked on credit do not keep the
     /// fast streams of the same peer from finishing; only fast records count.

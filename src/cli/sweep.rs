@@ -180,6 +180,8 @@ pub struct Cell {
     /// each stage (woken, encoded, posted, received, decoding, delivered),
     /// null where the path has no such point.
     pub stages_us: Option<demo::StageMedians>,
+    /// With `--stages`: the same medians over the slowest 1% of records.
+    pub stages_slowest_us: Option<demo::StageMedians>,
 }
 
 impl Cell {
@@ -204,6 +206,7 @@ impl Cell {
             failed_at_streams: None,
             error: None,
             stages_us: r.stages,
+            stages_slowest_us: r.stages_slowest,
         }
     }
 
@@ -228,6 +231,7 @@ impl Cell {
             failed_at_streams: err.downcast_ref::<StreamWall>().map(|w| w.carried),
             error: Some(format!("{err:#}")),
             stages_us: None,
+            stages_slowest_us: None,
         }
     }
 
@@ -382,7 +386,8 @@ async fn measure(round: u32, path: &'static str, shape: Shape, stages: bool) -> 
     cell
 }
 
-/// With `--stages`: where each timed cell's records spent their time.
+/// With `--stages`: where each timed cell's records spent their time, the
+/// median record's and the slowest 1%'s.
 fn print_stages(cells: &[Cell]) {
     let timed: Vec<&Cell> = cells.iter().filter(|c| c.stages_us.is_some()).collect();
     if timed.is_empty() {
@@ -392,22 +397,25 @@ fn print_stages(cells: &[Cell]) {
     println!("median µs from the producer's stamp to each stage (one record in flight):");
     println!(
         "{:<15} {:<12} {:>8} {:>8} {:>8} {:>9} {:>9} {:>10}",
-        "path", "mode", "woken", "encoded", "posted", "received", "decoding", "delivered"
+        "path", "records", "woken", "encoded", "posted", "received", "decoding", "delivered"
     );
+    let col = |v: Option<f64>| v.map_or_else(|| "–".to_string(), |v| format!("{v:.1}"));
     for c in timed {
-        let at = c.stages_us.unwrap_or_default();
-        let col = |v: Option<f64>| v.map_or_else(|| "–".to_string(), |v| format!("{v:.1}"));
-        println!(
-            "{:<15} {:<12} {:>8} {:>8} {:>8} {:>9} {:>9} {:>10}",
-            c.path,
-            c.mode,
-            col(at[0]),
-            col(at[1]),
-            col(at[2]),
-            col(at[3]),
-            col(at[4]),
-            col(at[5])
-        );
+        let rows = [("all", c.stages_us), ("slowest 1%", c.stages_slowest_us)];
+        for (which, at) in rows {
+            let Some(at) = at else { continue };
+            println!(
+                "{:<15} {:<12} {:>8} {:>8} {:>8} {:>9} {:>9} {:>10}",
+                c.path,
+                which,
+                col(at[0]),
+                col(at[1]),
+                col(at[2]),
+                col(at[3]),
+                col(at[4]),
+                col(at[5])
+            );
+        }
     }
 }
 
@@ -1041,6 +1049,7 @@ mod tests {
             peak_rss: 0,
             fds: 3,
             stages: None,
+            stages_slowest: None,
         };
         Cell::new(round, path, shape("grid", x, 1), &report)
     }

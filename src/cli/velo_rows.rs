@@ -250,6 +250,7 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
         fds,
         // velo's internals carry no stage marks.
         stages: None,
+        stages_slowest: None,
     })
 }
 
