@@ -11,7 +11,7 @@
 //! is bounded by the number of slots (docs/design.md § "Control is coalesced state").
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
@@ -66,6 +66,9 @@ pub(crate) struct PeerControl {
     pub wake: Notify,
     /// Producers waiting for the peer byte budget.
     budget_space: Notify,
+    /// How many producers are in the wait for `budget_space`: a release with
+    /// none skips `notify_waiters` and its waiter-list lock.
+    budget_waiters: AtomicUsize,
     queued: AtomicUsize,
     peer_budget: usize,
     pub counters: Arc<Counters>,
@@ -96,6 +99,7 @@ impl PeerControl {
             state: Mutex::new(ControlState::default()),
             wake: Notify::new(),
             budget_space: Notify::new(),
+            budget_waiters: AtomicUsize::new(0),
             queued: AtomicUsize::new(0),
             peer_budget,
             counters,
@@ -143,12 +147,36 @@ impl PeerControl {
         self.counters
             .withheld_bytes
             .fetch_sub(bytes as u64, Ordering::Relaxed);
-        self.budget_space.notify_waiters();
+        // Pairs with the fence in `BudgetWait::new`: either this load sees
+        // the waiter, or the waiter's re-check sees the bytes released.
+        fence(Ordering::SeqCst);
+        if self.budget_waiters.load(Ordering::Relaxed) > 0 {
+            self.budget_space.notify_waiters();
+        }
     }
 
     pub fn request_flush(&self) {
         self.state().flush_requested = true;
         self.wake.notify_one();
+    }
+}
+
+/// Counts a producer in the wait for peer budget while it lives, so a
+/// release notifies only when someone waits.
+struct BudgetWait<'a>(&'a PeerControl);
+
+impl<'a> BudgetWait<'a> {
+    /// Counted before the caller registers its waiter and re-checks.
+    fn new(control: &'a PeerControl) -> BudgetWait<'a> {
+        control.budget_waiters.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        BudgetWait(control)
+    }
+}
+
+impl Drop for BudgetWait<'_> {
+    fn drop(&mut self) {
+        self.0.budget_waiters.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -169,6 +197,8 @@ pub(crate) struct InletState {
     queued: usize,
     terminal: Option<CloseReason>,
     closed: Option<SendError>,
+    /// The producer waits for room: the next pop notifies `space`.
+    producer_waiting: bool,
     dirty: bool,
     adopted: bool,
     /// The slot no longer counts toward the peer's slot limit.
@@ -239,17 +269,19 @@ impl Inlet {
         let mut data = Some(data);
         // With room, as almost always, no waiter is registered: that is four
         // waiter-list lock round trips per record saved.
-        if self.try_push(&mut data)? {
+        if self.try_push(&mut data, false)? {
             return Ok(());
         }
+        let _counted = BudgetWait::new(&self.control);
         loop {
             let slot_space = self.space.notified();
             let peer_space = self.control.budget_space.notified();
             tokio::pin!(slot_space, peer_space);
             slot_space.as_mut().enable();
             peer_space.as_mut().enable();
-            // Registered before this check, so room freed after it wakes us.
-            if self.try_push(&mut data)? {
+            // Registered (and counted, and flagged below) before this check,
+            // so room freed after it wakes us.
+            if self.try_push(&mut data, true)? {
                 return Ok(());
             }
             tokio::select! {
@@ -260,8 +292,9 @@ impl Inlet {
     }
 
     /// Queues the record in `data` (taking it) if the slot's and the peer's
-    /// budgets have room; false, with `data` untouched, if not.
-    fn try_push(self: &Arc<Self>, data: &mut Option<Bytes>) -> Result<bool, SendError> {
+    /// budgets have room; false, with `data` untouched, if not, and then a
+    /// producer about to `wait` has the next pop notify it.
+    fn try_push(self: &Arc<Self>, data: &mut Option<Bytes>, wait: bool) -> Result<bool, SendError> {
         let len = data.as_ref().map_or(0, Bytes::len);
         let mut state = lock(&self.state);
         if let Some(err) = state.closed {
@@ -271,6 +304,7 @@ impl Inlet {
         let peer_queued = self.control.queued.load(Ordering::Acquire);
         let peer_ok = peer_queued == 0 || peer_queued + len <= self.control.peer_budget;
         if !(slot_ok && peer_ok) {
+            state.producer_waiting |= wait;
             return Ok(false);
         }
         let Some(record) = data.take() else {
@@ -327,9 +361,12 @@ impl Inlet {
         }
         let data = state.queue.pop_front().expect("queue is not empty");
         state.queued -= data.len();
+        let producer_waiting = std::mem::take(&mut state.producer_waiting);
         drop(state);
         self.control.release_budget(data.len());
-        self.space.notify_waiters();
+        if producer_waiting {
+            self.space.notify_waiters();
+        }
         Pop::Record(data)
     }
 
@@ -553,6 +590,8 @@ struct RxState {
     drained: u64,
     feeder: Option<Arc<PeerControl>>,
     dirty: bool,
+    /// The receiver found nothing and waits: the next push notifies `ready`.
+    receiver_waiting: bool,
 }
 
 /// What the peer task learns when it visits a dirty `RxSlot`.
@@ -588,8 +627,11 @@ impl RxSlot {
             return true;
         }
         state.frames.push_back((frame, credit));
+        let receiver_waiting = std::mem::take(&mut state.receiver_waiting);
         drop(state);
-        self.ready.notify_waiters();
+        if receiver_waiting {
+            self.ready.notify_waiters();
+        }
         true
     }
 
@@ -665,9 +707,10 @@ impl SlotReceiver {
         loop {
             let ready = rx.ready.notified();
             tokio::pin!(ready);
-            // Registered before the re-check: a frame pushed after it wakes us.
+            // Registered (and flagged, on a miss) before the re-check: a
+            // frame pushed after it wakes us.
             ready.as_mut().enable();
-            match self.try_recv() {
+            match self.take_frame(true) {
                 Ok(frame) => return Some(frame),
                 Err(RecvError::Ended) => return None,
                 Err(RecvError::Empty) => {}
@@ -678,16 +721,22 @@ impl SlotReceiver {
 
     /// The next frame if one is buffered.
     pub fn try_recv(&mut self) -> Result<Frame, RecvError> {
+        self.take_frame(false)
+    }
+
+    /// [`SlotReceiver::try_recv`]; on a miss, a receiver about to `wait` has
+    /// the next push notify it.
+    fn take_frame(&mut self, wait: bool) -> Result<Frame, RecvError> {
         if self.done {
             return Err(RecvError::Ended);
         }
         let mut state = lock(&self.rx.state);
         let Some((frame, credit)) = state.frames.pop_front() else {
-            return Err(if state.ended {
-                RecvError::Ended
-            } else {
-                RecvError::Empty
-            });
+            if state.ended {
+                return Err(RecvError::Ended);
+            }
+            state.receiver_waiting |= wait;
+            return Err(RecvError::Empty);
         };
         if credit > 0 {
             state.drained += credit;
@@ -719,5 +768,101 @@ impl Drop for SlotReceiver {
         if !feeding {
             self.registry.remove(&self.rx);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    const WAIT: Duration = Duration::from_secs(5);
+
+    fn control(peer_budget: usize) -> Arc<PeerControl> {
+        Arc::new(PeerControl::new(
+            PeerId(2),
+            peer_budget,
+            Arc::new(Counters::default()),
+        ))
+    }
+
+    fn inlet(control: &Arc<PeerControl>, slot: u64, slot_budget: usize) -> Arc<Inlet> {
+        let inlet = Inlet::new(StreamKey::new(1, slot), control.clone(), slot_budget, 1024);
+        assert!(inlet.announce());
+        inlet
+    }
+
+    fn record(len: usize) -> Bytes {
+        Bytes::from(vec![7; len])
+    }
+
+    /// Whether `fut` is still waiting after the runtime has run everything
+    /// else it can.
+    async fn still_waiting<T>(fut: &mut tokio::task::JoinHandle<T>) -> bool {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        !fut.is_finished()
+    }
+
+    #[tokio::test]
+    async fn a_producer_blocked_on_its_slot_budget_wakes_when_a_record_leaves() {
+        let control = control(1 << 20);
+        let slot = inlet(&control, 1, 100);
+        slot.push(record(60)).await.unwrap();
+        let blocked = slot.clone();
+        let mut second = tokio::spawn(async move { blocked.push(record(60)).await });
+        assert!(still_waiting(&mut second).await, "60 + 60 > 100");
+        assert!(matches!(slot.pop(true), Pop::Record(r) if r.len() == 60));
+        tokio::time::timeout(WAIT, second)
+            .await
+            .expect("woken by the pop")
+            .unwrap()
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_producer_blocked_on_the_peer_budget_wakes_when_another_slot_drains() {
+        let control = control(100);
+        let (full, other) = (inlet(&control, 1, 1000), inlet(&control, 2, 1000));
+        full.push(record(80)).await.unwrap();
+        let blocked = other.clone();
+        let mut send = tokio::spawn(async move { blocked.push(record(80)).await });
+        assert!(still_waiting(&mut send).await, "the peer holds 80 of 100");
+        assert_eq!(control.budget_waiters.load(Ordering::Relaxed), 1);
+        // A release from a different slot than the one waiting.
+        assert!(matches!(full.pop(true), Pop::Record(_)));
+        tokio::time::timeout(WAIT, send)
+            .await
+            .expect("woken by the other slot's pop")
+            .unwrap()
+            .unwrap();
+        assert_eq!(control.budget_waiters.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test]
+    async fn a_waiting_receiver_is_woken_by_the_next_frame_and_only_then_flagged() {
+        let registry = Registry::new(64 * 1024, 16);
+        let key = StreamKey::new(1, 1);
+        let mut receiver = registry.bind(key).unwrap();
+        let control = control(1 << 20);
+        let OpenOutcome::Attached(rx) = registry.open(key, &control) else {
+            panic!("the binding takes the peer's open");
+        };
+        // A frame already there: no wait, no flag.
+        assert!(rx.push(Frame::Data(record(4)), 4));
+        assert!(matches!(receiver.recv().await, Some(Frame::Data(_))));
+        assert!(!lock(&rx.state).receiver_waiting);
+        let mut next = tokio::spawn(async move { receiver.recv().await });
+        assert!(still_waiting(&mut next).await);
+        assert!(lock(&rx.state).receiver_waiting);
+        assert!(rx.push(Frame::Data(record(4)), 4));
+        assert!(!lock(&rx.state).receiver_waiting, "the push took the flag");
+        let frame = tokio::time::timeout(WAIT, next)
+            .await
+            .expect("woken")
+            .unwrap();
+        assert!(matches!(frame, Some(Frame::Data(_))));
     }
 }
