@@ -19,7 +19,7 @@ use thiserror::Error;
 use tokio::sync::Notify;
 
 use super::protocol::CloseReason;
-use super::stats::Counters;
+use super::stats::{Counters, Padded};
 use super::surface::{DropReason, Frame, MuxError, PeerId, StreamKey, Terminal};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -69,7 +69,8 @@ pub(crate) struct PeerControl {
     /// How many producers are in the wait for `budget_space`: a release with
     /// none skips `notify_waiters` and its waiter-list lock.
     budget_waiters: AtomicUsize,
-    queued: AtomicUsize,
+    /// Bytes queued to this peer: every producer writes it per record.
+    queued: Padded<AtomicUsize>,
     peer_budget: usize,
     pub counters: Arc<Counters>,
     next_ping: AtomicU64,
@@ -100,7 +101,7 @@ impl PeerControl {
             wake: Notify::new(),
             budget_space: Notify::new(),
             budget_waiters: AtomicUsize::new(0),
-            queued: AtomicUsize::new(0),
+            queued: Padded(AtomicUsize::new(0)),
             peer_budget,
             counters,
             next_ping: AtomicU64::new(1),
@@ -139,7 +140,9 @@ impl PeerControl {
         lock(&self.state)
     }
 
-    fn release_budget(&self, bytes: usize) {
+    /// Hands `bytes` back to the peer budget (the peer task calls it once
+    /// per batch for the records it popped) and wakes waiting producers.
+    pub fn release_budget(&self, bytes: usize) {
         if bytes == 0 {
             return;
         }
@@ -347,7 +350,9 @@ impl Inlet {
     }
 
     /// Pops the next item. A record only if `credit` allows one; the terminal
-    /// only once every record before it is gone.
+    /// only once every record before it is gone. A record's bytes leave the
+    /// slot's budget here and the peer's when the caller releases them
+    /// ([`PeerControl::release_budget`]).
     pub fn pop(&self, credit: bool) -> Pop {
         let mut state = lock(&self.state);
         if state.queue.is_empty() {
@@ -363,7 +368,6 @@ impl Inlet {
         state.queued -= data.len();
         let producer_waiting = std::mem::take(&mut state.producer_waiting);
         drop(state);
-        self.control.release_budget(data.len());
         if producer_waiting {
             self.space.notify_waiters();
         }
@@ -832,7 +836,11 @@ mod tests {
         assert!(still_waiting(&mut send).await, "the peer holds 80 of 100");
         assert_eq!(control.budget_waiters.load(Ordering::Relaxed), 1);
         // A release from a different slot than the one waiting.
-        assert!(matches!(full.pop(true), Pop::Record(_)));
+        let Pop::Record(popped) = full.pop(true) else {
+            panic!("a record is queued");
+        };
+        assert!(still_waiting(&mut send).await, "popped, not yet released");
+        control.release_budget(popped.len());
         tokio::time::timeout(WAIT, send)
             .await
             .expect("woken by the other slot's pop")

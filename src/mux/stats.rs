@@ -141,6 +141,20 @@ impl Stats {
     }
 }
 
+/// A value alone on its cache lines (two: x86's adjacent-line prefetch
+/// pairs them), for an atomic that producers write per record while other
+/// threads write its neighbours.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub(crate) struct Padded<T>(pub T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub batches_sent: AtomicU64,
@@ -150,7 +164,9 @@ pub(crate) struct Counters {
     pub records_received: AtomicU64,
     pub credit_stalls: AtomicU64,
     pub credit_updates_sent: AtomicU64,
-    pub withheld_bytes: AtomicU64,
+    /// Written by every producer per record: kept off the lines the peer
+    /// tasks write.
+    pub withheld_bytes: Padded<AtomicU64>,
     pub epoch_deaths: AtomicU64,
     pub slots_dropped: AtomicU64,
     pub slots_carried: AtomicU64,

@@ -134,6 +134,12 @@ pub(crate) struct PeerCore {
 
     batch_seq_out: u32,
     batch_seq_in: u32,
+    /// Record bytes popped from inlets in this `poll_batch`, handed back to
+    /// the peer budget once at its end: one write per batch to the counter
+    /// every producer writes per record.
+    popped_bytes: usize,
+    /// Data bytes encoded in this `poll_batch`, counted once at its end.
+    encoded_bytes: u64,
     goodbye_received: bool,
     flush_requested: bool,
     control_since: Option<Instant>,
@@ -183,6 +189,8 @@ impl PeerCore {
             sink: None,
             batch_seq_out: 0,
             batch_seq_in: 0,
+            popped_bytes: 0,
+            encoded_bytes: 0,
             goodbye_received: false,
             flush_requested: false,
             control_since: None,
@@ -361,6 +369,17 @@ impl PeerCore {
 
     /// Encodes the next batch into `buf`; returns its length, 0 if nothing to send.
     pub fn poll_batch(&mut self, buf: &mut [u8], now: Instant) -> usize {
+        let len = self.encode_batch(buf, now);
+        self.control
+            .release_budget(std::mem::take(&mut self.popped_bytes));
+        Counters::add(
+            &self.counters.data_bytes_sent,
+            std::mem::take(&mut self.encoded_bytes),
+        );
+        len
+    }
+
+    fn encode_batch(&mut self, buf: &mut [u8], now: Instant) -> usize {
         let include_data = match self.config.flush {
             FlushPolicy::Auto => true,
             FlushPolicy::AutoLinger { max_linger } => {
@@ -678,7 +697,9 @@ impl PeerCore {
     }
 
     fn fill_slot(&mut self, index: u32, enc: &mut BatchEncoder<'_>) -> Fill {
-        let counters = self.counters.clone();
+        let counters = &self.counters;
+        let popped_bytes = &mut self.popped_bytes;
+        let encoded_bytes = &mut self.encoded_bytes;
         let Some(slot) = self.table[index as usize].slot.as_mut() else {
             return Fill::Idle;
         };
@@ -702,7 +723,7 @@ impl PeerCore {
                 slot.credit -= n as i64;
                 slot.sent_since_tick = true;
                 slot.heartbeat_owed = false;
-                Counters::add(&counters.data_bytes_sent, n as u64);
+                *encoded_bytes += n as u64;
                 if more {
                     slot.partial = Some(rest.slice(n..));
                     slot.partial_started = true;
@@ -722,6 +743,7 @@ impl PeerCore {
                 // Credit gates the start of a record; its fragments then flow
                 // (docs/design.md § "Credit gates the start of a record").
                 Pop::Record(data) => {
+                    *popped_bytes += data.len();
                     if let Some(unposted) = slot.unposted.as_mut() {
                         unposted.records.push(data.clone());
                     }
