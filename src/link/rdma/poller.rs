@@ -68,6 +68,11 @@ impl<D: Device + 'static> Shared<D> {
         st.ended.is_some() && st.recv_posted == 0
     }
 
+    /// [`Shared::poll_once`] under the `polling` lock (the poller's way in).
+    fn poll_locked(&self) -> Polled {
+        self.poll_once(&mut self.polling.lock().expect("poll buffer poisoned"))
+    }
+
     fn poll_once(&self, buf: &mut PollBuf) -> Polled {
         let wcs = &mut buf.0;
         match self.cq.poll(wcs) {
@@ -234,12 +239,6 @@ impl<D: Device + 'static> Shared<D> {
                 tracing::debug!(%err, "resetting the dead QP failed; chunks wait for its destruction")
             }
         }
-    }
-}
-
-impl<D: Device + 'static> Shared<D> {
-    fn poll_locked(&self) -> Polled {
-        self.poll_once(&mut self.polling.lock().expect("poll buffer poisoned"))
     }
 }
 
