@@ -20,6 +20,8 @@ mod sweep;
 #[cfg(feature = "velo")]
 mod velo_rows;
 
+use std::time::Duration;
+
 use clap::{Parser, Subcommand};
 
 use crate::link::rdma::{RdmaNodeConfig, RdmaTransport};
@@ -29,12 +31,17 @@ use crate::verbs::soft::udp::UdpConfig;
 
 /// An RDMA node on a fresh soft device, both bound on 127.0.0.1.
 async fn rdma_node(id: u64) -> anyhow::Result<RdmaTransport<SoftDevice>> {
-    rdma_node_with(id, MuxConfig::default()).await
+    rdma_node_with(id, MuxConfig::default(), Duration::ZERO).await
 }
 
-/// As [`rdma_node`], its mux configured by `mux`.
-async fn rdma_node_with(id: u64, mux: MuxConfig) -> anyhow::Result<RdmaTransport<SoftDevice>> {
-    rdma_node_at(id, "127.0.0.1:0".parse().expect("literal"), mux).await
+/// As [`rdma_node`], its mux configured by `mux`, its device holding ACKs
+/// up to `ack_delay` ([`crate::verbs::soft::SoftConfig::ack_delay`]).
+async fn rdma_node_with(
+    id: u64,
+    mux: MuxConfig,
+    ack_delay: Duration,
+) -> anyhow::Result<RdmaTransport<SoftDevice>> {
+    rdma_node_at(id, "127.0.0.1:0".parse().expect("literal"), mux, ack_delay).await
 }
 
 /// An RDMA node whose bootstrap listener binds `bind` (its soft device binds
@@ -43,12 +50,14 @@ async fn rdma_node_at(
     id: u64,
     bind: std::net::SocketAddr,
     mux: MuxConfig,
+    ack_delay: Duration,
 ) -> anyhow::Result<RdmaTransport<SoftDevice>> {
-    let device = SoftDevice::open_udp(UdpConfig {
+    let mut config = UdpConfig {
         bind: std::net::SocketAddr::new(bind.ip(), 0),
         ..UdpConfig::default()
-    })
-    .await?;
+    };
+    config.soft.ack_delay = ack_delay;
+    let device = SoftDevice::open_udp(config).await?;
     let config = RdmaNodeConfig {
         bind,
         mux,

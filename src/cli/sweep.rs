@@ -60,6 +60,11 @@ pub struct SweepArgs {
     /// preempt their waker").
     #[arg(long, value_enum)]
     pub sched: Option<SchedPolicy>,
+    /// The soft provider's ACK coalescing delay on every qpmux-rdma node,
+    /// microseconds (docs/soft-provider.md § "ACKs held across turns"; 0, the
+    /// default, ACKs every A-bit packet at once, as rxe does).
+    #[arg(long, default_value_t = 0)]
+    pub soft_ack_delay_us: u64,
     /// Skip the V6 criteria cells.
     #[arg(long)]
     pub no_criteria: bool,
@@ -282,6 +287,8 @@ pub struct Environment {
     pub record_size: usize,
     /// Times every cell was measured (`--rounds`).
     pub rounds: u32,
+    /// The soft provider's ACK coalescing delay, µs (`--soft-ack-delay-us`).
+    pub soft_ack_delay_us: u64,
 }
 
 #[derive(Serialize)]
@@ -311,12 +318,12 @@ fn sender_mux(workload: &Workload) -> MuxConfig {
     config
 }
 
-async fn rdma_cell(y: u64, workload: Workload) -> anyhow::Result<Report> {
+async fn rdma_cell(y: u64, workload: Workload, ack_delay: Duration) -> anyhow::Result<Report> {
     // Each node: its own soft device (one NIC) and bootstrap listener.
-    let sender = super::rdma_node_with(0, sender_mux(&workload)).await?;
+    let sender = super::rdma_node_with(0, sender_mux(&workload), ack_delay).await?;
     let mut receivers = Vec::new();
     for peer in 0..y {
-        let node = super::rdma_node(peer + 1).await?;
+        let node = super::rdma_node_with(peer + 1, MuxConfig::default(), ack_delay).await?;
         let id = sender.register(&node.address())?;
         node.register(&sender.address())?;
         receivers.push((node, id));
@@ -359,10 +366,16 @@ async fn tcp_cell(y: u64, workload: Workload) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-async fn measure(round: u32, path: &'static str, shape: Shape, stages: bool) -> Cell {
+async fn measure(
+    round: u32,
+    path: &'static str,
+    shape: Shape,
+    stages: bool,
+    ack_delay: Duration,
+) -> Cell {
     crate::stages::set_enabled(stages && shape.mode == LATENCY);
     let result = match path {
-        "qpmux-rdma" => rdma_cell(shape.y, shape.workload).await,
+        "qpmux-rdma" => rdma_cell(shape.y, shape.workload, ack_delay).await,
         "qpmux-tcp" => tcp_cell(shape.y, shape.workload).await,
         #[cfg(feature = "velo")]
         VELO_MUX => {
@@ -570,6 +583,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         grid_pace_ms: args.pace_ms,
         record_size: args.record_size.max(16),
         rounds: args.rounds,
+        soft_ack_delay_us: args.soft_ack_delay_us,
     };
     let (xs, ys): (&[u64], &[u64]) = if args.quick {
         (&[1, 64, 1024], &[1, 8])
@@ -630,6 +644,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
     );
     bar.enable_steady_tick(Duration::from_millis(200));
     let mut cells = Vec::new();
+    let ack_delay = Duration::from_micros(args.soft_ack_delay_us);
     for round in 0..args.rounds {
         for &(path, shape) in &grid {
             bar.set_message(format!(
@@ -639,7 +654,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
                 shape.x,
                 shape.y
             ));
-            cells.push(measure(round, path, shape, args.stages).await);
+            cells.push(measure(round, path, shape, args.stages, ack_delay).await);
             bar.inc(1);
         }
     }

@@ -71,6 +71,8 @@ pub(crate) struct DeviceCore {
     pub gid: Gid,
     pub udp_port: u16,
     pub active_mtu: Mtu,
+    /// Each new QP's ACK coalescing delay ([`super::SoftConfig::ack_delay`]).
+    pub ack_delay: std::time::Duration,
     rng: SmallRng,
     next_qpn: u32,
     qps: BTreeMap<Qpn, QpEntry>,
@@ -108,6 +110,7 @@ impl DeviceCore {
             gid,
             udp_port,
             active_mtu,
+            ack_delay: std::time::Duration::ZERO,
             rng,
             next_qpn,
             qps: BTreeMap::new(),
@@ -137,7 +140,7 @@ impl DeviceCore {
             }
         };
         self.stats.qps_created += 1;
-        let engine = QpEngine::new(qpn, caps, self.rng.random());
+        let engine = QpEngine::new(qpn, caps, self.rng.random(), self.ack_delay);
         self.qps.insert(
             qpn,
             QpEntry {

@@ -4,7 +4,7 @@
 //!  post_send/post_recv ─► SQ/RQ ─► poll_transmit(now) ─► packets (SEND*, then ACK/NAK)
 //!  handle_packet(now, pkt): SEND* ─► responder (in order, dup re-ACK, one NAK, RNR, LEN)
 //!                           ACK/NAK ─► requester/completer (go-back-N, retry, RNR wait)
-//!  handle_timeout(now) ─► Timer::{AckTimeout, RnrRetry};  poll_timeout() = next deadline
+//!  handle_timeout(now) ─► Timer::{AckTimeout, RnrRetry, AckCoalesce};  poll_timeout() = next deadline
 //!  poll_completion() ─► (CqSide, WorkCompletion), FIFO per queue
 //! ```
 //!
@@ -39,6 +39,12 @@ pub(crate) const MAX_OUTSTANDING_PSNS: u32 = (1 << 23) - 1;
 pub(crate) const ACK_REQ_EVERY: u32 = 64;
 /// Responses (ACK/NAK) the responder queues; older ACKs are superseded.
 const MAX_PENDING_RESPONSES: usize = 16;
+/// A coalesced ACK goes at once when it covers this many PSNs: a quarter of
+/// the requester's window, so a stream never stalls on a held ACK.
+pub(crate) const ACK_COALESCE_PSNS: u32 = MAX_UNACKED / 4;
+/// A held ACK waits at most this share of the QP's own local ACK timeout,
+/// so a peer configured like it never times out on one.
+const ACK_HOLD_SHARE_OF_TIMEOUT: u32 = 4;
 
 /// Which CQ a completion goes to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,12 +60,14 @@ pub(crate) enum Timer {
     AckTimeout = 0,
     /// End of an RNR wait: resend from the NAKed PSN.
     RnrRetry = 1,
+    /// A coalesced ACK is held until then (responder).
+    AckCoalesce = 2,
 }
 
-const TIMERS: [Timer; 2] = [Timer::AckTimeout, Timer::RnrRetry];
+const TIMERS: [Timer; 3] = [Timer::AckTimeout, Timer::RnrRetry, Timer::AckCoalesce];
 
 #[derive(Debug, Default)]
-struct TimerTable([Option<Instant>; 2]);
+struct TimerTable([Option<Instant>; 3]);
 
 impl TimerTable {
     fn set(&mut self, t: Timer, at: Instant) {
@@ -232,6 +240,8 @@ pub(crate) struct QpEngine {
     state: QpState,
     caps: QpCaps,
     rng: SmallRng,
+    /// How long the responder may hold a plain ACK to cover later packets.
+    ack_delay: Duration,
     path: Option<Path>,
     rts: Option<RtsAttr>,
     min_rnr_timer: u8,
@@ -260,15 +270,20 @@ pub(crate) struct QpEngine {
     in_message: bool,
     msg_offset: usize,
     responses: VecDeque<Response>,
+    /// In-order PSNs accepted since the last ACK went on the wire.
+    psns_since_ack: u32,
 }
 
 impl QpEngine {
-    pub fn new(qpn: Qpn, caps: QpCaps, seed: u64) -> QpEngine {
+    /// `ack_delay`: how long a plain ACK may wait to cover later packets
+    /// (zero: every A-bit packet is answered in the turn that took it).
+    pub fn new(qpn: Qpn, caps: QpCaps, seed: u64, ack_delay: Duration) -> QpEngine {
         QpEngine {
             qpn,
             state: QpState::Reset,
             caps,
             rng: SmallRng::seed_from_u64(seed),
+            ack_delay,
             path: None,
             rts: None,
             min_rnr_timer: 0,
@@ -293,6 +308,7 @@ impl QpEngine {
             in_message: false,
             msg_offset: 0,
             responses: VecDeque::new(),
+            psns_since_ack: 0,
         }
     }
 
@@ -370,7 +386,7 @@ impl QpEngine {
 
     /// Move to RESET: discard WRs without completions.
     pub fn modify_to_reset(&mut self) {
-        let fresh = QpEngine::new(self.qpn, self.caps, self.rng.random());
+        let fresh = QpEngine::new(self.qpn, self.caps, self.rng.random(), self.ack_delay);
         let counters = self.counters;
         let completions = std::mem::take(&mut self.completions);
         *self = fresh;
@@ -450,7 +466,7 @@ impl QpEngine {
     /// Whether [`poll_transmit`](Self::poll_transmit) would emit a packet now.
     pub fn wants_transmit(&self) -> bool {
         self.path.is_some()
-            && (!self.responses.is_empty()
+            && (self.response_ready()
                 || self.state == QpState::Rts
                     && !self.rnr_waiting
                     && self.next_psn != self.alloc_psn
@@ -462,8 +478,14 @@ impl QpEngine {
     /// bytes); returns its length. Responses go before new requests.
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize> {
         let path = self.path?;
-        // In ERR only the NAK that caused it is left to send.
-        if let Some(r) = self.responses.pop_front() {
+        // In ERR only the NAK that caused it is left to send. A held ACK
+        // lets requests pass it.
+        if self.response_ready()
+            && let Some(r) = self.responses.pop_front()
+        {
+            if let AethKind::Ack { .. } = r.aeth.kind {
+                self.psns_since_ack = 0;
+            }
             let repr = PacketRepr {
                 bth: BthRepr {
                     opcode: Opcode::Ack,
@@ -555,6 +577,8 @@ impl QpEngine {
                     self.rnr_waiting = false;
                     self.rewind();
                 }
+                // Stopped above: the held ACK is ready.
+                Timer::AckCoalesce => {}
             }
         }
     }
@@ -590,7 +614,7 @@ impl QpEngine {
         }
         match pkt.repr.aeth {
             Some(aeth) => self.on_response(now, pkt.repr.bth.psn, aeth),
-            None => self.on_request(pkt),
+            None => self.on_request(now, pkt),
         }
     }
 
@@ -714,7 +738,45 @@ impl QpEngine {
 
     // ---- responder --------------------------------------------------------
 
+    /// Whether the front response may go now: a NAK always, a plain ACK
+    /// once it is no longer held.
+    fn response_ready(&self) -> bool {
+        match self.responses.front() {
+            None => false,
+            Some(r) => {
+                !matches!(r.aeth.kind, AethKind::Ack { .. })
+                    || self.timers.get(Timer::AckCoalesce).is_none()
+            }
+        }
+    }
+
+    /// ACKs every PSN through `psn`. Unless `now_due`, the ACK may be held
+    /// up to the coalescing delay to cover what arrives meanwhile (the
+    /// spec lets one ACK answer many requests); it goes at once when it
+    /// covers [`ACK_COALESCE_PSNS`].
+    fn respond_ack(&mut self, now: Instant, psn: Psn, now_due: bool) {
+        self.respond(psn, AethKind::Ack { credit: 0x1f });
+        let hold = self.ack_hold();
+        if now_due || hold.is_zero() || self.psns_since_ack >= ACK_COALESCE_PSNS {
+            self.timers.stop(Timer::AckCoalesce);
+        } else if self.timers.get(Timer::AckCoalesce).is_none() {
+            self.timers.set(Timer::AckCoalesce, now + hold);
+        }
+    }
+
+    /// The coalescing delay, at most a share of this QP's local ACK timeout.
+    fn ack_hold(&self) -> Duration {
+        match self.rts.and_then(|r| r.ack_timeout()) {
+            Some(t) => self.ack_delay.min(t / ACK_HOLD_SHARE_OF_TIMEOUT),
+            None => self.ack_delay,
+        }
+    }
+
+    /// Queues an ACK or NAK. A NAK releases a held ACK ahead of it.
     fn respond(&mut self, psn: Psn, kind: AethKind) {
+        if !matches!(kind, AethKind::Ack { .. }) {
+            self.timers.stop(Timer::AckCoalesce);
+        }
         // An ACK covers every PSN before it, so a newer one replaces a plain
         // ACK at the tail of the queue: a burst handled in one driver turn
         // costs one ACK on the wire (NAKs keep their place and order).
@@ -753,13 +815,14 @@ impl QpEngine {
         });
     }
 
-    fn on_request(&mut self, pkt: &Packet<'_>) {
+    fn on_request(&mut self, now: Instant, pkt: &Packet<'_>) {
         let bth = pkt.repr.bth;
         let d = bth.psn.diff(self.epsn);
         if d < 0 {
             self.counters.duplicates_received += 1;
+            // A resend means the requester is waiting: answer now.
             if bth.ack_req {
-                self.respond(self.epsn.sub(1), AethKind::Ack { credit: 0x1f });
+                self.respond_ack(now, self.epsn.sub(1), true);
             }
             return;
         }
@@ -818,6 +881,7 @@ impl QpEngine {
         scatter(&recv.segs, self.msg_offset, pkt.payload);
         self.msg_offset += len;
         self.epsn = self.epsn.add(1);
+        self.psns_since_ack = self.psns_since_ack.saturating_add(1);
         self.in_message = !op.ends_message();
         if op.ends_message() {
             self.msn = self.msn.wrapping_add(1);
@@ -833,7 +897,7 @@ impl QpEngine {
             self.completions.push_back((CqSide::Recv, wc));
         }
         if bth.ack_req {
-            self.respond(bth.psn, AethKind::Ack { credit: 0x1f });
+            self.respond_ack(now, bth.psn, false);
         }
     }
 

@@ -35,14 +35,18 @@ fn ctx(from: u8, to: u8) -> IcrcContext {
 
 impl Pair {
     fn new(rts: RtsAttr, min_rnr_timer: u8) -> Pair {
+        Pair::with_ack_delay(rts, min_rnr_timer, Duration::ZERO)
+    }
+
+    fn with_ack_delay(rts: RtsAttr, min_rnr_timer: u8, ack_delay: Duration) -> Pair {
         let caps = QpCaps {
             max_send_wr: 64,
             max_recv_wr: 64,
             max_sge: 4,
             max_inline_data: 64,
         };
-        let mut a = QpEngine::new(Qpn::new(0x100), caps, 1);
-        let mut b = QpEngine::new(Qpn::new(0x200), caps, 2);
+        let mut a = QpEngine::new(Qpn::new(0x100), caps, 1, ack_delay);
+        let mut b = QpEngine::new(Qpn::new(0x200), caps, 2, ack_delay);
         let (psn_a, psn_b) = (Psn::new(0xff_fff0), Psn::new(77));
         for (qp, peer, me, other, psn_in, psn_out) in [
             (&mut a, Qpn::new(0x200), 1, 2, psn_b, psn_a),
@@ -301,6 +305,133 @@ fn acks_coalesce_between_transmits_but_never_across_a_nak() {
         "the NAK keeps its place; the two ACKs after it are one"
     );
     assert_eq!(Pair::completions(&mut p.b.qp).len(), 3);
+}
+
+/// (AETH kind, PSN) of each packet.
+fn kinds(pkts: &[Vec<u8>]) -> Vec<(Option<AethKind>, Psn)> {
+    pkts.iter()
+        .map(|b| parse(b))
+        .map(|r| (r.aeth.map(|a| a.kind), r.bth.psn))
+        .collect()
+}
+
+const ACK: Option<AethKind> = Some(AethKind::Ack { credit: 0x1f });
+const HOLD: Duration = Duration::from_micros(500);
+
+#[test]
+fn a_held_ack_covers_later_packets_and_goes_when_its_timer_fires() {
+    let mut p = Pair::with_ack_delay(rts(14, 7, 7), 12, HOLD);
+    for i in 0..2 {
+        p.recv(i, 64);
+        p.send(i, 8);
+    }
+    let pkts = p.transmit_a();
+    let start = p.now;
+    p.deliver_b(&pkts[..1]);
+    assert!(p.transmit_b().is_empty(), "the ACK is held");
+    assert_eq!(p.b.qp.poll_timeout(), Some(start + HOLD));
+    p.now = start + HOLD / 2;
+    p.deliver_b(&pkts[1..]);
+    assert!(p.transmit_b().is_empty());
+    assert_eq!(p.b.qp.poll_timeout(), Some(start + HOLD), "not pushed back");
+    p.now = start + HOLD;
+    p.b.qp.handle_timeout(p.now);
+    let acks = p.transmit_b();
+    assert_eq!(
+        kinds(&acks),
+        [(ACK, parse(&pkts[1]).bth.psn)],
+        "one ACK for both"
+    );
+    p.deliver_a(&acks);
+    let done = Pair::completions(&mut p.a.qp);
+    assert_eq!(done.len(), 2);
+    assert!(done.iter().all(|(_, wc)| wc.status == WcStatus::Success));
+    assert_eq!(Pair::completions(&mut p.b.qp).len(), 2);
+}
+
+#[test]
+fn a_held_ack_goes_at_once_when_it_covers_a_quarter_window() {
+    let mut p = Pair::with_ack_delay(rts(14, 7, 7), 12, HOLD);
+    let n = ACK_COALESCE_PSNS as u64;
+    for i in 0..n {
+        p.recv(i, 64);
+        p.send(i, 8);
+    }
+    let pkts = p.transmit_a();
+    assert_eq!(pkts.len() as u64, n);
+    p.deliver_b(&pkts[..pkts.len() - 1]);
+    assert!(p.transmit_b().is_empty());
+    p.deliver_b(&pkts[pkts.len() - 1..]);
+    let acks = p.transmit_b();
+    assert_eq!(kinds(&acks), [(ACK, parse(&pkts[pkts.len() - 1]).bth.psn)]);
+    assert_eq!(p.b.qp.poll_timeout(), None, "no timer left behind");
+}
+
+#[test]
+fn a_nak_or_a_resend_releases_the_held_ack() {
+    let mut p = Pair::with_ack_delay(rts(14, 7, 7), 12, HOLD);
+    for i in 0..3 {
+        p.recv(i, 64);
+        p.send(i, 8);
+    }
+    let pkts = p.transmit_a();
+    let psn = |i: usize| parse(&pkts[i]).bth.psn;
+    // A gap after a held ACK: the ACK goes first, then the NAK.
+    p.deliver_b(&pkts[..1]);
+    p.deliver_b(&pkts[2..]);
+    assert_eq!(
+        kinds(&p.transmit_b()),
+        [
+            (ACK, psn(0)),
+            (Some(AethKind::Nak(NakCode::PsnSequenceError)), psn(1)),
+        ]
+    );
+    // The resent packets: in order again, held again.
+    p.deliver_b(&pkts[1..]);
+    assert!(p.transmit_b().is_empty());
+    // A packet seen twice means the requester is waiting: answered now.
+    p.deliver_b(&pkts[2..]);
+    assert_eq!(kinds(&p.transmit_b()), [(ACK, psn(2))]);
+}
+
+#[test]
+fn requests_pass_a_held_ack() {
+    let mut p = Pair::with_ack_delay(rts(14, 7, 7), 12, HOLD);
+    p.recv(0, 64);
+    p.send(0, 8);
+    let to_b = p.transmit_a();
+    p.deliver_b(&to_b);
+    // B sends back while its ACK for A is held.
+    let segs = vec![Segment::Mr {
+        mem: p.a.mem.clone(),
+        offset: 0,
+        len: 64,
+    }];
+    p.a.qp.post_recv(RecvWqe::new(9, segs)).expect("post_recv");
+    let segs = vec![Segment::Mr {
+        mem: p.b.mem.clone(),
+        offset: 0,
+        len: 8,
+    }];
+    p.b.qp
+        .post_send(SendWqe::new(9, None, segs, true))
+        .expect("post_send");
+    let out = p.transmit_b();
+    assert_eq!(out.len(), 1);
+    assert_eq!(parse(&out[0]).aeth, None, "the SEND, not the ACK");
+    assert!(p.b.qp.poll_timeout().is_some(), "the ACK still waits");
+}
+
+#[test]
+fn the_hold_is_at_most_a_quarter_of_the_qps_ack_timeout() {
+    // timeout 1: 8.192 µs, far below the configured hold.
+    let mut p = Pair::with_ack_delay(rts(1, 7, 7), 12, HOLD);
+    p.recv(0, 64);
+    p.send(0, 8);
+    let pkts = p.transmit_a();
+    p.deliver_b(&pkts);
+    let limit = rts(1, 7, 7).ack_timeout().expect("timer") / 4;
+    assert_eq!(p.b.qp.poll_timeout(), Some(p.now + limit));
 }
 
 #[test]

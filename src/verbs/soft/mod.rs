@@ -103,6 +103,15 @@ pub struct SoftConfig {
     /// Active MTU of the port (256–4096). Default 1024, the standard
     /// Ethernet value, also on loopback.
     pub active_mtu: Mtu,
+    /// How long a responder may hold a plain ACK so that one ACK answers
+    /// several requests, as a NIC coalesces them. A held ACK goes at once
+    /// when it covers a quarter of the requester's window, when a NAK
+    /// follows it, or for a resent packet, and it waits at most a quarter
+    /// of the QP's own local ACK timeout (keep the peer's timeout at least
+    /// as long). Zero, the default, answers every A-bit packet in the turn
+    /// that took it, as rxe does: docs/soft-provider.md § "ACKs held across turns"
+    /// has what a delay costs and saves.
+    pub ack_delay: std::time::Duration,
 }
 
 impl Default for SoftConfig {
@@ -110,6 +119,7 @@ impl Default for SoftConfig {
         SoftConfig {
             seed: None,
             active_mtu: Mtu::Mtu1024,
+            ack_delay: std::time::Duration::ZERO,
         }
     }
 }

@@ -151,7 +151,8 @@ impl SimNet {
         let ip = Ipv4Addr::from(0x0a00_0000 | octets);
         let gid = Gid::from_ipv4(ip);
         let seed = config.seed.unwrap_or_else(|| self.rng.random());
-        let core = DeviceCore::new(gid, SIM_UDP_PORT, config.active_mtu, seed);
+        let mut core = DeviceCore::new(gid, SIM_UDP_PORT, config.active_mtu, seed);
+        core.ack_delay = config.ack_delay;
         let dev = SoftDevice::from_core(core);
         self.devices.push(dev.clone());
         self.by_addr.insert(gid, index);

@@ -225,7 +225,8 @@ impl SoftDevice {
         let local = socket.local_addr().map_err(io("local_addr"))?;
         let seed = config.soft.seed.unwrap_or_else(rand::random);
         let active_mtu = active_mtu(&config)?;
-        let core = DeviceCore::new(gid_of(local.ip()), local.port(), active_mtu, seed);
+        let mut core = DeviceCore::new(gid_of(local.ip()), local.port(), active_mtu, seed);
+        core.ack_delay = config.soft.ack_delay;
         let dev = SoftDevice::from_core(core);
         let port = Arc::new(Port {
             socket,
