@@ -318,14 +318,21 @@ fn kinds(pkts: &[Vec<u8>]) -> Vec<(Option<AethKind>, Psn)> {
 const ACK: Option<AethKind> = Some(AethKind::Ack { credit: 0x1f });
 const HOLD: Duration = Duration::from_micros(500);
 
-#[test]
-fn a_held_ack_covers_later_packets_and_goes_when_its_timer_fires() {
-    let mut p = Pair::with_ack_delay(rts(14, 7, 7), 12, HOLD);
-    for i in 0..2 {
+/// A pair whose responder holds ACKs up to [`HOLD`], and the packets of
+/// `messages` 8-byte SENDs from A (each with a receive posted at B).
+fn held_pair(timeout: u8, messages: u64) -> (Pair, Vec<Vec<u8>>) {
+    let mut p = Pair::with_ack_delay(rts(timeout, 7, 7), 12, HOLD);
+    for i in 0..messages {
         p.recv(i, 64);
         p.send(i, 8);
     }
     let pkts = p.transmit_a();
+    (p, pkts)
+}
+
+#[test]
+fn a_held_ack_covers_later_packets_and_goes_when_its_timer_fires() {
+    let (mut p, pkts) = held_pair(14, 2);
     let start = p.now;
     p.deliver_b(&pkts[..1]);
     assert!(p.transmit_b().is_empty(), "the ACK is held");
@@ -351,14 +358,8 @@ fn a_held_ack_covers_later_packets_and_goes_when_its_timer_fires() {
 
 #[test]
 fn a_held_ack_goes_at_once_when_it_covers_a_quarter_window() {
-    let mut p = Pair::with_ack_delay(rts(14, 7, 7), 12, HOLD);
-    let n = ACK_COALESCE_PSNS as u64;
-    for i in 0..n {
-        p.recv(i, 64);
-        p.send(i, 8);
-    }
-    let pkts = p.transmit_a();
-    assert_eq!(pkts.len() as u64, n);
+    let (mut p, pkts) = held_pair(14, ACK_COALESCE_PSNS as u64);
+    assert_eq!(pkts.len() as u32, ACK_COALESCE_PSNS);
     p.deliver_b(&pkts[..pkts.len() - 1]);
     assert!(p.transmit_b().is_empty());
     p.deliver_b(&pkts[pkts.len() - 1..]);
@@ -369,12 +370,7 @@ fn a_held_ack_goes_at_once_when_it_covers_a_quarter_window() {
 
 #[test]
 fn a_nak_or_a_resend_releases_the_held_ack() {
-    let mut p = Pair::with_ack_delay(rts(14, 7, 7), 12, HOLD);
-    for i in 0..3 {
-        p.recv(i, 64);
-        p.send(i, 8);
-    }
-    let pkts = p.transmit_a();
+    let (mut p, pkts) = held_pair(14, 3);
     let psn = |i: usize| parse(&pkts[i]).bth.psn;
     // A gap after a held ACK: the ACK goes first, then the NAK.
     p.deliver_b(&pkts[..1]);
@@ -396,10 +392,7 @@ fn a_nak_or_a_resend_releases_the_held_ack() {
 
 #[test]
 fn requests_pass_a_held_ack() {
-    let mut p = Pair::with_ack_delay(rts(14, 7, 7), 12, HOLD);
-    p.recv(0, 64);
-    p.send(0, 8);
-    let to_b = p.transmit_a();
+    let (mut p, to_b) = held_pair(14, 1);
     p.deliver_b(&to_b);
     // B sends back while its ACK for A is held.
     let segs = vec![Segment::Mr {
@@ -425,10 +418,7 @@ fn requests_pass_a_held_ack() {
 #[test]
 fn the_hold_is_at_most_a_quarter_of_the_qps_ack_timeout() {
     // timeout 1: 8.192 µs, far below the configured hold.
-    let mut p = Pair::with_ack_delay(rts(1, 7, 7), 12, HOLD);
-    p.recv(0, 64);
-    p.send(0, 8);
-    let pkts = p.transmit_a();
+    let (mut p, pkts) = held_pair(1, 1);
     p.deliver_b(&pkts);
     let limit = rts(1, 7, 7).ack_timeout().expect("timer") / 4;
     assert_eq!(p.b.qp.poll_timeout(), Some(p.now + limit));
