@@ -631,9 +631,11 @@ proptest::proptest! {
         steps in proptest::collection::vec(
             (0u8..0x12, 0u32..64, proptest::num::u8::ANY, proptest::bool::ANY, 0usize..600, 0u8..4),
             1..200,
-        )
+        ),
+        held in proptest::bool::ANY,
     ) {
-        let mut p = Pair::new(rts(8, 3, 3), 1);
+        let delay = if held { HOLD } else { Duration::ZERO };
+        let mut p = Pair::with_ack_delay(rts(8, 3, 3), 1, delay);
         for i in 0..4 {
             p.recv(i, 700);
             p.send(i, 300 * i as usize);
