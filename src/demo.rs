@@ -107,7 +107,7 @@ pub struct Report {
 }
 
 /// Median offset from the producer's stamp, in microseconds, of each later
-/// [`Stage`](crate::stages::Stage) (Woken, Encoded, Posted, Received,
+/// [`Stage`] (Woken, Encoded, Posted, Received,
 /// Decoding) and then of the delivery; `None` where no record passed it.
 pub type StageMedians = [Option<f64>; STAGES];
 

@@ -20,7 +20,7 @@ use crate::mux::slot::{PeerControl, Registry, SlotReceiver};
 use crate::mux::stats::Counters;
 use crate::mux::surface::{DropReason, MuxError, PeerId, StreamKey};
 
-/// A [`PeerCore`] with its own slot registry.
+/// A `PeerCore` with its own slot registry.
 pub struct PeerHarness {
     core: PeerCore,
     registry: Arc<Registry>,

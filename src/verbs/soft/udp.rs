@@ -13,8 +13,8 @@
 //! ```
 //!
 //! Owner: the driver task holds only a `Weak` to the device between turns,
-//! so dropping the last handle ends it. The socket is shared ([`Port`]);
-//! [`InlineGate`], inside the core's lock, keeps packets in emission order.
+//! so dropping the last handle ends it. The socket is shared (`Port`);
+//! `InlineGate`, inside the core's lock, keeps packets in emission order.
 //! Wall-clock time is mapped onto [`Instant`] from the moment the device
 //! opened. Batched socket calls come
 //! from `quinn-udp` (no `unsafe` here): one `sendmsg` carries a run of
