@@ -126,8 +126,44 @@ impl Proc {
 struct Net {
     tag: String,
     dir: PathBuf,
-    procs: Vec<u32>,
+    procs: Vec<Spawned>,
 }
+
+/// What a failed scenario prints about each process it started.
+struct Spawned {
+    name: String,
+    pid: u32,
+    events: Events,
+}
+
+/// Events, stderr lines and stack frames per thread of each process shown
+/// when a scenario fails; frame lines are cut at `FRAME_CHARS`.
+const EVENTS_SHOWN: usize = 12;
+const STDERR_LINES_SHOWN: usize = 60;
+const FRAMES_SHOWN: usize = 14;
+const FRAME_CHARS: usize = 220;
+
+/// gdb's `thread apply all bt`, cut to each thread's top frames.
+fn top_frames(bt: &str) -> Vec<String> {
+    let mut kept = Vec::new();
+    let mut frames = 0;
+    for line in bt.lines() {
+        if line.starts_with("Thread ") {
+            frames = 0;
+            kept.push(line.to_string());
+        } else if line.starts_with('#') {
+            frames += 1;
+            if frames <= FRAMES_SHOWN {
+                kept.push(line.chars().take(FRAME_CHARS).collect());
+            }
+        }
+    }
+    kept
+}
+
+/// The nodes log the link layer (dials, accepts, declines, link ends) unless
+/// the caller chose a filter: a failure in CI then shows how epochs went.
+const NODE_LOG: &str = "qpmux::link=debug,warn";
 
 impl Net {
     /// Sets the namespaces up, or says why not (printed by the caller).
@@ -178,6 +214,7 @@ impl Net {
     /// Starts `qpmux ARGS` in namespace `host`; stdout parsed as events.
     fn spawn(&mut self, host: char, name: &str, args: &[String]) -> Proc {
         let stderr = std::fs::File::create(self.file(&format!("{name}.err"))).expect("stderr");
+        let log = std::env::var("RUST_LOG").unwrap_or_else(|_| NODE_LOG.into());
         let mut child = Command::new("ip")
             .args([
                 "netns",
@@ -187,12 +224,17 @@ impl Net {
                 "--json",
             ])
             .args(args)
+            .env("RUST_LOG", log)
             .stdout(Stdio::piped())
             .stderr(stderr)
             .spawn()
             .expect("spawn ip netns exec");
-        self.procs.push(child.id());
         let events: Events = Arc::default();
+        self.procs.push(Spawned {
+            name: name.into(),
+            pid: child.id(),
+            events: events.clone(),
+        });
         let out = child.stdout.take().expect("piped");
         let sink = events.clone();
         std::thread::spawn(move || {
@@ -237,11 +279,54 @@ impl Net {
     }
 }
 
+impl Net {
+    /// Prints each process's last events and stderr lines (for a failure).
+    fn dump(&self) {
+        for p in &self.procs {
+            let events = p.events.lock().map(|e| e.clone()).unwrap_or_default();
+            eprintln!("--- {}: last events of {} ---", p.name, events.len());
+            for e in &events[events.len().saturating_sub(EVENTS_SHOWN)..] {
+                eprintln!("{e}");
+            }
+            let stderr =
+                std::fs::read_to_string(self.file(&format!("{}.err", p.name))).unwrap_or_default();
+            let lines: Vec<&str> = stderr.lines().collect();
+            eprintln!("--- {}: last stderr lines of {} ---", p.name, lines.len());
+            for line in &lines[lines.len().saturating_sub(STDERR_LINES_SHOWN)..] {
+                eprintln!("{line}");
+            }
+            // A node that stopped answering shows where its threads wait.
+            let stacks = Command::new("timeout")
+                .args(["20", "gdb", "-batch", "-p", &p.pid.to_string()])
+                .args(["-ex", "thread apply all bt 30"])
+                .stdin(Stdio::null())
+                .output();
+            match stacks {
+                Ok(out) if out.status.success() => {
+                    let text = String::from_utf8_lossy(&out.stdout);
+                    eprintln!("--- {}: thread stacks (top frames) ---", p.name);
+                    for line in top_frames(&text) {
+                        eprintln!("{line}");
+                    }
+                }
+                Ok(out) => eprintln!("--- {}: no stacks (gdb: {}) ---", p.name, out.status),
+                Err(err) => eprintln!("--- {}: no stacks ({err}) ---", p.name),
+            }
+        }
+        if let Ok(relay) = std::fs::read_to_string(self.file("relay.json")) {
+            eprintln!("--- relay counts: {relay} ---");
+        }
+    }
+}
+
 impl Drop for Net {
     fn drop(&mut self) {
-        for pid in &self.procs {
+        if std::thread::panicking() {
+            self.dump();
+        }
+        for p in &self.procs {
             let _ = Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
+                .args(["-KILL", &p.pid.to_string()])
                 .stderr(Stdio::null())
                 .status();
         }
@@ -566,7 +651,10 @@ fn an_impaired_stream_cut_by_a_partition_resumes_from_the_acknowledged_prefix() 
         e["event"] == "progress" && e["records"].as_u64() > Some(slots * 40)
     });
     net.script(&["partition", "on"]).expect("partition");
-    std::thread::sleep(Duration::from_millis(1000));
+    // Other lengths shake the race between the dials in flight during the
+    // partition and those after it (docs/faults.md).
+    let partition_ms = env_u64("QPMUX_FAULTS_PARTITION_MS", 1000);
+    std::thread::sleep(Duration::from_millis(partition_ms));
     net.script(&["partition", "off"]).expect("heal");
     let b_verdict = b.verdict(Duration::from_secs(50));
     let a_verdict = a.verdict(Duration::from_secs(30));

@@ -20,6 +20,7 @@ mod sweep;
 #[cfg(feature = "velo")]
 mod velo_rows;
 
+use std::io::IsTerminal;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
@@ -112,6 +113,8 @@ pub fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        // Plain text when stderr is a file (the fault harness keeps them).
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

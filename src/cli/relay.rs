@@ -79,6 +79,16 @@ struct RelayStats {
     unknown_source: u64,
     overflow: u64,
     send_errors: u64,
+    /// Receive errors (the socket keeps serving).
+    recv_errors: u64,
+}
+
+/// What a socket's receive task hands the relay loop.
+enum Arrival {
+    /// A datagram on the socket of `.0` (the destination), from `.1`.
+    Datagram(usize, SocketAddr, Arc<[u8]>),
+    /// A receive error.
+    Error,
 }
 
 /// One datagram waiting for its departure.
@@ -214,17 +224,23 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
         .iter()
         .map(|&a| transparent_socket(a).map(Arc::new))
         .collect::<Result<_, _>>()?;
-    let (arrived_tx, mut arrived) = mpsc::channel::<(usize, SocketAddr, Arc<[u8]>)>(4096);
+    let (arrived_tx, mut arrived) = mpsc::channel::<Arrival>(4096);
     for (index, socket) in sockets.iter().enumerate() {
         let (socket, arrived_tx) = (socket.clone(), arrived_tx.clone());
         tokio::spawn(async move {
             let mut buf = vec![0u8; 65_536];
-            while let Ok((n, from)) = socket.recv_from(&mut buf).await {
-                if arrived_tx
-                    .send((index, from, buf[..n].into()))
-                    .await
-                    .is_err()
-                {
+            loop {
+                let arrival = match socket.recv_from(&mut buf).await {
+                    Ok((n, from)) => Arrival::Datagram(index, from, buf[..n].into()),
+                    // An error (an ICMP report, say) ends no direction:
+                    // counted, and the socket keeps serving.
+                    Err(err) => {
+                        tracing::debug!(%err, "relay receive failed");
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                        Arrival::Error
+                    }
+                };
+                if arrived_tx.send(arrival).await.is_err() {
                     break;
                 }
             }
@@ -267,7 +283,15 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
                 }
             }
             arrival = arrived.recv() => {
-                let Some((direction, from, bytes)) = arrival else { break };
+                let (direction, from, bytes) = match arrival {
+                    None => break,
+                    Some(Arrival::Error) => {
+                        stats.recv_errors += 1;
+                        dirty = true;
+                        continue;
+                    }
+                    Some(Arrival::Datagram(direction, from, bytes)) => (direction, from, bytes),
+                };
                 stats.received += 1;
                 dirty = true;
                 let Some(via) = args.peers.iter().position(|&p| p == from) else {

@@ -162,6 +162,9 @@ enum Event<'a> {
         link_stats: String,
         link_end: String,
         mux: String,
+        connector: String,
+        backoff_ms: u128,
+        device: String,
         t_ms: u64,
     },
     Verdict(&'a Verdict),
@@ -669,6 +672,9 @@ async fn watch(node: Arc<Soft>, peer: PeerId, shared: Arc<Shared>, stall_after: 
                 link_stats: format!("{:?}", link.as_ref().map(|l| l.stats())),
                 link_end: format!("{:?}", link.as_ref().map(|l| l.end_reason())),
                 mux: format!("{:?}", node.mux().stats()),
+                connector: format!("{:?}", node.node().stats()),
+                backoff_ms: node.node().backoff(peer).as_millis(),
+                device: format!("{:?}", node.device().stats()),
                 t_ms: unix_ms(),
             });
         }
