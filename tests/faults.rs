@@ -161,9 +161,10 @@ fn top_frames(bt: &str) -> Vec<String> {
     kept
 }
 
-/// The nodes log the link layer (dials, accepts, declines, link ends) unless
-/// the caller chose a filter: a failure in CI then shows how epochs went.
-const NODE_LOG: &str = "qpmux::link=debug,warn";
+/// Unless the caller chose a filter, the nodes log dials, accepts, declines,
+/// link and epoch ends and socket errors: a failure in CI shows how epochs
+/// went.
+const NODE_LOG: &str = "qpmux::link=debug,qpmux::mux=debug,qpmux::verbs=debug,warn";
 
 impl Net {
     /// Sets the namespaces up, or says why not (printed by the caller).

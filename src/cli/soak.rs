@@ -154,20 +154,47 @@ enum Event<'a> {
         records: u64,
         t_ms: u64,
     },
-    Stall {
-        records: u64,
-        idle_s: u64,
-        epoch: Option<u64>,
-        link_credit: String,
-        link_stats: String,
-        link_end: String,
-        mux: String,
-        connector: String,
-        backoff_ms: u128,
-        device: String,
-        t_ms: u64,
-    },
+    /// Receiver: no record for `--stall-s` (the tests fail on it).
+    Stall(Diagnosis),
+    /// Either role: no epoch for `--stall-s` (shown when a test fails).
+    NoLink(Diagnosis),
     Verdict(&'a Verdict),
+}
+
+/// Where a node stands when it stopped moving: its link, mux, connector and
+/// device.
+#[derive(Debug, Serialize)]
+struct Diagnosis {
+    records: u64,
+    idle_s: u64,
+    epoch: Option<u64>,
+    link_credit: String,
+    link_stats: String,
+    link_end: String,
+    mux: String,
+    connector: String,
+    backoff_ms: u128,
+    device: String,
+    t_ms: u64,
+}
+
+impl Diagnosis {
+    fn of(node: &Soft, peer: PeerId, records: u64, idle: Duration, epoch: Option<u64>) -> Self {
+        let link = node.node().link(peer);
+        Diagnosis {
+            records,
+            idle_s: idle.as_secs(),
+            epoch,
+            link_credit: format!("{:?}", link.as_ref().map(|l| l.credit())),
+            link_stats: format!("{:?}", link.as_ref().map(|l| l.stats())),
+            link_end: format!("{:?}", link.as_ref().map(|l| l.end_reason())),
+            mux: format!("{:?}", node.mux().stats()),
+            connector: format!("{:?}", node.node().stats()),
+            backoff_ms: node.node().backoff(peer).as_millis(),
+            device: format!("{:?}", node.device().stats()),
+            t_ms: unix_ms(),
+        }
+    }
 }
 
 /// Soft provider counters, summed over the epochs this process saw.
@@ -502,12 +529,10 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
         node.clone(),
         peer,
         shared.clone(),
+        Duration::from_secs(args.stall_s),
         // A sender's count stops once its slots are queued; only the
         // receiver's count stops for a stall.
-        match args.role {
-            Role::Recv => Some(Duration::from_secs(args.stall_s)),
-            Role::Send => None,
-        },
+        args.role == Role::Recv,
     ));
 
     let mut tasks = Vec::new();
@@ -621,11 +646,20 @@ async fn futures_join(tasks: Vec<tokio::task::JoinHandle<bool>>, finished: Arc<A
     }
 }
 
-/// Reports epoch changes, peer restarts, progress and provider counters.
-async fn watch(node: Arc<Soft>, peer: PeerId, shared: Arc<Shared>, stall_after: Option<Duration>) {
+/// Reports epoch changes, peer restarts, progress and provider counters; a
+/// stall (`records_stall`: no record) or no epoch for `stall_after`.
+async fn watch(
+    node: Arc<Soft>,
+    peer: PeerId,
+    shared: Arc<Shared>,
+    stall_after: Duration,
+    records_stall: bool,
+) {
     let mut epoch: Option<u64> = None;
     let mut moved = (0u64, Instant::now());
     let mut stall_reported = false;
+    // Since when no epoch has been up, and whether that was reported.
+    let mut no_link = (Instant::now(), false);
     let mut restarts = 0;
     let mut last_progress = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(5));
@@ -647,6 +681,13 @@ async fn watch(node: Arc<Soft>, peer: PeerId, shared: Arc<Shared>, stall_after: 
                 });
             }
             epoch = now_epoch;
+            no_link = (Instant::now(), false);
+        }
+        if epoch.is_none() && !no_link.1 && no_link.0.elapsed() >= stall_after {
+            no_link.1 = true;
+            let records = shared.records.load(Ordering::Relaxed);
+            let diagnosis = Diagnosis::of(&node, peer, records, no_link.0.elapsed(), epoch);
+            shared.emit(&Event::NoLink(diagnosis));
         }
         let seen = node.node().stats().restarts_seen;
         if seen != restarts {
@@ -661,22 +702,10 @@ async fn watch(node: Arc<Soft>, peer: PeerId, shared: Arc<Shared>, stall_after: 
         if records != moved.0 {
             moved = (records, Instant::now());
             stall_reported = false;
-        } else if !stall_reported && stall_after.is_some_and(|after| moved.1.elapsed() >= after) {
+        } else if records_stall && !stall_reported && moved.1.elapsed() >= stall_after {
             stall_reported = true;
-            let link = node.node().link(peer);
-            shared.emit(&Event::Stall {
-                records,
-                idle_s: moved.1.elapsed().as_secs(),
-                epoch,
-                link_credit: format!("{:?}", link.as_ref().map(|l| l.credit())),
-                link_stats: format!("{:?}", link.as_ref().map(|l| l.stats())),
-                link_end: format!("{:?}", link.as_ref().map(|l| l.end_reason())),
-                mux: format!("{:?}", node.mux().stats()),
-                connector: format!("{:?}", node.node().stats()),
-                backoff_ms: node.node().backoff(peer).as_millis(),
-                device: format!("{:?}", node.device().stats()),
-                t_ms: unix_ms(),
-            });
+            let diagnosis = Diagnosis::of(&node, peer, records, moved.1.elapsed(), epoch);
+            shared.emit(&Event::Stall(diagnosis));
         }
         if last_progress.elapsed() >= Duration::from_millis(250) {
             last_progress = Instant::now();
