@@ -15,6 +15,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
 const A_IP: &str = "10.77.1.2";
@@ -285,8 +287,20 @@ impl Net {
     fn dump(&self) {
         for p in &self.procs {
             let events = p.events.lock().map(|e| e.clone()).unwrap_or_default();
-            eprintln!("--- {}: last events of {} ---", p.name, events.len());
-            for e in &events[events.len().saturating_sub(EVENTS_SHOWN)..] {
+            // Progress lines would hide the rest: only the last one is shown.
+            let last_progress = events.iter().rposition(|e| e["event"] == "progress");
+            let shown: Vec<&Value> = events
+                .iter()
+                .enumerate()
+                .filter(|(i, e)| e["event"] != "progress" || Some(*i) == last_progress)
+                .map(|(_, e)| e)
+                .collect();
+            eprintln!(
+                "--- {}: last events of {} (one progress) ---",
+                p.name,
+                events.len()
+            );
+            for e in &shown[shown.len().saturating_sub(EVENTS_SHOWN)..] {
                 eprintln!("{e}");
             }
             let stderr =
@@ -694,4 +708,139 @@ fn an_impaired_stream_cut_by_a_partition_resumes_from_the_acknowledged_prefix() 
         count(&b_verdict, "redelivered") <= count(&a_verdict, "resent"),
         "receiver {b_verdict} sender {a_verdict}"
     );
+}
+
+/// Stops `node` (SIGSTOP) for `pause`, then lets it go on (SIGCONT).
+fn freeze(node: &Proc, pause: Duration) {
+    let pid = node.child.id().to_string();
+    let signal = |sig: &str| {
+        let status = Command::new("kill").args([sig, &pid]).status();
+        assert!(status.is_ok_and(|s| s.success()), "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    std::thread::sleep(pause);
+    signal("-CONT");
+}
+
+/// On the impaired path, the receiver and then the sender stop for 600 ms
+/// mid-stream (past the RC retry budget of about 270 ms), as a GC pause or a
+/// stalled VM would stop them: the epoch dies, the thawed node learns it
+/// from its link or liveness connection, and every (slot, index) still
+/// arrives, resumed from the acknowledged prefix.
+#[test]
+fn a_node_frozen_past_the_retry_budget_relinks_and_loses_no_record() {
+    let Some(mut net) = net_or_skip("freeze") else {
+        return;
+    };
+    let slots = 16;
+    let records = 600;
+    let relay = spawn_relay(&mut net, 0xf7ee);
+    let mut args = paced(slots, 40);
+    assert_eq!(args[2], "--records");
+    args[3] = records.to_string();
+    let mut b = net.spawn('b', "b", &net.soak('b', &args));
+    let mut a = net.spawn('a', "a", &net.soak('a', &args));
+    let up = Duration::from_secs(15);
+    let pause = Duration::from_millis(600);
+    b.wait_for("records", up, |e| {
+        e["event"] == "progress" && e["records"].as_u64() > Some(slots * 40)
+    });
+    // The sender's SENDs go unanswered past the budget.
+    freeze(&b, pause);
+    let before = b.progress();
+    b.wait_for("records after the receiver's pause", up, |e| {
+        e["event"] == "progress" && e["records"].as_u64() > Some(before + slots * 20)
+    });
+    // The receiver's acknowledgements (every 250 ms) go unanswered.
+    freeze(&a, pause);
+    let b_verdict = b.verdict(Duration::from_secs(50));
+    let a_verdict = a.verdict(Duration::from_secs(30));
+    let relay_stats = stop_relay(&relay);
+    eprintln!(
+        "freeze: receiver epochs {} deaths {} dropped {} records {} unique {} redelivered {}; \
+         sender streams {} resent {} abandoned {}; relay {relay_stats}",
+        b_verdict["epochs_seen"],
+        b_verdict["epoch_deaths"],
+        b_verdict["dropped"],
+        b_verdict["records"],
+        b_verdict["records_unique"],
+        b_verdict["redelivered"],
+        a_verdict["streams"],
+        a_verdict["resent"],
+        a_verdict["abandoned"],
+    );
+    assert_clean("receiver", &b_verdict);
+    assert_clean("sender", &a_verdict);
+    assert!(count(&b_verdict, "epoch_deaths") > 0, "{b_verdict}");
+    assert!(count(&b_verdict, "dropped") > 0, "{b_verdict}");
+    assert_eq!(
+        count(&b_verdict, "records_unique"),
+        slots * records,
+        "{b_verdict}"
+    );
+    assert_eq!(
+        count(&b_verdict, "records"),
+        slots * records + count(&b_verdict, "redelivered"),
+        "{b_verdict}"
+    );
+    assert!(
+        count(&b_verdict, "redelivered") <= count(&a_verdict, "resent"),
+        "receiver {b_verdict} sender {a_verdict}"
+    );
+}
+
+/// Partitions flapping on the impaired path, each cut 0.3–0.8 s (past the
+/// RC retry budget) and each heal 0.5–2 s, from a seeded RNG, for
+/// `QPMUX_FAULTS_FLAP_S` seconds (15): epoch after epoch dies and comes
+/// back, and every slot's streams stay clean on both sides. A stall fails
+/// it at once: an idle producer that never saw its epoch die once left both
+/// nodes waiting for a link nobody asked for (docs/faults.md).
+#[test]
+fn flapping_partitions_kill_epoch_after_epoch_and_every_stream_stays_clean() {
+    let Some(mut net) = net_or_skip("cuts") else {
+        return;
+    };
+    let flap = Duration::from_secs(env_u64("QPMUX_FAULTS_FLAP_S", 15));
+    let seed = env_u64("QPMUX_FAULTS_SEED", 0x5eed);
+    let slots = 16;
+    let relay = spawn_relay(&mut net, seed);
+    // The senders stop 10 s after the flapping does: time to relink and finish.
+    let args = paced(slots, flap.as_secs() + 10);
+    let mut b = net.spawn('b', "b", &net.soak('b', &args));
+    let mut a = net.spawn('a', "a", &net.soak('a', &args));
+    b.wait_for("records", Duration::from_secs(15), |e| {
+        e["event"] == "progress" && e["records"].as_u64() > Some(slots * 10)
+    });
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let until = Instant::now() + flap;
+    let mut cuts = 0;
+    while Instant::now() < until {
+        if let Some(stall) = b.of_kind("stall").first() {
+            panic!("stalled after {cuts} cuts: {stall}");
+        }
+        net.script(&["partition", "on"]).expect("partition");
+        std::thread::sleep(Duration::from_millis(rng.random_range(300..800)));
+        net.script(&["partition", "off"]).expect("heal");
+        cuts += 1;
+        std::thread::sleep(Duration::from_millis(rng.random_range(500..2000)));
+    }
+    let b_verdict = b.verdict(Duration::from_secs(60));
+    let a_verdict = a.verdict(Duration::from_secs(30));
+    let relay_stats = stop_relay(&relay);
+    eprintln!(
+        "flapping: {cuts} cuts; receiver epochs {} deaths {} dropped {} records {} streams {}; \
+         sender streams {} resent {} abandoned {}; relay {relay_stats}",
+        b_verdict["epochs_seen"],
+        b_verdict["epoch_deaths"],
+        b_verdict["dropped"],
+        b_verdict["records"],
+        b_verdict["streams"],
+        a_verdict["streams"],
+        a_verdict["resent"],
+        a_verdict["abandoned"],
+    );
+    assert_clean("receiver", &b_verdict);
+    assert_clean("sender", &a_verdict);
+    assert!(count(&b_verdict, "epoch_deaths") > 0, "{b_verdict}");
+    assert!(count(&b_verdict, "dropped") > 0, "{b_verdict}");
 }

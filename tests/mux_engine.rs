@@ -295,6 +295,46 @@ async fn link_failure_delivers_then_drops_every_live_slot_exactly_once() {
     );
 }
 
+/// A producer with nothing to send learns its epoch died from `closed`,
+/// and a fresh slot then brings the next epoch up: without it, an idle
+/// producer (an acknowledgement stream, say) would wait for a link nobody asks for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_sender_learns_of_its_epochs_death_from_closed() {
+    let (fabric, muxes) = fabric(&[A, B], MuxConfig::default(), MemConfig::default());
+    let key = StreamKey::new(11, 0);
+    let mut rx = muxes[1].bind(key).expect("bind");
+    let mut tx = muxes[0].open(B, key).expect("open");
+    tx.send(Bytes::from_static(b"one")).await.expect("send");
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Data(Bytes::from_static(b"one")))
+    );
+    let still_open = tokio::time::timeout(Duration::from_millis(50), tx.closed()).await;
+    assert!(still_open.is_err(), "closed() resolved on a live slot");
+
+    let epoch = muxes[0].epoch(B).expect("link is up");
+    assert!(fabric.kill(A, B, EpochEnd::Fault(LinkFault::Injected)));
+    let reason = tokio::time::timeout(Duration::from_secs(10), tx.closed())
+        .await
+        .expect("closed() after the epoch died");
+    assert_eq!(reason, SendError::Dropped(DropReason::EpochEnded { epoch }));
+    assert_eq!(tx.send(Bytes::from_static(b"late")).await, Err(reason));
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Dropped(DropReason::EpochEnded { epoch }))
+    );
+
+    drop(tx);
+    let mut rx = muxes[1].bind(key).expect("rebind");
+    let mut tx = muxes[0].open(B, key).expect("reopen");
+    tx.send(Bytes::from_static(b"two")).await.expect("send");
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Data(Bytes::from_static(b"two")))
+    );
+    assert_eq!(muxes[0].epoch(B), Some(epoch.next()));
+}
+
 /// A under a manual flush whose control waits an hour (so only `flush`
 /// writes), B with the defaults, on one mem fabric.
 fn held_and_default() -> (Arc<MemFabric>, Mux<MemLink>, Mux<MemLink>) {
@@ -725,8 +765,27 @@ async fn shutdown_before_the_link_is_up_still_writes_what_was_queued() {
     shutdown_drains().await;
 }
 
+/// Records still waiting for slot credit when the shutdown comes go out as
+/// the receiver returns credit within the linger: a peer whose slot is
+/// blocked on credit is not quiet (once, it said goodbye over soak's last
+/// acknowledgements).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_within_the_linger_for_the_credit_a_blocked_slot_needs() {
+    let config = MuxConfig {
+        slot_window: 4096,
+        ..MuxConfig::default()
+    };
+    shutdown_drains_with(config).await;
+}
+
 async fn shutdown_drains() {
-    let (_fabric, muxes) = fabric(&[A, B], MuxConfig::default(), MemConfig::default());
+    shutdown_drains_with(MuxConfig::default()).await;
+}
+
+/// 100 records of 300 bytes and a Finalized queued, then the shutdown: the
+/// receiver gets all of them.
+async fn shutdown_drains_with(config: MuxConfig) {
+    let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
     let key = StreamKey::new(13, 0);
     let mut rx = muxes[1].bind(key).expect("bind");
     let mut tx = muxes[0].open(B, key).expect("open");

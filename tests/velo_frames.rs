@@ -153,6 +153,11 @@ async fn raw_channels_keep_fifo_and_epoch_death_is_velos_dropped<K: Kind>() {
     assert_eq!(last, velo_frames::dropped());
     let decoded: StreamFrame<u32> = rmp_serde::from_slice(&last).expect("velo decodes it");
     assert!(matches!(decoded, StreamFrame::Dropped));
+    // The idle sender's channel closes without another frame sent.
+    until("B's idle sender saw its stream end", || {
+        tx.is_disconnected()
+    })
+    .await;
 
     // A sender velo drops without a terminal also ends as Dropped (on the
     // next epoch: the node redials). B's mux may still be ending the dead

@@ -17,7 +17,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -175,14 +175,16 @@ struct Diagnosis {
     connector: String,
     backoff_ms: u128,
     device: String,
+    /// Sender: slots waiting for the receiver's word on their last stream.
+    awaiting: Vec<u32>,
     t_ms: u64,
 }
 
 impl Diagnosis {
-    fn of(node: &Soft, peer: PeerId, records: u64, idle: Duration, epoch: Option<u64>) -> Self {
+    fn of(node: &Soft, peer: PeerId, shared: &Shared, idle: Duration, epoch: Option<u64>) -> Self {
         let link = node.node().link(peer);
         Diagnosis {
-            records,
+            records: shared.records.load(Ordering::Relaxed),
             idle_s: idle.as_secs(),
             epoch,
             link_credit: format!("{:?}", link.as_ref().map(|l| l.credit())),
@@ -192,6 +194,7 @@ impl Diagnosis {
             connector: format!("{:?}", node.node().stats()),
             backoff_ms: node.node().backoff(peer).as_millis(),
             device: format!("{:?}", node.device().stats()),
+            awaiting: shared.awaiting(),
             t_ms: unix_ms(),
         }
     }
@@ -267,6 +270,37 @@ struct Shared {
     unique: AtomicU64,
     redelivered: AtomicU64,
     counters: Mutex<CounterTrack>,
+    /// Sender: where each slot stands (`SlotPhase`), for the diagnosis.
+    phases: Vec<AtomicU8>,
+}
+
+/// Where a sender's slot stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum SlotPhase {
+    /// Opening or streaming.
+    Streaming = 0,
+    /// Its stream ended here; the receiver's word on it is awaited.
+    Awaiting = 1,
+    /// Acknowledged finalized (or given up).
+    Done = 2,
+}
+
+impl Shared {
+    fn set_phase(&self, slot: u32, phase: SlotPhase) {
+        if let Some(p) = self.phases.get(slot as usize) {
+            p.store(phase as u8, Ordering::Relaxed);
+        }
+    }
+
+    /// Slots whose stream ended and whose receiver's word is awaited.
+    fn awaiting(&self) -> Vec<u32> {
+        (0u32..)
+            .zip(&self.phases)
+            .filter(|(_, p)| p.load(Ordering::Relaxed) == SlotPhase::Awaiting as u8)
+            .map(|(slot, _)| slot)
+            .collect()
+    }
 }
 
 /// Provider counters of QPs that are gone, and the live ones' last sample
@@ -489,6 +523,9 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
         unique: AtomicU64::new(0),
         redelivered: AtomicU64::new(0),
         counters: Mutex::new(CounterTrack::default()),
+        phases: (0..args.slots)
+            .map(|_| AtomicU8::new(SlotPhase::Streaming as u8))
+            .collect(),
     });
     let deadline = shared.started + Duration::from_secs(args.duration_s);
     // A restarted process may find its ports still held for a moment.
@@ -685,8 +722,7 @@ async fn watch(
         }
         if epoch.is_none() && !no_link.1 && no_link.0.elapsed() >= stall_after {
             no_link.1 = true;
-            let records = shared.records.load(Ordering::Relaxed);
-            let diagnosis = Diagnosis::of(&node, peer, records, no_link.0.elapsed(), epoch);
+            let diagnosis = Diagnosis::of(&node, peer, &shared, no_link.0.elapsed(), epoch);
             shared.emit(&Event::NoLink(diagnosis));
         }
         let seen = node.node().stats().restarts_seen;
@@ -704,7 +740,7 @@ async fn watch(
             stall_reported = false;
         } else if records_stall && !stall_reported && moved.1.elapsed() >= stall_after {
             stall_reported = true;
-            let diagnosis = Diagnosis::of(&node, peer, records, moved.1.elapsed(), epoch);
+            let diagnosis = Diagnosis::of(&node, peer, &shared, moved.1.elapsed(), epoch);
             shared.emit(&Event::Stall(diagnosis));
         }
         if last_progress.elapsed() >= Duration::from_millis(250) {
@@ -884,10 +920,15 @@ async fn send_slot(
             epoch,
             dead,
         };
-        if await_outcome(watch, stream, &mut heard, &shared).await {
+        shared.set_phase(slot, SlotPhase::Awaiting);
+        let finalized = await_outcome(watch, stream, &mut heard, &shared).await;
+        shared.set_phase(slot, SlotPhase::Streaming);
+        if finalized {
+            shared.set_phase(slot, SlotPhase::Done);
             return true;
         }
         if Instant::now() >= deadline {
+            shared.set_phase(slot, SlotPhase::Done);
             return false;
         }
     }
@@ -1056,7 +1097,12 @@ async fn send_acks(node: Arc<Soft>, peer: PeerId, board: Arc<AckBoard>, shared: 
                 board.flushed.store(true, Ordering::Release);
                 return;
             }
-            let _ = tokio::time::timeout(ACK_INTERVAL, board.changed.notified()).await;
+            // An idle ack stream must see its epoch die: it is what asks
+            // for the next link while the sender waits for its words.
+            tokio::select! {
+                err = tx.closed() => break 'stream err,
+                _ = tokio::time::timeout(ACK_INTERVAL, board.changed.notified()) => {}
+            }
         };
         shared.tally(|v| v.ack_streams += 1);
         match failed {

@@ -322,6 +322,19 @@ impl Inlet {
         Ok(true)
     }
 
+    async fn closed(&self) -> SendError {
+        loop {
+            // `close` notifies every waiter after it sets the reason.
+            let notified = self.space.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(err) = lock(&self.state).closed {
+                return err;
+            }
+            notified.await;
+        }
+    }
+
     fn finish(self: &Arc<Self>, reason: CloseReason) -> Result<(), SendError> {
         let mut state = lock(&self.state);
         if let Some(err) = state.closed {
@@ -347,6 +360,12 @@ impl Inlet {
             state.adopted = true;
             InletStatus::New
         }
+    }
+
+    /// Records or a terminal wait to be popped.
+    pub fn has_queued(&self) -> bool {
+        let state = lock(&self.state);
+        !state.queue.is_empty() || state.terminal.is_some()
     }
 
     /// Pops the next item. A record only if `credit` allows one; the terminal
@@ -482,6 +501,14 @@ impl SlotSender {
     /// Queues one record; waits while the slot's or the peer's byte budget is full.
     pub async fn send(&mut self, data: Bytes) -> Result<(), SendError> {
         self.inlet.push(data).await
+    }
+
+    /// Resolves once the slot is closed for its producer (its epoch died,
+    /// the peer closed it, the mux shut down) with the error the next
+    /// [`SlotSender::send`] would return. A producer that sends only now and
+    /// then learns of the end here, without sending.
+    pub async fn closed(&self) -> SendError {
+        self.inlet.closed().await
     }
 
     /// Ends the stream. Never waits: the terminal has reserved capacity.

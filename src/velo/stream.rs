@@ -183,7 +183,19 @@ async fn ingress_pump(mut slot: SlotReceiver, tx: flume::Sender<Vec<u8>>) {
 }
 
 async fn egress_pump(mut slot: SlotSender, rx: flume::Receiver<Vec<u8>>) {
-    while let Ok(bytes) = rx.recv_async().await {
+    loop {
+        // A slot that ends while velo has nothing to send (its epoch died)
+        // closes velo's channel now, not at velo's next frame.
+        let bytes = tokio::select! {
+            received = rx.recv_async() => match received {
+                Ok(bytes) => bytes,
+                Err(_) => break,
+            },
+            error = slot.closed() => {
+                tracing::debug!(%error, "qpmux stream ended while idle");
+                return;
+            }
+        };
         let kind = velo_frames::classify(&bytes);
         let terminal = match kind {
             Kind::Finalized => Terminal::Finalized,

@@ -358,6 +358,18 @@ impl PeerCore {
         !self.has_control_owed() && self.ready.is_empty() && !self.has_messages()
     }
 
+    /// True while an egress slot still holds something to write that waits
+    /// only for slot credit (a blocked slot is off the ready list, so
+    /// [`PeerCore::is_quiet`] does not see it). A shutdown drain waits for it.
+    pub fn has_withheld(&self) -> bool {
+        self.table
+            .iter()
+            .filter_map(|entry| entry.slot.as_ref())
+            .any(|slot| {
+                slot.partial.is_some() || slot.terminal.is_some() || slot.inlet.has_queued()
+            })
+    }
+
     fn has_messages(&self) -> bool {
         !self.messages_out.is_empty() || self.message_partial.is_some()
     }

@@ -504,7 +504,9 @@ async fn serve_epoch<L: Link>(
             let until = *drain_until.get_or_insert(now + config.shutdown_linger);
             // Take what producers queued before the shutdown, then judge.
             core.handle_control(now);
-            if core.is_quiet() || now >= until {
+            // A slot waiting for credit is not done: the peer's consumer
+            // may return it within the linger.
+            if (core.is_quiet() && !core.has_withheld()) || now >= until {
                 try_goodbye(link, core).await;
                 break EpochEnd::Shutdown;
             }
