@@ -653,31 +653,50 @@ fn an_impaired_stream_cut_by_a_partition_resumes_from_the_acknowledged_prefix() 
     let Some(mut net) = net_or_skip("resume") else {
         return;
     };
-    let slots = 16;
-    let records = 400;
-    let relay = spawn_relay(&mut net, 0x5eed);
-    let mut args = paced(slots, 40);
-    assert_eq!(args[2], "--records");
-    args[3] = records.to_string();
-    let mut b = net.spawn('b', "b", &net.soak('b', &args));
-    let mut a = net.spawn('a', "a", &net.soak('a', &args));
-    let up = Duration::from_secs(15);
-    b.wait_for("records", up, |e| {
-        e["event"] == "progress" && e["records"].as_u64() > Some(slots * 40)
-    });
+    let (slots, records) = (16, 400);
+    let (relay, mut b, mut a) = paced_pair_under_way(&mut net, 0x5eed, slots, records);
     net.script(&["partition", "on"]).expect("partition");
     // Other lengths shake the race between the dials in flight during the
     // partition and those after it (docs/faults.md).
     let partition_ms = env_u64("QPMUX_FAULTS_PARTITION_MS", 1000);
     std::thread::sleep(Duration::from_millis(partition_ms));
     net.script(&["partition", "off"]).expect("heal");
-    let b_verdict = b.verdict(Duration::from_secs(50));
+    let (_, a_verdict) = assert_resumed("resume", &mut b, &mut a, &relay, slots, records);
+    assert!(count(&a_verdict, "streams") > slots, "{a_verdict}");
+}
+
+/// The relay (seeded `seed`) and a receiver and sender of `slots` paced
+/// slots × `records`, once the receiver has 40 records per slot.
+fn paced_pair_under_way(net: &mut Net, seed: u64, slots: u64, records: u64) -> (Proc, Proc, Proc) {
+    let relay = spawn_relay(net, seed);
+    let mut args = paced(slots, 40);
+    assert_eq!(args[2], "--records");
+    args[3] = records.to_string();
+    let b = net.spawn('b', "b", &net.soak('b', &args));
+    let a = net.spawn('a', "a", &net.soak('a', &args));
+    b.wait_for("records", Duration::from_secs(15), |e| {
+        e["event"] == "progress" && e["records"].as_u64() > Some(slots * 40)
+    });
+    (relay, b, a)
+}
+
+/// The verdicts of a run on the impaired path whose epochs died (the relay
+/// is stopped and its counts printed): both clean, and the receiver saw an
+/// epoch die and a slot dropped.
+fn verdicts_after_deaths(
+    scenario: &str,
+    b: &mut Proc,
+    a: &mut Proc,
+    relay: &Proc,
+) -> (Value, Value) {
+    let b_verdict = b.verdict(Duration::from_secs(60));
     let a_verdict = a.verdict(Duration::from_secs(30));
-    let relay_stats = stop_relay(&relay);
+    let relay_stats = stop_relay(relay);
     eprintln!(
-        "resume: receiver epochs {} dropped {} streams {} records {} unique {} redelivered {}; \
-         sender streams {} resent {} abandoned {}; relay {relay_stats}",
+        "{scenario}: receiver epochs {} deaths {} dropped {} streams {} records {} unique {} \
+         redelivered {}; sender streams {} resent {} abandoned {}; relay {relay_stats}",
         b_verdict["epochs_seen"],
+        b_verdict["epoch_deaths"],
         b_verdict["dropped"],
         b_verdict["streams"],
         b_verdict["records"],
@@ -689,9 +708,23 @@ fn an_impaired_stream_cut_by_a_partition_resumes_from_the_acknowledged_prefix() 
     );
     assert_clean("receiver", &b_verdict);
     assert_clean("sender", &a_verdict);
-    assert!(count(&b_verdict, "dropped") > 0, "{b_verdict}");
     assert!(count(&b_verdict, "epoch_deaths") > 0, "{b_verdict}");
-    assert!(count(&a_verdict, "streams") > slots, "{a_verdict}");
+    assert!(count(&b_verdict, "dropped") > 0, "{b_verdict}");
+    (b_verdict, a_verdict)
+}
+
+/// [`verdicts_after_deaths`], and: every (slot, index) verified, records =
+/// unique + redelivered, and nothing redelivered that the sender did not
+/// resend (resumed streams started inside the verified prefix).
+fn assert_resumed(
+    scenario: &str,
+    b: &mut Proc,
+    a: &mut Proc,
+    relay: &Proc,
+    slots: u64,
+    records: u64,
+) -> (Value, Value) {
+    let (b_verdict, a_verdict) = verdicts_after_deaths(scenario, b, a, relay);
     assert_eq!(
         count(&b_verdict, "records_unique"),
         slots * records,
@@ -702,12 +735,11 @@ fn an_impaired_stream_cut_by_a_partition_resumes_from_the_acknowledged_prefix() 
         slots * records + count(&b_verdict, "redelivered"),
         "{b_verdict}"
     );
-    // The resumed streams started inside the verified prefix: redelivered
-    // records are what the sender resent, never more.
     assert!(
         count(&b_verdict, "redelivered") <= count(&a_verdict, "resent"),
         "receiver {b_verdict} sender {a_verdict}"
     );
+    (b_verdict, a_verdict)
 }
 
 /// Stops `node` (SIGSTOP) for `pause`, then lets it go on (SIGCONT).
@@ -732,19 +764,9 @@ fn a_node_frozen_past_the_retry_budget_relinks_and_loses_no_record() {
     let Some(mut net) = net_or_skip("freeze") else {
         return;
     };
-    let slots = 16;
-    let records = 600;
-    let relay = spawn_relay(&mut net, 0xf7ee);
-    let mut args = paced(slots, 40);
-    assert_eq!(args[2], "--records");
-    args[3] = records.to_string();
-    let mut b = net.spawn('b', "b", &net.soak('b', &args));
-    let mut a = net.spawn('a', "a", &net.soak('a', &args));
-    let up = Duration::from_secs(15);
-    let pause = Duration::from_millis(600);
-    b.wait_for("records", up, |e| {
-        e["event"] == "progress" && e["records"].as_u64() > Some(slots * 40)
-    });
+    let (slots, records) = (16, 600);
+    let (relay, mut b, mut a) = paced_pair_under_way(&mut net, 0xf7ee, slots, records);
+    let (up, pause) = (Duration::from_secs(15), Duration::from_millis(600));
     // The sender's SENDs go unanswered past the budget.
     freeze(&b, pause);
     let before = b.progress();
@@ -753,40 +775,7 @@ fn a_node_frozen_past_the_retry_budget_relinks_and_loses_no_record() {
     });
     // The receiver's acknowledgements (every 250 ms) go unanswered.
     freeze(&a, pause);
-    let b_verdict = b.verdict(Duration::from_secs(50));
-    let a_verdict = a.verdict(Duration::from_secs(30));
-    let relay_stats = stop_relay(&relay);
-    eprintln!(
-        "freeze: receiver epochs {} deaths {} dropped {} records {} unique {} redelivered {}; \
-         sender streams {} resent {} abandoned {}; relay {relay_stats}",
-        b_verdict["epochs_seen"],
-        b_verdict["epoch_deaths"],
-        b_verdict["dropped"],
-        b_verdict["records"],
-        b_verdict["records_unique"],
-        b_verdict["redelivered"],
-        a_verdict["streams"],
-        a_verdict["resent"],
-        a_verdict["abandoned"],
-    );
-    assert_clean("receiver", &b_verdict);
-    assert_clean("sender", &a_verdict);
-    assert!(count(&b_verdict, "epoch_deaths") > 0, "{b_verdict}");
-    assert!(count(&b_verdict, "dropped") > 0, "{b_verdict}");
-    assert_eq!(
-        count(&b_verdict, "records_unique"),
-        slots * records,
-        "{b_verdict}"
-    );
-    assert_eq!(
-        count(&b_verdict, "records"),
-        slots * records + count(&b_verdict, "redelivered"),
-        "{b_verdict}"
-    );
-    assert!(
-        count(&b_verdict, "redelivered") <= count(&a_verdict, "resent"),
-        "receiver {b_verdict} sender {a_verdict}"
-    );
+    assert_resumed("freeze", &mut b, &mut a, &relay, slots, records);
 }
 
 /// Partitions flapping on the impaired path, each cut 0.3–0.8 s (past the
@@ -824,23 +813,6 @@ fn flapping_partitions_kill_epoch_after_epoch_and_every_stream_stays_clean() {
         cuts += 1;
         std::thread::sleep(Duration::from_millis(rng.random_range(500..2000)));
     }
-    let b_verdict = b.verdict(Duration::from_secs(60));
-    let a_verdict = a.verdict(Duration::from_secs(30));
-    let relay_stats = stop_relay(&relay);
-    eprintln!(
-        "flapping: {cuts} cuts; receiver epochs {} deaths {} dropped {} records {} streams {}; \
-         sender streams {} resent {} abandoned {}; relay {relay_stats}",
-        b_verdict["epochs_seen"],
-        b_verdict["epoch_deaths"],
-        b_verdict["dropped"],
-        b_verdict["records"],
-        b_verdict["streams"],
-        a_verdict["streams"],
-        a_verdict["resent"],
-        a_verdict["abandoned"],
-    );
-    assert_clean("receiver", &b_verdict);
-    assert_clean("sender", &a_verdict);
-    assert!(count(&b_verdict, "epoch_deaths") > 0, "{b_verdict}");
-    assert!(count(&b_verdict, "dropped") > 0, "{b_verdict}");
+    eprintln!("flapping: {cuts} cuts");
+    verdicts_after_deaths("flapping", &mut b, &mut a, &relay);
 }

@@ -358,6 +358,11 @@ impl<D: Device + 'static> Shared<D> {
             while !shared.lock().posted.is_empty() && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
+            let unfinished = shared.lock().posted.len();
+            if unfinished > 0 {
+                let _in_link = shared.span.enter();
+                tracing::debug!(unfinished, "graceful close gave up on posted SENDs");
+            }
             shared.after_end(reason);
         });
     }

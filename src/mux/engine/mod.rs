@@ -407,6 +407,8 @@ async fn try_goodbye<L: Link>(link: &L, core: &mut PeerCore) {
         if len > 0 {
             link.post(buf, len).ok();
         }
+    } else {
+        tracing::debug!("no credit free for the goodbye; the epoch ends without one");
     }
 }
 
@@ -506,7 +508,11 @@ async fn serve_epoch<L: Link>(
             core.handle_control(now);
             // A slot waiting for credit is not done: the peer's consumer
             // may return it within the linger.
-            if (core.is_quiet() && !core.has_withheld()) || now >= until {
+            let quiet = core.is_quiet() && !core.has_withheld();
+            if quiet || now >= until {
+                if !quiet {
+                    tracing::debug!("shutdown linger over with records unwritten");
+                }
                 try_goodbye(link, core).await;
                 break EpochEnd::Shutdown;
             }
