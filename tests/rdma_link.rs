@@ -459,3 +459,29 @@ async fn a_dead_link_returns_every_chunk_even_those_no_completion_reports() {
         .expect("every chunk comes back");
     assert_eq!(pool.stats().free, 8, "each chunk back exactly once");
 }
+
+/// The Goodbye is posted with `post_last`: signaled, so its completion
+/// reports it and every unsignaled batch before it, and a graceful close
+/// ends once it landed, with nothing left posted; the peer gets every batch
+/// and then the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_close_after_post_last_waits_for_the_last_batch_to_land() {
+    let (_da, _db, a, b) = linked(8).await;
+    let pool = a.send_pool().clone();
+    for n in 0..3u8 {
+        send(&a, &[n; 100]).await;
+    }
+    let mut buf = a.reserve().await.expect("reserve");
+    buf[..7].copy_from_slice(b"goodbye");
+    a.post_last(buf, 7).expect("post_last");
+    assert_eq!(a.stats().signaled_sends, 1, "only the last one asked");
+    // Its completion frees its chunk and the three before it.
+    until(|| pool.stats().in_use == 0).await;
+    a.fail(EpochEnd::Closed);
+    for n in 0..3u8 {
+        assert_eq!(b.recv().await.expect("batch")[0], n);
+    }
+    assert_eq!(&b.recv().await.expect("the last")[..], b"goodbye");
+    assert_eq!(a.ended().await, EpochEnd::Closed);
+    assert_eq!(b.ended().await, EpochEnd::PeerClosed);
+}

@@ -128,6 +128,11 @@ pub trait Link: Send + Sync + 'static {
     /// Sends the first `len` bytes of `buf`, in order after every earlier post.
     fn post(&self, buf: Self::SendBuf, len: usize) -> Result<(), LinkError>;
 
+    /// [`Link::post`] for the epoch's last batch (the Goodbye): a link whose
+    /// graceful end waits for its posts to land asks for this one's
+    /// completion, so the wait ends when it has landed.
+    fn post_last(&self, buf: Self::SendBuf, len: usize) -> Result<(), LinkError>;
+
     /// The next batch from the peer. After the epoch ends, batches the link
     /// had already received are still returned, then the error.
     fn recv(&self) -> impl Future<Output = Result<Self::Batch, LinkError>> + Send;

@@ -254,10 +254,28 @@ impl<D: Device> State<D> {
 
 type EndHook = Box<dyn FnOnce(EpochEnd) + Send>;
 
-/// Longest a graceful close keeps the QP up for SENDs already posted. An
-/// unsignaled last SEND is never reported complete, so this bound is met
-/// then; on a live fabric the SENDs land long before it.
+/// Least a graceful close keeps the QP up for SENDs already posted; it waits
+/// up to the QP's own retry budget when that is longer ([`close_wait`]). The
+/// Goodbye is posted signaled ([`Link::post_last`]), so on a live fabric the
+/// wait ends when it lands; an unsignaled last SEND is never reported
+/// complete, and then the bound is met.
 const GRACEFUL_CLOSE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Most a graceful close waits, whatever the retry budget says.
+const GRACEFUL_CLOSE_CAP: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How long a graceful close may wait for posted SENDs: the RC layer's own
+/// budget for them (`4.096 µs × 2^timeout` per try, `retry_cnt + 1` tries;
+/// `timeout` 0 waits forever), within [`GRACEFUL_CLOSE`] and
+/// [`GRACEFUL_CLOSE_CAP`]. A shorter wait could tear the QP down while RC is
+/// still resending the Goodbye or the batch before it.
+fn close_wait(config: &RdmaConfig) -> std::time::Duration {
+    if config.timeout == 0 || config.timeout > 31 {
+        return GRACEFUL_CLOSE_CAP;
+    }
+    let per_try = std::time::Duration::from_nanos(4096u64 << config.timeout);
+    (per_try * (u32::from(config.retry_cnt) + 1)).clamp(GRACEFUL_CLOSE, GRACEFUL_CLOSE_CAP)
+}
 
 /// Everything one link end owns. Fields drop in declaration order, which is
 /// the verbs destroy order: QP, CQ, receive MRs, then the chunks still
@@ -354,7 +372,7 @@ impl<D: Device + 'static> Shared<D> {
         self.wake_end.notify_waiters();
         let shared = self.clone();
         tokio::spawn(async move {
-            let deadline = tokio::time::Instant::now() + GRACEFUL_CLOSE;
+            let deadline = tokio::time::Instant::now() + close_wait(&shared.config);
             while !shared.lock().posted.is_empty() && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
@@ -400,10 +418,11 @@ impl<D: Device + 'static> Shared<D> {
         st: &mut State<D>,
         buf: Option<(PoolChunk<D>, usize)>,
         imm: u32,
+        last: bool,
     ) -> Result<(), EpochEnd> {
         let wr_id = st.next_wr;
         st.next_wr += 1;
-        let link_wants = st.unsignaled + 1 >= self.config.signal_every || st.sq_free == 0;
+        let link_wants = last || st.unsignaled + 1 >= self.config.signal_every || st.sq_free == 0;
         let sge;
         let (sg_list, chunk): (&[Sge<'_, D::Mr>], _) = match buf {
             Some((mut chunk, len)) => {
@@ -448,7 +467,7 @@ impl<D: Device + 'static> Shared<D> {
             Some(imm) => {
                 st.sq_free -= 1;
                 st.stats.credit_only_sent += 1;
-                self.post_send_locked(st, None, imm)
+                self.post_send_locked(st, None, imm, false)
             }
             None => Ok(()),
         }
@@ -543,6 +562,52 @@ impl<D: Device + 'static> std::fmt::Debug for RdmaLink<D> {
 }
 
 impl<D: Device + 'static> RdmaLink<D> {
+    /// Posts a reserved batch; `last` (the Goodbye) is signaled, so a
+    /// graceful close learns when it landed.
+    fn post_batch(&self, mut buf: RdmaSendBuf<D>, len: usize, last: bool) -> Result<(), LinkError> {
+        let shared = buf.shared.clone();
+        debug_assert!(
+            Arc::ptr_eq(&shared, self.shared()),
+            "a send buffer is posted on the link that reserved it"
+        );
+        let max = shared.config.max_batch;
+        if len > max {
+            return Err(LinkError::BatchTooLarge { len, max });
+        }
+        if len == 0 {
+            return Ok(()); // dropping `buf` gives its credit back
+        }
+        let Some(mut chunk) = buf.chunk.take() else {
+            return Ok(());
+        };
+        // Unlock the chunk before the WR names it (the provider gathers under that lock).
+        chunk.unlock();
+        let mut st = shared.lock();
+        if let Some(reason) = st.ended {
+            drop(chunk);
+            st.sq_free += 1;
+            st.credit.unreserve();
+            return Err(shared.ended_error(reason));
+        }
+        let starved = st.reserve_waiters > 0;
+        let imm = st.credit.on_post(starved);
+        st.stats.batches_sent += 1;
+        let result = shared.post_send_locked(&mut st, Some((chunk, len)), imm, last);
+        debug_assert!(st.credit.invariant_holds());
+        match result {
+            Ok(()) => Ok(()),
+            Err(reason) => {
+                let ended_now = st.set_end(reason);
+                let reason = st.ended.unwrap_or(reason);
+                drop(st);
+                if ended_now {
+                    shared.after_end(reason);
+                }
+                Err(shared.ended_error(reason))
+            }
+        }
+    }
+
     fn shared(&self) -> &Arc<Shared<D>> {
         &self.handle.shared
     }
@@ -763,48 +828,12 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
         }
     }
 
-    fn post(&self, mut buf: RdmaSendBuf<D>, len: usize) -> Result<(), LinkError> {
-        let shared = buf.shared.clone();
-        debug_assert!(
-            Arc::ptr_eq(&shared, self.shared()),
-            "a send buffer is posted on the link that reserved it"
-        );
-        let max = shared.config.max_batch;
-        if len > max {
-            return Err(LinkError::BatchTooLarge { len, max });
-        }
-        if len == 0 {
-            return Ok(()); // dropping `buf` gives its credit back
-        }
-        let Some(mut chunk) = buf.chunk.take() else {
-            return Ok(());
-        };
-        // Unlock the chunk before the WR names it (the provider gathers under that lock).
-        chunk.unlock();
-        let mut st = shared.lock();
-        if let Some(reason) = st.ended {
-            drop(chunk);
-            st.sq_free += 1;
-            st.credit.unreserve();
-            return Err(shared.ended_error(reason));
-        }
-        let starved = st.reserve_waiters > 0;
-        let imm = st.credit.on_post(starved);
-        st.stats.batches_sent += 1;
-        let result = shared.post_send_locked(&mut st, Some((chunk, len)), imm);
-        debug_assert!(st.credit.invariant_holds());
-        match result {
-            Ok(()) => Ok(()),
-            Err(reason) => {
-                let ended_now = st.set_end(reason);
-                let reason = st.ended.unwrap_or(reason);
-                drop(st);
-                if ended_now {
-                    shared.after_end(reason);
-                }
-                Err(shared.ended_error(reason))
-            }
-        }
+    fn post(&self, buf: RdmaSendBuf<D>, len: usize) -> Result<(), LinkError> {
+        self.post_batch(buf, len, false)
+    }
+
+    fn post_last(&self, buf: RdmaSendBuf<D>, len: usize) -> Result<(), LinkError> {
+        self.post_batch(buf, len, true)
     }
 
     async fn recv(&self) -> Result<RdmaBatch<D>, LinkError> {

@@ -1,9 +1,10 @@
 //! Node-level checks of the registered-memory bound, the memlock preflight,
-//! the `rdma_link` span and the node's metric export, on soft devices over
-//! loopback UDP.
+//! the `rdma_link` span, the node's metric export and the graceful close's
+//! wait, on soft devices over loopback UDP.
 
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tracing::Subscriber;
 use tracing::field::Field;
@@ -261,4 +262,25 @@ async fn a_verbs_failure_past_the_memlock_limit_is_reported_as_the_limit() {
         limit,
         "only verbs failures"
     );
+}
+
+#[test]
+fn a_graceful_close_waits_up_to_the_qps_own_retry_budget_within_bounds() {
+    let with = |timeout, retry_cnt| {
+        close_wait(&RdmaConfig {
+            timeout,
+            retry_cnt,
+            ..RdmaConfig::default()
+        })
+    };
+    // 4.096 µs × 2^14 ≈ 67 ms per try.
+    assert_eq!(with(14, 7), Duration::from_nanos(4096 << 14) * 8);
+    assert_eq!(with(14, 3), Duration::from_nanos(4096 << 14) * 4);
+    assert_eq!(
+        with(8, 1),
+        GRACEFUL_CLOSE,
+        "a short budget still gets the floor"
+    );
+    assert_eq!(with(20, 7), GRACEFUL_CLOSE_CAP, "a long one is capped");
+    assert_eq!(with(0, 7), GRACEFUL_CLOSE_CAP, "timeout 0 is forever");
 }

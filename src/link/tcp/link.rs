@@ -621,6 +621,11 @@ impl Link for TcpLink {
         Ok(())
     }
 
+    fn post_last(&self, buf: TcpSendBuf, len: usize) -> Result<(), LinkError> {
+        // The stream's own close orders it after every earlier byte.
+        self.post(buf, len)
+    }
+
     async fn recv(&self) -> Result<TcpBatch, LinkError> {
         let inner = self.inner();
         let mut armed = false;

@@ -405,7 +405,7 @@ async fn try_goodbye<L: Link>(link: &L, core: &mut PeerCore) {
     if let Some(mut buf) = reserved {
         let len = core.poll_goodbye(&mut buf);
         if len > 0 {
-            link.post(buf, len).ok();
+            link.post_last(buf, len).ok();
         }
     } else {
         tracing::debug!("no credit free for the goodbye; the epoch ends without one");
