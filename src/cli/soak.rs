@@ -175,8 +175,10 @@ struct Diagnosis {
     connector: String,
     backoff_ms: u128,
     device: String,
-    /// Sender: slots waiting for the receiver's word on their last stream.
-    awaiting: Vec<u32>,
+    /// Sender: each slot whose task is not over, and what it does
+    /// (`streaming`, `awaiting` the receiver's word, or `refused` and
+    /// retrying its open).
+    unfinished: Vec<(u32, &'static str)>,
     t_ms: u64,
 }
 
@@ -194,7 +196,7 @@ impl Diagnosis {
             connector: format!("{:?}", node.node().stats()),
             backoff_ms: node.node().backoff(peer).as_millis(),
             device: format!("{:?}", node.device().stats()),
-            awaiting: shared.awaiting(),
+            unfinished: shared.unfinished(),
             t_ms: unix_ms(),
         }
     }
@@ -282,23 +284,50 @@ enum SlotPhase {
     Streaming = 0,
     /// Its stream ended here; the receiver's word on it is awaited.
     Awaiting = 1,
-    /// Acknowledged finalized (or given up).
-    Done = 2,
+    /// Its open was refused; it retries.
+    Refused = 2,
+    /// Its task is over.
+    Done = 3,
 }
 
-impl Shared {
-    fn set_phase(&self, slot: u32, phase: SlotPhase) {
-        if let Some(p) = self.phases.get(slot as usize) {
+impl SlotPhase {
+    fn name(phase: u8) -> Option<&'static str> {
+        match phase {
+            0 => Some("streaming"),
+            1 => Some("awaiting"),
+            2 => Some("refused"),
+            _ => None,
+        }
+    }
+}
+
+/// A sender's slot task: marks the slot done when the task ends, however
+/// it ends.
+struct SlotTask<'a> {
+    shared: &'a Shared,
+    slot: u32,
+}
+
+impl SlotTask<'_> {
+    fn set(&self, phase: SlotPhase) {
+        if let Some(p) = self.shared.phases.get(self.slot as usize) {
             p.store(phase as u8, Ordering::Relaxed);
         }
     }
+}
 
-    /// Slots whose stream ended and whose receiver's word is awaited.
-    fn awaiting(&self) -> Vec<u32> {
+impl Drop for SlotTask<'_> {
+    fn drop(&mut self) {
+        self.set(SlotPhase::Done);
+    }
+}
+
+impl Shared {
+    /// The sender's slots whose task is not over, with their phase.
+    fn unfinished(&self) -> Vec<(u32, &'static str)> {
         (0u32..)
             .zip(&self.phases)
-            .filter(|(_, p)| p.load(Ordering::Relaxed) == SlotPhase::Awaiting as u8)
-            .map(|(slot, _)| slot)
+            .filter_map(|(slot, p)| SlotPhase::name(p.load(Ordering::Relaxed)).map(|n| (slot, n)))
             .collect()
     }
 }
@@ -524,7 +553,10 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
         redelivered: AtomicU64::new(0),
         counters: Mutex::new(CounterTrack::default()),
         phases: (0..args.slots)
-            .map(|_| AtomicU8::new(SlotPhase::Streaming as u8))
+            .map(|_| match args.role {
+                Role::Send => AtomicU8::new(SlotPhase::Streaming as u8),
+                Role::Recv => AtomicU8::new(SlotPhase::Done as u8),
+            })
             .collect(),
     });
     let deadline = shared.started + Duration::from_secs(args.duration_s);
@@ -829,6 +861,10 @@ async fn send_slot(
     mut heard: watch::Receiver<Heard>,
 ) -> bool {
     let key = StreamKey::new(SOAK_ANCHOR, u64::from(slot));
+    let task = SlotTask {
+        shared: &shared,
+        slot,
+    };
     let pace = Duration::from_micros(args.pace_us);
     // One past the highest index accepted so far, to count resends.
     let mut accepted_to = 0u64;
@@ -902,10 +938,12 @@ async fn send_slot(
                 // Not rebound yet, or already finalized (the next turn of
                 // the loop sees that); nothing of this stream was delivered.
                 shared.tally(|v| v.refused += 1);
+                task.set(SlotPhase::Refused);
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 if Instant::now() >= deadline {
                     return heard.borrow().finalized;
                 }
+                task.set(SlotPhase::Streaming);
                 continue;
             }
             Some(other) => {
@@ -920,15 +958,12 @@ async fn send_slot(
             epoch,
             dead,
         };
-        shared.set_phase(slot, SlotPhase::Awaiting);
-        let finalized = await_outcome(watch, stream, &mut heard, &shared).await;
-        shared.set_phase(slot, SlotPhase::Streaming);
-        if finalized {
-            shared.set_phase(slot, SlotPhase::Done);
+        task.set(SlotPhase::Awaiting);
+        if await_outcome(watch, stream, &mut heard, &shared).await {
             return true;
         }
+        task.set(SlotPhase::Streaming);
         if Instant::now() >= deadline {
-            shared.set_phase(slot, SlotPhase::Done);
             return false;
         }
     }
