@@ -494,28 +494,39 @@ fn an_impaired_path_loses_duplicates_and_reorders_no_record() {
 /// The relay between A and B (tproxy rules included): 1% loss, 1%
 /// duplication, 1% held back 3 ms, 0–5 ms jitter.
 fn spawn_relay(net: &mut Net, seed: u64) -> Proc {
+    let seed = seed.to_string();
+    spawn_relay_with(
+        net,
+        &[
+            "--loss",
+            "0.01",
+            "--dup",
+            "0.01",
+            "--reorder",
+            "0.01",
+            "--jitter-us",
+            "5000",
+            "--seed",
+            &seed,
+        ],
+    )
+}
+
+/// The relay between A and B (tproxy rules included) with `impairment`.
+fn spawn_relay_with(net: &mut Net, impairment: &[&str]) -> Proc {
     net.script(&["tproxy", &A_UDP.to_string(), &B_UDP.to_string()])
         .expect("tproxy rules");
     let stats = net.file("relay.json");
-    let relay_args = strings(&[
+    let mut relay_args = strings(&[
         "relay",
         "--peer",
         &format!("{A_IP}:{A_UDP}"),
         "--peer",
         &format!("{B_IP}:{B_UDP}"),
-        "--loss",
-        "0.01",
-        "--dup",
-        "0.01",
-        "--reorder",
-        "0.01",
-        "--jitter-us",
-        "5000",
-        "--seed",
-        &seed.to_string(),
         "--stats-file",
         &stats.display().to_string(),
     ]);
+    relay_args.extend(strings(impairment));
     let relay = net.spawn('r', "relay", &relay_args);
     relay.wait_for("relay start", Duration::from_secs(10), |e| {
         e["event"] == "relay_start"
@@ -554,6 +565,12 @@ fn paced(slots: u64, seconds: u64) -> Vec<String> {
         "--backoff-max-ms",
         "200",
     ])
+}
+
+/// Sets the value of `flag`, which `args` already holds.
+fn set_arg(args: &mut [String], flag: &str, value: &str) {
+    let at = args.iter().position(|a| a == flag).expect("flag present");
+    args[at + 1] = value.to_string();
 }
 
 /// A partition longer than the RC retry budget, then heal: one Dropped per
@@ -670,8 +687,7 @@ fn an_impaired_stream_cut_by_a_partition_resumes_from_the_acknowledged_prefix() 
 fn paced_pair_under_way(net: &mut Net, seed: u64, slots: u64, records: u64) -> (Proc, Proc, Proc) {
     let relay = spawn_relay(net, seed);
     let mut args = paced(slots, 40);
-    assert_eq!(args[2], "--records");
-    args[3] = records.to_string();
+    set_arg(&mut args, "--records", &records.to_string());
     let b = net.spawn('b', "b", &net.soak('b', &args));
     let a = net.spawn('a', "a", &net.soak('a', &args));
     b.wait_for("records", Duration::from_secs(15), |e| {
@@ -815,4 +831,46 @@ fn flapping_partitions_kill_epoch_after_epoch_and_every_stream_stays_clean() {
     }
     eprintln!("flapping: {cuts} cuts");
     verdicts_after_deaths("flapping", &mut b, &mut a, &relay);
+}
+
+/// The receiver's last words lost as they leave: once the sender has queued
+/// every record, B's packets to A are cut for 4 s (the relay delays every
+/// datagram 150 ms, so the last records still reach B and its final
+/// acknowledgements meet the cut). Both epochs die with those words unheard.
+/// The receiver must not leave before the sender says it heard them: it
+/// waits, sends them again on the epoch after the heal, and both exit with
+/// every record verified once.
+#[test]
+fn the_receivers_last_words_lost_at_the_end_are_sent_again_before_it_leaves() {
+    let Some(mut net) = net_or_skip("words") else {
+        return;
+    };
+    let (slots, records) = (16u64, 100u64);
+    let relay = spawn_relay_with(&mut net, &["--delay-us", "150000"]);
+    let mut args = paced(slots, 40);
+    set_arg(&mut args, "--records", &records.to_string());
+    // A round trip through the relay is 300 ms: ACK timeouts of 537 ms.
+    set_arg(&mut args, "--rc-timeout", "17");
+    let mut b = net.spawn('b', "b", &net.soak('b', &args));
+    let mut a = net.spawn('a', "a", &net.soak('a', &args));
+    a.wait_for("every record queued", Duration::from_secs(30), |e| {
+        e["event"] == "all_sent"
+    });
+    net.script(&["partition", "b-to-a"]).expect("one-way cut");
+    std::thread::sleep(Duration::from_secs(4));
+    net.script(&["partition", "off"]).expect("heal");
+    let b_verdict = b.verdict(Duration::from_secs(30));
+    let a_verdict = a.verdict(Duration::from_secs(30));
+    let relay_stats = stop_relay(&relay);
+    eprintln!("words: receiver {b_verdict}\nsender {a_verdict}\nrelay {relay_stats}");
+    assert_clean("receiver", &b_verdict);
+    assert_clean("sender", &a_verdict);
+    assert!(count(&b_verdict, "epoch_deaths") > 0, "{b_verdict}");
+    assert_eq!(
+        count(&b_verdict, "records_unique"),
+        slots * records,
+        "{b_verdict}"
+    );
+    assert_eq!(b_verdict["sender_done"], true, "{b_verdict}");
+    assert_eq!(a_verdict["receiver_heard_done"], true, "{a_verdict}");
 }

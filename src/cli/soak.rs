@@ -8,6 +8,8 @@
 //!            per slot: indices verified once, again (redelivered) or past the prefix (hole)
 //!  sender: keeps a slot until the receiver acknowledges it finalized; when the
 //!          stream's epoch dies, resends from the acknowledged prefix on a new stream
+//!  sender ─ done slot: "heard every slot's end" ─► receiver, which then closes it
+//!  receiver: stays (re-sending its words on each new epoch) until it hears that
 //!  both: JSON-line events on stdout (epoch up/down, dropped, verdict)
 //! ```
 //!
@@ -38,6 +40,8 @@ use crate::verbs::soft::{QpCounters, SoftDevice};
 const SOAK_ANCHOR: u64 = 0x534f_414b; // "SOAK"
 /// The receiver's acknowledgements to the sender: one slot, session 0.
 const ACK_ANCHOR: u64 = 0x534f_4143; // "SOAC"
+/// The sender's word that it heard every slot's end: one slot, session 0.
+const DONE_ANCHOR: u64 = 0x534f_4144; // "SOAD"
 /// slot u32, stream u32, seq u64 (in the stream), index u64 (in the slot).
 const HEADER: usize = 24;
 const CRC: usize = 4;
@@ -119,6 +123,11 @@ pub struct SoakArgs {
     /// Largest dial backoff, in milliseconds.
     #[arg(long, default_value_t = 500)]
     pub backoff_max_ms: u64,
+    /// Receiver: how long, its last acknowledgements queued, it waits for
+    /// the sender to say it heard them (re-sending them on every new
+    /// epoch). Sender: how long it tries to say so.
+    #[arg(long, default_value_t = 10)]
+    pub linger_s: u64,
 }
 
 /// One line on stdout.
@@ -151,6 +160,12 @@ enum Event<'a> {
         t_ms: u64,
     },
     Progress {
+        records: u64,
+        t_ms: u64,
+    },
+    /// Sender: every slot has queued its last record and its end (only
+    /// with `--records`); the receiver's words on them are still to come.
+    AllSent {
         records: u64,
         t_ms: u64,
     },
@@ -246,6 +261,11 @@ struct Verdict {
     ack_streams: u64,
     /// Sender: acknowledgements that were corrupt or named no slot.
     bad_acks: u64,
+    /// Receiver: the sender said it heard every slot's end before the
+    /// receiver left.
+    sender_done: bool,
+    /// Sender: the receiver took that word (it closed the done slot).
+    receiver_heard_done: bool,
     /// Streams (one per slot per epoch that carried it).
     streams: u64,
     dropped: u64,
@@ -274,6 +294,11 @@ struct Shared {
     counters: Mutex<CounterTrack>,
     /// Sender: where each slot stands (`SlotPhase`), for the diagnosis.
     phases: Vec<AtomicU8>,
+    /// Sender: slots that have queued their last record.
+    slots_sent: AtomicU64,
+    /// Receiver: every slot is over; no record is expected, so none missing
+    /// is a stall.
+    finishing: AtomicBool,
 }
 
 /// Where a sender's slot stands.
@@ -363,6 +388,17 @@ impl Shared {
         v.violation_count += 1;
         if v.violations.len() < LISTED_VIOLATIONS {
             v.violations.push(what);
+        }
+    }
+
+    /// Sender: one more slot queued its last record; the last one says so.
+    fn slot_sent(&self) {
+        let sent = self.slots_sent.fetch_add(1, Ordering::Relaxed) + 1;
+        if sent == self.phases.len() as u64 {
+            self.emit(&Event::AllSent {
+                records: self.records.load(Ordering::Relaxed),
+                t_ms: unix_ms(),
+            });
         }
     }
 
@@ -552,6 +588,8 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
         unique: AtomicU64::new(0),
         redelivered: AtomicU64::new(0),
         counters: Mutex::new(CounterTrack::default()),
+        slots_sent: AtomicU64::new(0),
+        finishing: AtomicBool::new(false),
         phases: (0..args.slots)
             .map(|_| match args.role {
                 Role::Send => AtomicU8::new(SlotPhase::Streaming as u8),
@@ -579,17 +617,18 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
         udp_port: node.device().udp_port(),
         t_ms: unix_ms(),
     });
-    // Each side binds before anyone can reach it: the receiver its slots,
-    // the sender the acknowledgement slot.
+    // Each side binds before anyone can reach it: the receiver its slots
+    // and the done slot, the sender the acknowledgement slot.
     let ack_key = StreamKey::new(ACK_ANCHOR, 0);
-    let (receivers, ack_rx) = match args.role {
+    let (receivers, ack_rx, done_rx) = match args.role {
         Role::Recv => (
             (0..args.slots)
                 .map(|s| node.mux().bind(StreamKey::new(SOAK_ANCHOR, u64::from(s))))
                 .collect::<Result<Vec<_>, _>>()?,
             None,
+            Some(node.mux().bind(StreamKey::new(DONE_ANCHOR, 0))?),
         ),
-        Role::Send => (Vec::new(), Some(node.mux().bind(ack_key)?)),
+        Role::Send => (Vec::new(), Some(node.mux().bind(ack_key)?), None),
     };
     write_atomically(&args.addr_file, &hex(&node.address()))?;
     let blob = read_peer_blob(&args.peer_file, deadline).await?;
@@ -606,7 +645,8 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
 
     let mut tasks = Vec::new();
     let board = Arc::new(AckBoard::new(args.slots));
-    let ack_task = match args.role {
+    let mut sender_done = done_rx.map(|rx| tokio::spawn(hear_done(node.clone(), rx)));
+    let mut ack_task = match args.role {
         Role::Send => {
             let (heard_tx, heard_rx): (Vec<_>, Vec<_>) = (0..args.slots)
                 .map(|_| watch::channel(Heard::default()))
@@ -651,16 +691,22 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
     let all = futures_join(tasks, finished.clone());
     let _ = tokio::time::timeout_at((deadline + Duration::from_secs(5)).into(), all).await;
     let finished = finished.load(Ordering::Relaxed) as u32;
-    match (args.role, &args.done_file) {
-        (Role::Send, Some(done)) => {
-            // The receiver's verdict names what it verified; stay up until
-            // it is written (it gives up 5 s past the deadline).
-            let until = deadline + Duration::from_secs(10);
-            while !done.exists() && Instant::now() < until {
-                tokio::time::sleep(Duration::from_millis(20)).await;
+    let linger = Duration::from_secs(args.linger_s);
+    match args.role {
+        Role::Send => {
+            let heard = tokio::time::timeout(linger, say_done(node.clone(), peer)).await;
+            shared.tally(|v| v.receiver_heard_done = heard.unwrap_or(false));
+            if let Some(done) = &args.done_file {
+                // The receiver's verdict names what it verified; stay up
+                // until it is written.
+                let until = Instant::now() + linger + Duration::from_secs(5);
+                while !done.exists() && Instant::now() < until {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
             }
         }
-        (Role::Recv, _) => {
+        Role::Recv => {
+            shared.finishing.store(true, Ordering::Relaxed);
             // The last acknowledgements go out before the goodbye.
             board.closing.store(true, Ordering::Release);
             board.changed.notify_one();
@@ -670,8 +716,19 @@ pub async fn run(args: SoakArgs, json: bool) -> anyhow::Result<()> {
                 }
             };
             let _ = tokio::time::timeout(Duration::from_secs(5), flushed).await;
+            // Queued is not heard: an epoch that dies now takes the last
+            // words with it, and only the sender knows whether they came.
+            if let Some(done) = sender_done.as_mut() {
+                let heard = tokio::time::timeout(linger, done).await;
+                shared.tally(|v| v.sender_done = matches!(heard, Ok(Ok(true))));
+            }
+            board.stop.store(true, Ordering::Release);
+            board.changed.notify_one();
+            let _ = tokio::time::timeout(Duration::from_secs(1), &mut ack_task).await;
         }
-        _ => {}
+    }
+    if let Some(done) = sender_done {
+        done.abort();
     }
     ack_task.abort();
     watcher.abort();
@@ -770,7 +827,11 @@ async fn watch(
         if records != moved.0 {
             moved = (records, Instant::now());
             stall_reported = false;
-        } else if records_stall && !stall_reported && moved.1.elapsed() >= stall_after {
+        } else if records_stall
+            && !stall_reported
+            && !shared.finishing.load(Ordering::Relaxed)
+            && moved.1.elapsed() >= stall_after
+        {
             stall_reported = true;
             let diagnosis = Diagnosis::of(&node, peer, &shared, moved.1.elapsed(), epoch);
             shared.emit(&Event::Stall(diagnosis));
@@ -868,6 +929,7 @@ async fn send_slot(
     let pace = Duration::from_micros(args.pace_us);
     // One past the highest index accepted so far, to count resends.
     let mut accepted_to = 0u64;
+    let mut all_queued = false;
     loop {
         let known = *heard.borrow_and_update();
         if known.finalized {
@@ -888,6 +950,10 @@ async fn send_slot(
         let ended = loop {
             let more = args.records == 0 || index < args.records;
             if !more || Instant::now() >= deadline {
+                if !more && !all_queued {
+                    all_queued = true;
+                    shared.slot_sent();
+                }
                 break tx.finish(Terminal::Finalized).err();
             }
             let rec = Rec {
@@ -1073,10 +1139,13 @@ async fn read_acks(
 struct AckBoard {
     slots: Mutex<Vec<Ack>>,
     changed: Notify,
-    /// Set when the receiver is done: send what is left, then finish.
+    /// Set when the receiver is done: send what is left, and everything
+    /// again on each new epoch.
     closing: AtomicBool,
     /// The final acknowledgements are queued.
     flushed: AtomicBool,
+    /// Set once the sender heard them (or the wait is over): finish.
+    stop: AtomicBool,
 }
 
 impl AckBoard {
@@ -1093,6 +1162,7 @@ impl AckBoard {
             changed: Notify::new(),
             closing: AtomicBool::new(false),
             flushed: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
         }
     }
 
@@ -1109,7 +1179,7 @@ impl AckBoard {
 }
 
 /// Receiver: sends every slot's word once per epoch, then what changed
-/// (stream ends at once, prefixes every `ACK_INTERVAL`).
+/// (stream ends at once, prefixes every `ACK_INTERVAL`), until told to stop.
 async fn send_acks(node: Arc<Soft>, peer: PeerId, board: Arc<AckBoard>, shared: Arc<Shared>) {
     let key = StreamKey::new(ACK_ANCHOR, 0);
     loop {
@@ -1128,9 +1198,11 @@ async fn send_acks(node: Arc<Soft>, peer: PeerId, board: Arc<AckBoard>, shared: 
                 }
             }
             if closing {
-                let _ = tx.finish(Terminal::Finalized);
                 board.flushed.store(true, Ordering::Release);
-                return;
+                if board.stop.load(Ordering::Acquire) {
+                    let _ = tx.finish(Terminal::Finalized);
+                    return;
+                }
             }
             // An idle ack stream must see its epoch die: it is what asks
             // for the next link while the sender waits for its words.
@@ -1145,6 +1217,52 @@ async fn send_acks(node: Arc<Soft>, peer: PeerId, board: Arc<AckBoard>, shared: 
             // Refused (the sender has not rebound yet) and the rest: retry.
             _ => tokio::time::sleep(Duration::from_millis(20)).await,
         }
+    }
+}
+
+/// Sender: tells the receiver it heard every slot's end, again on each new
+/// epoch until the receiver closes the done slot; true once it has.
+async fn say_done(node: Arc<Soft>, peer: PeerId) -> bool {
+    let key = StreamKey::new(DONE_ANCHOR, 0);
+    loop {
+        let Ok(mut tx) = node.mux().open(peer, key) else {
+            return false;
+        };
+        let ended = match tx.send(Bytes::from_static(b"done")).await {
+            Ok(()) => tx.closed().await,
+            Err(err) => err,
+        };
+        match ended {
+            SendError::PeerClosed(CloseReason::ReceiverGone) => return true,
+            SendError::Dropped(DropReason::EpochEnded { .. }) => {}
+            // Not bound again yet after an epoch died: retry.
+            SendError::PeerClosed(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            _ => return false,
+        }
+    }
+}
+
+/// Receiver: true once the sender says it heard every slot's end; the slot
+/// is closed then, which tells the sender its word arrived.
+async fn hear_done(node: Arc<Soft>, mut rx: crate::mux::SlotReceiver) -> bool {
+    let key = rx.key();
+    loop {
+        while let Some(frame) = rx.recv().await {
+            match frame {
+                Frame::Data(_) => return true,
+                Frame::Heartbeat => {}
+                _ => break,
+            }
+        }
+        rx = loop {
+            match node.mux().bind(key) {
+                Ok(rx) => break rx,
+                Err(MuxError::AlreadyBound(_)) => {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                Err(_) => return false,
+            }
+        };
     }
 }
 

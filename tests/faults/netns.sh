@@ -5,7 +5,7 @@
 #                               (ip_forward; nft: tproxy, partition)
 #
 # usage: netns.sh up TAG | down TAG | tproxy TAG PORT_A PORT_B
-#        | partition TAG on|off
+#        | partition TAG on|off|b-to-a   (b-to-a: only B's packets to A are cut)
 # TAG keeps concurrent runs apart (the test uses its pid).
 set -eu
 
@@ -58,12 +58,17 @@ table ip qf_relay {
 NFT
     ;;
 partition)
-    if [ "$3" = on ]; then
+    if [ "$3" = on ] || [ "$3" = b-to-a ]; then
+        if [ "$3" = on ]; then
+            cut="ip saddr { $A, $B } ip daddr { $A, $B } drop"
+        else
+            cut="ip saddr $B ip daddr $A drop"
+        fi
         ip netns exec "$r" nft -f - <<NFT
 table ip qf_partition {
     chain pre {
         type filter hook prerouting priority raw; policy accept;
-        ip saddr { $A, $B } ip daddr { $A, $B } drop
+        $cut
     }
 }
 NFT
