@@ -521,11 +521,66 @@ async fn a_fragment_sequence_cut_by_epoch_death_yields_dropped_never_a_partial_r
 
 /// A raw peer: one end of a mem pair attached to a mux, the other driven by hand.
 async fn raw_peer(config: MuxConfig) -> (Mux<MemLink>, MemLink) {
+    raw_peer_with(config, MemConfig::default()).await
+}
+
+async fn raw_peer_with(config: MuxConfig, link: MemConfig) -> (Mux<MemLink>, MemLink) {
     let fabric = MemFabric::new(MemConfig::default());
     let mux = Mux::new(config, fabric.dialer(A));
-    let (ours, theirs) = pair(Epoch(1), MemConfig::default());
+    let (ours, theirs) = pair(Epoch(1), link);
     mux.attach(B, ours);
     (mux, theirs)
+}
+
+/// A shutdown that finds every link credit taken waits, within the linger,
+/// for the peer to take a batch and so return one, then says goodbye: the
+/// peer learns the epoch ended on purpose. (It used to end the epoch at
+/// once without a goodbye.)
+#[tokio::test]
+async fn a_shutdown_goodbye_waits_within_the_linger_for_a_link_credit() {
+    goodbye_after_credit_returns(MuxConfig::default(), |mux| mux.shutdown()).await;
+}
+
+/// The same for a peer retired for idleness.
+#[tokio::test]
+async fn an_idle_retirement_goodbye_waits_for_a_link_credit() {
+    let config = MuxConfig {
+        idle_retire: Duration::from_millis(5),
+        ..MuxConfig::default()
+    };
+    goodbye_after_credit_returns(config, |_| {}).await;
+}
+
+/// One record and the stream's end in two batches that the raw peer holds
+/// unread (both link credits with it), then `end_epoch`: the epoch waits for
+/// a credit, and the batch it then writes carries the Goodbye.
+async fn goodbye_after_credit_returns(config: MuxConfig, end_epoch: impl FnOnce(&Mux<MemLink>)) {
+    let link = MemConfig {
+        credits: 2,
+        ..MemConfig::default()
+    };
+    let (mux, raw) = raw_peer_with(config, link).await;
+    let mut tx = mux.open(B, StreamKey::new(6, 6)).expect("open");
+    tx.send(record(6, 0, 100)).await.expect("send");
+    let mut held = vec![raw.recv().await.expect("the record's batch")];
+    tx.finish(Terminal::Finalized).expect("finish");
+    held.push(raw.recv().await.expect("the end's batch"));
+    end_epoch(&mux);
+    // On this one thread the peer task now runs: quiet (or idle), with no
+    // credit for the goodbye.
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(
+        !raw.is_ended(),
+        "the epoch ended without waiting for credit"
+    );
+    drop(held);
+    let batch = raw.recv().await.expect("the goodbye's batch");
+    let view = BatchView::new_checked(&batch).expect("valid");
+    assert!(
+        view.records()
+            .any(|r| matches!(r.body, RecordBody::Goodbye)),
+        "no goodbye in the batch after the credit came back"
+    );
 }
 
 async fn post_batch(link: &MemLink, seq: u32, build: impl FnOnce(&mut BatchEncoder<'_>)) {

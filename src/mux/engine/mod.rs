@@ -395,20 +395,25 @@ fn retire<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, force: bool) -> boo
     true
 }
 
-/// Posts a Goodbye if a credit is free right now; never waits for one.
-async fn try_goodbye<L: Link>(link: &L, core: &mut PeerCore) {
+/// Says goodbye if a link credit is free now (true; also when the link has
+/// ended and nothing can be said); false if none is, without waiting.
+async fn try_goodbye<L: Link>(link: &L, core: &mut PeerCore) -> bool {
     let reserved = tokio::select! {
         biased;
-        r = link.reserve() => r.ok(),
-        _ = std::future::ready(()) => None,
+        r = link.reserve() => r,
+        _ = std::future::ready(()) => return false,
     };
-    if let Some(mut buf) = reserved {
-        let len = core.poll_goodbye(&mut buf);
-        if len > 0 {
-            link.post_last(buf, len).ok();
-        }
-    } else {
-        tracing::debug!("no credit free for the goodbye; the epoch ends without one");
+    if let Ok(buf) = reserved {
+        post_goodbye(link, core, buf);
+    }
+    true
+}
+
+/// Writes the Goodbye into `buf` and posts it as the epoch's last batch.
+fn post_goodbye<L: Link>(link: &L, core: &mut PeerCore, mut buf: L::SendBuf) {
+    let len = core.poll_goodbye(&mut buf);
+    if len > 0 {
+        link.post_last(buf, len).ok();
     }
 }
 
@@ -485,6 +490,8 @@ async fn serve_epoch<L: Link>(
 ) -> EpochEnd {
     let config = &shared.config;
     let mut drain_until: Option<Instant> = None;
+    // Set while an idle peer waits for a link credit for its goodbye: until when.
+    let mut idle_goodbye_until: Option<Instant> = None;
     // The waits live across turns and are renewed only when they fire: a
     // turn then costs no waiter-list or timer-wheel round trips for the
     // waits that did not (docs/design.md § "Wake only a waiter, and let the
@@ -501,6 +508,9 @@ async fn serve_epoch<L: Link>(
         }
         shutdown.as_mut().enable();
         let now = Instant::now();
+        // The end this turn has reached, and how long its goodbye may wait
+        // for a link credit (the peer returns them as it takes our batches).
+        let mut ending: Option<(EpochEnd, Instant)> = None;
         if shared.shutdown.load(Ordering::Acquire) {
             // Write what is already queued (bounded by the linger), then say goodbye.
             let until = *drain_until.get_or_insert(now + config.shutdown_linger);
@@ -513,8 +523,7 @@ async fn serve_epoch<L: Link>(
                 if !quiet {
                     tracing::debug!("shutdown linger over with records unwritten");
                 }
-                try_goodbye(link, core).await;
-                break EpochEnd::Shutdown;
+                ending = Some((EpochEnd::Shutdown, until));
             }
         }
         if core.goodbye_received() {
@@ -524,18 +533,32 @@ async fn serve_epoch<L: Link>(
         if let Some(until) = drain_until {
             deadline = deadline.min(until);
         }
-        if let Some(since) = core.idle_since() {
-            let retire_at = since + config.idle_retire;
-            if now >= retire_at && entry.control.state().dirty_inlets.is_empty() {
-                try_goodbye(link, core).await;
-                break EpochEnd::Closed;
+        match core.idle_since() {
+            Some(since) if ending.is_none() => {
+                let retire_at = since + config.idle_retire;
+                if now >= retire_at && entry.control.state().dirty_inlets.is_empty() {
+                    let until = *idle_goodbye_until.get_or_insert(now + config.shutdown_linger);
+                    ending = Some((EpochEnd::Closed, until));
+                }
+                deadline = deadline.min(retire_at);
             }
-            deadline = deadline.min(retire_at);
+            // Work came back while the goodbye waited: no longer idle.
+            _ => idle_goodbye_until = None,
+        }
+        if let Some((end, until)) = ending {
+            if try_goodbye(link, core).await {
+                break end;
+            }
+            if now >= until {
+                tracing::debug!("no link credit came for the goodbye; the epoch ends without one");
+                break end;
+            }
+            deadline = deadline.min(until);
         }
         if timer.deadline() != deadline {
             timer.as_mut().reset(deadline);
         }
-        let write = core.wants_write(now);
+        let write = core.wants_write(now) || ending.is_some();
         let take_message = messages.is_some() && core.wants_messages();
         let next_message = async {
             match &*messages {
@@ -574,6 +597,10 @@ async fn serve_epoch<L: Link>(
             },
             reserved = link.reserve(), if write => match reserved {
                 Ok(mut buf) => {
+                    if let Some((end, _)) = ending {
+                        post_goodbye(link, core, buf);
+                        break end;
+                    }
                     let len = core.poll_batch(&mut buf, Instant::now());
                     if len > 0 {
                         stages::mark(Stage::Encoded);
