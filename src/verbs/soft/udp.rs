@@ -285,8 +285,12 @@ impl Port {
 /// Packets taken from the core and not yet on the wire, in emission order.
 #[derive(Default)]
 pub(crate) struct Outbox {
-    /// The packets, back to back.
+    /// The packets, back to back in `arena[..used]`. The arena only grows:
+    /// bytes past `used` are stale, and a packet is written over them, so
+    /// emitting one zeroes nothing (a fill of `MAX_PACKET` per packet was a
+    /// 4 KiB `memset` on every post and ACK).
     arena: Vec<u8>,
+    used: usize,
     /// (destination, range in `arena`) per packet.
     out: Vec<(SocketAddr, std::ops::Range<usize>)>,
 }
@@ -295,12 +299,13 @@ impl Outbox {
     fn with_capacity(packets: usize) -> Outbox {
         Outbox {
             arena: Vec::with_capacity(packets * MAX_PACKET),
+            used: 0,
             out: Vec::with_capacity(packets),
         }
     }
 
     fn clear(&mut self) {
-        self.arena.clear();
+        self.used = 0;
         self.out.clear();
     }
 
@@ -312,27 +317,36 @@ impl Outbox {
         self.out.is_empty()
     }
 
+    /// Room for `len` more bytes after `used`: zeroed once, when first grown.
+    fn room(&mut self, len: usize) -> &mut [u8] {
+        let end = self.used + len;
+        if self.arena.len() < end {
+            self.arena.resize(end, 0);
+        }
+        &mut self.arena[self.used..end]
+    }
+
     /// Emits packets from the core until it has none or `limit` are held.
     fn collect(&mut self, core: &mut DeviceCore, now: Instant, limit: usize) {
         while self.out.len() < limit {
-            let start = self.arena.len();
-            self.arena.resize(start + MAX_PACKET, 0);
-            let Some(x) = core.poll_transmit(now, &mut self.arena[start..]) else {
-                self.arena.truncate(start);
+            let start = self.used;
+            let Some(x) = core.poll_transmit(now, self.room(MAX_PACKET)) else {
                 break;
             };
-            self.arena.truncate(start + x.len);
+            self.used = start + x.len;
             self.out
-                .push((addr_of(x.dst, x.dst_port), start..start + x.len));
+                .push((addr_of(x.dst, x.dst_port), start..self.used));
         }
     }
 
     /// Appends `other`'s packets from index `from` on.
     fn append(&mut self, other: &Outbox, from: usize) {
         for (dst, range) in &other.out[from..] {
-            let start = self.arena.len();
-            self.arena.extend_from_slice(&other.arena[range.clone()]);
-            self.out.push((*dst, start..self.arena.len()));
+            let start = self.used;
+            self.room(range.len())
+                .copy_from_slice(&other.arena[range.clone()]);
+            self.used = start + range.len();
+            self.out.push((*dst, start..self.used));
         }
     }
 
