@@ -834,9 +834,10 @@ fn flapping_partitions_kill_epoch_after_epoch_and_every_stream_stays_clean() {
 }
 
 /// The receiver's last words lost as they leave: once the sender has queued
-/// every record, B's packets to A are cut for 4 s (the relay delays every
-/// datagram 150 ms, so the last records still reach B and its final
-/// acknowledgements meet the cut). Both epochs die with those words unheard.
+/// every record, B's packets to A are cut for 6 s (the relay delays every
+/// datagram 300 ms, so the last records still reach B, and its final
+/// acknowledgements, leaving B 300 ms after `all_sent`, meet the cut). Both
+/// epochs die with those words unheard.
 /// The receiver must not leave before the sender says it heard them: it
 /// waits, sends them again on the epoch after the heal, and both exit with
 /// every record verified once.
@@ -845,19 +846,26 @@ fn the_receivers_last_words_lost_at_the_end_are_sent_again_before_it_leaves() {
     let Some(mut net) = net_or_skip("words") else {
         return;
     };
-    let (slots, records) = (16u64, 100u64);
-    let relay = spawn_relay_with(&mut net, &["--delay-us", "150000"]);
+    let (slots, records) = (4u64, 20u64);
+    let relay = spawn_relay_with(&mut net, &["--delay-us", "300000"]);
     let mut args = paced(slots, 40);
     set_arg(&mut args, "--records", &records.to_string());
-    // A round trip through the relay is 300 ms: ACK timeouts of 537 ms.
-    set_arg(&mut args, "--rc-timeout", "17");
+    // 40 batches a second: under what 32 receive credits carry per 600 ms
+    // round trip, so no record waits for link credit when the cut comes.
+    set_arg(&mut args, "--pace-us", "100000");
+    // A round trip through the relay is 600 ms: ACK timeouts of 1.07 s,
+    // four tries, so RC gives up within the cut (the liveness connection's
+    // 3 s user timeout may end the epoch first).
+    set_arg(&mut args, "--rc-timeout", "18");
+    // A dial in flight at the heal may wait out a SYN retransmission.
+    args.extend(strings(&["--linger-s", "20"]));
     let mut b = net.spawn('b', "b", &net.soak('b', &args));
     let mut a = net.spawn('a', "a", &net.soak('a', &args));
     a.wait_for("every record queued", Duration::from_secs(30), |e| {
         e["event"] == "all_sent"
     });
     net.script(&["partition", "b-to-a"]).expect("one-way cut");
-    std::thread::sleep(Duration::from_secs(4));
+    std::thread::sleep(Duration::from_secs(6));
     net.script(&["partition", "off"]).expect("heal");
     let b_verdict = b.verdict(Duration::from_secs(30));
     let a_verdict = a.verdict(Duration::from_secs(30));
@@ -865,6 +873,10 @@ fn the_receivers_last_words_lost_at_the_end_are_sent_again_before_it_leaves() {
     eprintln!("words: receiver {b_verdict}\nsender {a_verdict}\nrelay {relay_stats}");
     assert_clean("receiver", &b_verdict);
     assert_clean("sender", &a_verdict);
+    // Every stream ended in the first epoch; what the cut took was the
+    // words that said so.
+    assert_eq!(count(&b_verdict, "streams"), slots, "{b_verdict}");
+    assert_eq!(count(&b_verdict, "dropped"), 0, "{b_verdict}");
     assert!(count(&b_verdict, "epoch_deaths") > 0, "{b_verdict}");
     assert_eq!(
         count(&b_verdict, "records_unique"),
