@@ -835,8 +835,8 @@ fn flapping_partitions_kill_epoch_after_epoch_and_every_stream_stays_clean() {
 
 /// The receiver's last words lost as they leave: once the sender has queued
 /// every record, B's packets to A are cut for 6 s (the relay delays every
-/// datagram 300 ms, so the last records still reach B, and its final
-/// acknowledgements, leaving B 300 ms after `all_sent`, meet the cut). Both
+/// datagram 400 ms, so the last records still reach B, and its final
+/// acknowledgements, leaving B 400 ms after `all_sent`, meet the cut). Both
 /// epochs die with those words unheard.
 /// The receiver must not leave before the sender says it heard them: it
 /// waits, sends them again on the epoch after the heal, and both exit with
@@ -846,16 +846,18 @@ fn the_receivers_last_words_lost_at_the_end_are_sent_again_before_it_leaves() {
     let Some(mut net) = net_or_skip("words") else {
         return;
     };
-    let (slots, records) = (4u64, 20u64);
-    let relay = spawn_relay_with(&mut net, &["--delay-us", "300000"]);
+    let (slots, records) = (4u64, 8u64);
+    let relay = spawn_relay_with(&mut net, &["--delay-us", "400000"]);
     let mut args = paced(slots, 40);
     set_arg(&mut args, "--records", &records.to_string());
-    // 40 batches a second: under what 32 receive credits carry per 600 ms
-    // round trip, so no record waits for link credit when the cut comes.
-    set_arg(&mut args, "--pace-us", "100000");
-    // A round trip through the relay is 600 ms: ACK timeouts of 1.07 s,
-    // four tries, so RC gives up within the cut (the liveness connection's
-    // 3 s user timeout may end the epoch first).
+    // A few batches a second (the slots' records mostly share one): far
+    // under what the 32 receive credits and the 16 send buffers (freed as
+    // B's ACKs come back) carry per 800 ms round trip, so no record waits
+    // for either when the cut stops their return. At 100 ms and 300 ms of
+    // delay one slot's last batch once did, and its stream died instead.
+    set_arg(&mut args, "--pace-us", "250000");
+    // ACK timeouts of 1.07 s against the 800 ms round trip, four tries:
+    // RC gives up within the cut.
     set_arg(&mut args, "--rc-timeout", "18");
     // A dial in flight at the heal may wait out a SYN retransmission.
     args.extend(strings(&["--linger-s", "20"]));
