@@ -864,3 +864,106 @@ async fn shutdown_drains_with(config: MuxConfig) {
         "shut down"
     );
 }
+
+/// A mem link whose batch release stands for a provider call, as an RDMA
+/// receive re-post is; every release goes into `log`.
+struct RepostingLink {
+    inner: MemLink,
+    log: Arc<std::sync::Mutex<Vec<&'static str>>>,
+}
+
+struct RepostingBatch {
+    inner: qpmux::link::mem::MemBatch,
+    log: Arc<std::sync::Mutex<Vec<&'static str>>>,
+}
+
+impl std::ops::Deref for RepostingBatch {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.inner
+    }
+}
+
+impl Drop for RepostingBatch {
+    fn drop(&mut self) {
+        self.log.lock().expect("log").push("released");
+    }
+}
+
+impl Link for RepostingLink {
+    type SendBuf = <MemLink as Link>::SendBuf;
+    type Batch = RepostingBatch;
+    const RELEASE_POSTS: bool = true;
+
+    fn epoch(&self) -> Epoch {
+        self.inner.epoch()
+    }
+    fn max_batch(&self) -> usize {
+        self.inner.max_batch()
+    }
+    async fn reserve(&self) -> Result<Self::SendBuf, qpmux::link::LinkError> {
+        self.inner.reserve().await
+    }
+    fn post(&self, buf: Self::SendBuf, len: usize) -> Result<(), qpmux::link::LinkError> {
+        self.inner.post(buf, len)
+    }
+    fn post_last(&self, buf: Self::SendBuf, len: usize) -> Result<(), qpmux::link::LinkError> {
+        self.inner.post_last(buf, len)
+    }
+    async fn recv(&self) -> Result<RepostingBatch, qpmux::link::LinkError> {
+        let inner = self.inner.recv().await?;
+        Ok(RepostingBatch {
+            inner,
+            log: self.log.clone(),
+        })
+    }
+    fn fail(&self, reason: EpochEnd) {
+        self.inner.fail(reason)
+    }
+    async fn ended(&self) -> EpochEnd {
+        self.inner.ended().await
+    }
+}
+
+struct NoDialer;
+
+impl qpmux::mux::Dialer for NoDialer {
+    fn want_link(&self, _: PeerId) {}
+}
+
+/// On a link whose batch release is a provider call, the consumer a batch
+/// woke runs before the batch is released: the re-post is not on the
+/// record's path (it used to come first, in the peer task's same turn).
+#[tokio::test]
+async fn a_consumer_runs_before_its_batch_is_released_to_the_provider() {
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mux: Mux<RepostingLink> = Mux::new(MuxConfig::default(), Arc::new(NoDialer));
+    let (ours, raw) = pair(Epoch(1), MemConfig::default());
+    mux.attach(
+        B,
+        RepostingLink {
+            inner: ours,
+            log: log.clone(),
+        },
+    );
+    let mut rx = mux.bind(StreamKey::new(5, 5)).expect("bind");
+    let consumer_log = log.clone();
+    let consumer = tokio::spawn(async move {
+        let frame = rx.recv().await;
+        consumer_log.lock().expect("log").push("consumed");
+        frame
+    });
+    let slot = SlotId::new(0, 0).expect("slot");
+    post_batch(&raw, 0, |enc| {
+        enc.push_open(slot, FrameSeq(0), 5, 5).expect("fits");
+        enc.push_data(slot, FrameSeq(1), b"first", false)
+            .expect("fits");
+    })
+    .await;
+    assert_eq!(
+        consumer.await.expect("consumer"),
+        Some(Frame::Data(Bytes::from_static(b"first")))
+    );
+    until(|| log.lock().expect("log").len() == 2).await;
+    assert_eq!(*log.lock().expect("log"), ["consumed", "released"]);
+}

@@ -115,6 +115,10 @@ pub trait Link: Send + Sync + 'static {
     type SendBuf: DerefMut<Target = [u8]> + Send + 'static;
     /// A received batch; dropping it gives the buffer back (and the peer its credit).
     type Batch: Deref<Target = [u8]> + Send + 'static;
+    /// Whether dropping a [`Link::Batch`] is a provider call (an RDMA
+    /// receive re-post) rather than a buffer going back to a free list: the
+    /// mux then lets the consumers a batch woke run before it releases it.
+    const RELEASE_POSTS: bool;
 
     /// The epoch this link is.
     fn epoch(&self) -> Epoch;

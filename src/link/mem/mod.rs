@@ -220,6 +220,7 @@ impl Drop for MemBatch {
 impl Link for MemLink {
     type SendBuf = MemSendBuf;
     type Batch = MemBatch;
+    const RELEASE_POSTS: bool = false;
 
     fn epoch(&self) -> Epoch {
         self.shared.epoch

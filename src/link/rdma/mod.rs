@@ -753,6 +753,7 @@ impl<D: Device + 'static> Drop for RdmaBatch<D> {
 impl<D: Device + 'static> Link for RdmaLink<D> {
     type SendBuf = RdmaSendBuf<D>;
     type Batch = RdmaBatch<D>;
+    const RELEASE_POSTS: bool = true;
 
     fn epoch(&self) -> Epoch {
         self.shared().epoch

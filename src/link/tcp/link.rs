@@ -546,6 +546,7 @@ impl Drop for TcpBatch {
 impl Link for TcpLink {
     type SendBuf = TcpSendBuf;
     type Batch = TcpBatch;
+    const RELEASE_POSTS: bool = false;
 
     fn epoch(&self) -> Epoch {
         self.inner().epoch

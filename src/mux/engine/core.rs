@@ -141,6 +141,8 @@ pub(crate) struct PeerCore {
     /// Data bytes encoded in this `poll_batch`, counted once at its end.
     encoded_bytes: u64,
     goodbye_received: bool,
+    /// A consumer got a frame or message since [`PeerCore::take_handed_over`].
+    handed_over: bool,
     flush_requested: bool,
     control_since: Option<Instant>,
     data_since: Option<Instant>,
@@ -192,6 +194,7 @@ impl PeerCore {
             popped_bytes: 0,
             encoded_bytes: 0,
             goodbye_received: false,
+            handed_over: false,
             flush_requested: false,
             control_since: None,
             data_since: None,
@@ -226,6 +229,12 @@ impl PeerCore {
 
     pub fn goodbye_received(&self) -> bool {
         self.goodbye_received
+    }
+
+    /// Whether a consumer was handed a frame or a message since the last
+    /// call: the batch just handled woke someone.
+    pub fn take_handed_over(&mut self) -> bool {
+        std::mem::take(&mut self.handed_over)
     }
 
     // ---- inputs ----
@@ -950,7 +959,10 @@ impl PeerCore {
             }
         };
         match &self.sink {
-            Some(sink) => sink.deliver(self.control.peer, message),
+            Some(sink) => {
+                sink.deliver(self.control.peer, message);
+                self.handed_over = true;
+            }
             None => Counters::add(&self.counters.no_message_handler, 1),
         }
         Ok(())
@@ -1059,7 +1071,9 @@ impl PeerCore {
             }
         };
         let len = record.len() as u64;
-        if !slot.rx.push(Frame::Data(record), len) {
+        if slot.rx.push(Frame::Data(record), len) {
+            self.handed_over = true;
+        } else {
             Counters::add(&self.counters.receiver_gone, 1);
         }
         Ok(())
@@ -1097,6 +1111,7 @@ impl PeerCore {
         let slot = self.remove_ingress(index).expect("looked up");
         self.grants_owed.remove(&index);
         slot.rx.end(frame);
+        self.handed_over = true;
         if slot.rx.receiver_gone() {
             self.registry.remove(&slot.rx);
         }

@@ -579,6 +579,13 @@ async fn serve_epoch<L: Link>(
                         if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
                             break EpochEnd::Violation(violation);
                         }
+                        // The consumers this batch woke run before its
+                        // buffer is re-posted (docs/design.md § "The
+                        // consumer runs before the receive buffer is re-posted").
+                        if core.take_handed_over() && L::RELEASE_POSTS {
+                            tokio::task::yield_now().await;
+                        }
+                        drop(batch);
                     }
                     Err(err) => break end_of(err),
                 }
