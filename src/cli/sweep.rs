@@ -630,7 +630,15 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
     }
     if !args.cells.is_empty() {
         grid.retain(|(path, shape)| args.cells.iter().any(|f| f.matches(path, shape)));
-        anyhow::ensure!(!grid.is_empty(), "--cells matched no cell");
+        anyhow::ensure!(
+            !grid.is_empty(),
+            "--cells matched no cell{}",
+            if args.no_criteria {
+                " (--no-criteria leaves out the saturate, latency-1ms, hol-* and flush-pass cells)"
+            } else {
+                ""
+            }
+        );
     }
     let bar = if json {
         ProgressBar::hidden()
