@@ -7,9 +7,12 @@ use std::time::Duration;
 
 use qpmux::link::bootstrap::{BootstrapError, ClusterKey, DeclineReason, MAX_MESSAGE};
 use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
-use qpmux::mux::{Epoch, Mux, MuxConfig, MuxTransport, PeerId};
+use qpmux::mux::{Epoch, Mux, MuxConfig, MuxTransport, PeerId, StreamKey, Terminal};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+#[path = "common/slots.rs"]
+mod slots;
 
 const A: PeerId = PeerId(1);
 const B: PeerId = PeerId(2);
@@ -29,10 +32,12 @@ async fn node_with_timeout(
         handshake_timeout,
         ..TcpNodeConfig::new(id)
     };
+    node_with(config, MuxConfig::default()).await
+}
+
+async fn node_with(config: TcpNodeConfig, mux: MuxConfig) -> (TcpNode, Mux<TcpLink>) {
     let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
-    TcpNode::start(config, addr, MuxConfig::default())
-        .await
-        .expect("bind")
+    TcpNode::start(config, addr, mux).await.expect("bind")
 }
 
 async fn bounded<T>(f: impl Future<Output = T>) -> T {
@@ -57,7 +62,7 @@ async fn raw(node: &TcpNode) -> (TcpStream, [u8; 32]) {
     assert_eq!(frame[..4], 39u32.to_be_bytes());
     assert_eq!(frame[4], 1, "challenge kind");
     assert_eq!(&frame[5..9], b"QPMX");
-    assert_eq!(frame[9..11], 1u16.to_be_bytes(), "version 1");
+    assert_eq!(frame[9..11], 2u16.to_be_bytes(), "version 2");
     let mut nonce = [0u8; 32];
     nonce.copy_from_slice(&frame[11..]);
     (s, nonce)
@@ -65,6 +70,16 @@ async fn raw(node: &TcpNode) -> (TcpStream, [u8; 32]) {
 
 /// A keyless dialer hello, framed, byte by byte per docs/bootstrap.md.
 fn hello(version: u16, node: PeerId, echo: &[u8; 32], max_batch: u32) -> Vec<u8> {
+    hello_with_window(version, node, echo, max_batch, 256 * 1024)
+}
+
+fn hello_with_window(
+    version: u16,
+    node: PeerId,
+    echo: &[u8; 32],
+    max_batch: u32,
+    slot_window: u32,
+) -> Vec<u8> {
     let mut body = vec![2u8];
     body.extend_from_slice(b"QPMX");
     body.extend_from_slice(&version.to_be_bytes());
@@ -76,6 +91,7 @@ fn hello(version: u16, node: PeerId, echo: &[u8; 32], max_batch: u32) -> Vec<u8>
     body.push(1); // endpoint kind: tcp
     body.extend_from_slice(&4u16.to_be_bytes());
     body.extend_from_slice(&max_batch.to_be_bytes());
+    body.extend_from_slice(&slot_window.to_be_bytes());
     body.push(0); // no MAC
     let mut out = (body.len() as u32).to_be_bytes().to_vec();
     out.extend_from_slice(&body);
@@ -226,24 +242,25 @@ async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_se
         .await;
         // A hello echoing a nonce from some other connection (replay).
         expect(
-            hello(1, A, &[0x55; 32], 65536),
+            hello(2, A, &[0x55; 32], 65536),
             false,
             BootstrapError::StaleNonce,
         )
         .await;
         // Half a message, then EOF.
-        let half = hello(1, A, &[0; 32], 65536)[..40].to_vec();
+        let half = hello(2, A, &[0; 32], 65536)[..40].to_vec();
         expect(half, true, BootstrapError::Truncated).await;
 
         // Cases that need the connection's own nonce.
-        let cases: [(u16, PeerId, u32, BootstrapError); 3] = [
-            (2, A, 65536, BootstrapError::BadVersion { got: 2 }),
-            (1, A, 1, BootstrapError::BadField("tcp max_batch")),
-            (1, B, 65536, BootstrapError::SelfConnect),
+        let cases: [(u16, PeerId, u32, u32, BootstrapError); 4] = [
+            (1, A, 65536, 1, BootstrapError::BadVersion { got: 1 }),
+            (2, A, 1, 1, BootstrapError::BadField("tcp max_batch")),
+            (2, A, 65536, 0, BootstrapError::BadField("slot window")),
+            (2, B, 65536, 1, BootstrapError::SelfConnect),
         ];
-        for (version, id, max_batch, want) in cases {
+        for (version, id, max_batch, window, want) in cases {
             let (mut s, nonce) = raw(&l_node).await;
-            s.write_all(&hello(version, id, &nonce, max_batch))
+            s.write_all(&hello_with_window(version, id, &nonce, max_batch, window))
                 .await
                 .expect("write");
             n += 1;
@@ -261,7 +278,7 @@ async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_se
 
         // A well-behaved raw dialer still gets the listener's hello.
         let (mut s, nonce) = raw(&l_node).await;
-        s.write_all(&hello(1, A, &nonce, 65536))
+        s.write_all(&hello(2, A, &nonce, 65536))
             .await
             .expect("write");
         let mut len = [0u8; 4];
@@ -290,7 +307,7 @@ async fn a_keyed_listener_refuses_a_dialer_without_proof() {
     bounded(async {
         let (l_node, _l) = node(B, Some(KEY)).await;
         let (mut s, nonce) = raw(&l_node).await;
-        s.write_all(&hello(1, A, &nonce, 65536))
+        s.write_all(&hello(2, A, &nonce, 65536))
             .await
             .expect("write");
         assert_eq!(
@@ -300,4 +317,47 @@ async fn a_keyed_listener_refuses_a_dialer_without_proof() {
         closed(s).await;
     })
     .await;
+}
+
+/// Sender and receiver with slot windows 16× apart, each way round: the
+/// hello tells the sender the receiver's window, and its slots send within
+/// it. (Before the window was in the hello, a sender with the larger window
+/// used its own, and its receiver ended every epoch with a `CreditOverrun`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slots_send_within_the_receivers_slot_window_either_way_round() {
+    let small = MuxConfig {
+        slot_window: 16 * 1024,
+        ..MuxConfig::default()
+    };
+    for (sender, receiver) in [
+        (MuxConfig::default(), small.clone()),
+        (small.clone(), MuxConfig::default()),
+    ] {
+        bounded(one_stream_between(sender, receiver)).await;
+    }
+}
+
+/// 64 KiB on one slot from a node with `sender`'s config to one with
+/// `receiver`'s, the consumer starting late so the sender meets the window.
+async fn one_stream_between(sender: MuxConfig, receiver: MuxConfig) {
+    let (a_node, a) = node_with(TcpNodeConfig::new(A), sender).await;
+    let (b_node, b) = node_with(TcpNodeConfig::new(B), receiver).await;
+    a_node.register(B, b_node.local_addr());
+    b_node.register(A, a_node.local_addr());
+    let key = StreamKey::new(4, 4);
+    let mut rx = b.bind(key).expect("bind");
+    let mut tx = a.open(B, key).expect("open");
+    let records = 64u32;
+    let producer = tokio::spawn(async move {
+        for n in 0..records {
+            tx.send(slots::record(4, n, 1024)).await.expect("send");
+        }
+        tx.finish(Terminal::Finalized).expect("finish");
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (got, _) = slots::in_order_to_finalized(&mut rx).await;
+    assert_eq!(got, records);
+    producer.await.expect("producer");
+    assert_eq!(a.epoch(B), Some(Epoch(1)), "no epoch died");
+    assert_eq!(b.epoch(A), Some(Epoch(1)), "no epoch died");
 }

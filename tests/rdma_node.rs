@@ -387,6 +387,7 @@ fn hello_to(listener: PeerId) -> Handshake {
                 lanes: 1,
                 udp_port: 9,
             }),
+            slot_window: 256 * 1024,
         },
         Some(listener),
         fresh_nonce(),

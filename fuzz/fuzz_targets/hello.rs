@@ -84,6 +84,7 @@ fn fields(node: PeerId, proposes: u64, rdma: bool) -> HelloFields {
         // The driver never proposes u64::MAX (the decoder refuses it).
         proposed: Epoch(proposes.min(u64::MAX - 1)),
         endpoint: endpoint(rdma),
+        slot_window: 256 * 1024,
     }
 }
 

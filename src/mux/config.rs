@@ -68,3 +68,12 @@ impl Default for MuxConfig {
         }
     }
 }
+
+/// What a peer announced about itself at the handshake of an epoch
+/// ([`Mux::attach_with_terms`](crate::mux::Mux::attach_with_terms)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerTerms {
+    /// The peer's [`MuxConfig::slot_window`]: bytes each of our slots may
+    /// have outstanding toward it. Never 0.
+    pub slot_window: u32,
+}

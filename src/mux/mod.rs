@@ -22,7 +22,7 @@ mod slot;
 mod stats;
 pub mod surface;
 
-pub use config::{FlushPolicy, MuxConfig};
+pub use config::{FlushPolicy, MuxConfig, PeerTerms};
 pub use engine::{Dialer, Mux, ProtocolError};
 pub use message::{MessageSink, OnFail, OutboundMessage};
 pub use protocol::{CloseReason, Epoch};

@@ -506,6 +506,7 @@ impl HostileDialer {
             incarnation: 7,
             proposed: Epoch::default(),
             endpoint: Endpoint::Tcp(TcpEndpoint { max_batch: 65536 }),
+            slot_window: 256 * 1024,
         };
         let key = key.map(|k| ClusterKey::new(k).expect("key length"));
         let mut hs = Handshake::dialer(key, fields, Some(to), fresh_nonce());

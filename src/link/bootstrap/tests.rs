@@ -18,6 +18,8 @@ fn tcp(node: PeerId, proposed: u64) -> HelloFields {
         incarnation: 0xfeed_0000 + node.0,
         proposed: Epoch(proposed),
         endpoint: Endpoint::Tcp(TcpEndpoint { max_batch: 65536 }),
+        // Differs per node, so the happy paths show it crossing intact.
+        slot_window: 4096 * (node.0 as u32 + 1),
     }
 }
 
@@ -204,10 +206,10 @@ fn listener_error(bytes: &[u8]) -> BootstrapError {
 #[test]
 fn bad_version_is_named() {
     let mut body = dialer_hello_body(&tcp(D, 0));
-    body[5..7].copy_from_slice(&2u16.to_be_bytes());
+    body[5..7].copy_from_slice(&1u16.to_be_bytes());
     assert_eq!(
         listener_error(&framed(&body)),
-        BootstrapError::BadVersion { got: 2 }
+        BootstrapError::BadVersion { got: 1 }
     );
     let mut d = Handshake::dialer(None, tcp(D, 0), Some(L), [1; 32]);
     let mut challenge = wire::challenge(&[2; 32]);
@@ -215,6 +217,16 @@ fn bad_version_is_named() {
     assert_eq!(
         d.handle_input(&framed(&challenge)),
         Err(BootstrapError::BadVersion { got: 9 })
+    );
+}
+
+#[test]
+fn a_zero_slot_window_is_named() {
+    let mut fields = tcp(D, 0);
+    fields.slot_window = 0;
+    assert_eq!(
+        listener_error(&framed(&dialer_hello_body(&fields))),
+        BootstrapError::BadField("slot window")
     );
 }
 

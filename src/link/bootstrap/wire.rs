@@ -12,7 +12,7 @@ use crate::mux::protocol::Epoch;
 /// Largest message body accepted or sent.
 pub const MAX_MESSAGE: usize = 4096;
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Leading bytes of a challenge and a hello.
 pub const MAGIC: [u8; 4] = *b"QPMX";
 /// Bytes in a nonce.
@@ -263,6 +263,9 @@ pub struct HelloFields {
     pub proposed: Epoch,
     /// The sender's transport endpoint.
     pub endpoint: Endpoint,
+    /// Bytes the sender lets each slot have outstanding toward it (its
+    /// `MuxConfig::slot_window`): the peer's egress window. Never 0.
+    pub slot_window: u32,
 }
 
 /// A decoded hello.
@@ -406,6 +409,10 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
             let echo = r.array()?;
             let nonce = r.array()?;
             let endpoint = Endpoint::decode(&mut r)?;
+            let slot_window = r.u32()?;
+            if slot_window == 0 {
+                return Err(BootstrapError::BadField("slot window"));
+            }
             let (mac, signed_len) = mac_trailer(body, &mut r)?;
             Ok(Message::Hello(HelloMessage {
                 fields: HelloFields {
@@ -413,6 +420,7 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
                     incarnation,
                     proposed,
                     endpoint,
+                    slot_window,
                 },
                 echo,
                 nonce,
@@ -457,6 +465,7 @@ pub(crate) fn hello_signed(fields: &HelloFields, echo: &Nonce, nonce: &Nonce) ->
     out.extend_from_slice(echo);
     out.extend_from_slice(nonce);
     fields.endpoint.encode(&mut out);
+    out.extend_from_slice(&fields.slot_window.to_be_bytes());
     out
 }
 

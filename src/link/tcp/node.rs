@@ -40,7 +40,7 @@ use crate::link::bootstrap::{
 };
 use crate::link::{EpochEnd, Link};
 use crate::mux::protocol::Epoch;
-use crate::mux::{Dialer, Mux, MuxConfig, PeerId};
+use crate::mux::{Dialer, Mux, MuxConfig, PeerId, PeerTerms};
 
 /// Configuration of a TCP node. Defaults are documented per field.
 #[derive(Clone, Debug)]
@@ -506,11 +506,19 @@ impl<E: EpochMaker> NodeInner<E> {
     }
 
     fn hello(&self, proposed: Epoch, endpoint: Endpoint) -> HelloFields {
+        // Without a mux the handshake ends in a decline or `NotServing`.
+        let slot_window = self
+            .mux
+            .get()
+            .map_or(MuxConfig::default().slot_window, |mux| {
+                mux.config().slot_window
+            });
         HelloFields {
             node: self.config.id,
             incarnation: self.incarnation,
             proposed,
             endpoint,
+            slot_window,
         }
     }
 }
@@ -977,7 +985,10 @@ fn install<E: EpochMaker>(
     }
     bump(&inner.counters.established);
     // Under the table lock, so two installs for one peer attach in epoch order.
-    mux.attach(peer, link);
+    let terms = PeerTerms {
+        slot_window: established.peer.slot_window,
+    };
+    mux.attach_with_terms(peer, link, Some(terms));
     Ok(established.epoch)
 }
 

@@ -143,6 +143,9 @@ pub(crate) struct PeerCore {
     goodbye_received: bool,
     /// A consumer got a frame or message since [`PeerCore::take_handed_over`].
     handed_over: bool,
+    /// Bytes each egress slot may have outstanding: the peer's slot window
+    /// when its handshake said, else ours.
+    egress_window: u32,
     flush_requested: bool,
     control_since: Option<Instant>,
     data_since: Option<Instant>,
@@ -160,6 +163,7 @@ impl PeerCore {
         now: Instant,
     ) -> PeerCore {
         let counters = control.counters.clone();
+        let egress_window = config.slot_window;
         PeerCore {
             epoch,
             sweep_at: now + config.credit_sweep,
@@ -195,6 +199,7 @@ impl PeerCore {
             encoded_bytes: 0,
             goodbye_received: false,
             handed_over: false,
+            egress_window,
             flush_requested: false,
             control_since: None,
             data_since: None,
@@ -229,6 +234,13 @@ impl PeerCore {
 
     pub fn goodbye_received(&self) -> bool {
         self.goodbye_received
+    }
+
+    /// The peer's slot window, from its handshake: what our slots send
+    /// within from now on. Set before the epoch's first slot opens.
+    pub fn set_egress_window(&mut self, window: u32) {
+        debug_assert!(self.live_egress == 0, "set before any slot opens");
+        self.egress_window = window;
     }
 
     /// Whether a consumer was handed a frame or a message since the last
@@ -568,7 +580,7 @@ impl PeerCore {
         entry.slot = Some(EgressSlot {
             inlet,
             id,
-            credit: i64::from(self.config.slot_window),
+            credit: i64::from(self.egress_window),
             seq: FrameSeq(0),
             open_sent: false,
             open_left: false,
@@ -1122,7 +1134,7 @@ impl PeerCore {
     }
 
     fn on_credit(&mut self, id: SlotId, bytes: u32, now: Instant) -> Result<(), ProtocolError> {
-        let window = self.config.slot_window;
+        let window = self.egress_window;
         let index = id.index();
         let Some(slot) = self.egress_slot(id) else {
             // A late grant for a slot that closed: harmless.

@@ -30,7 +30,7 @@ use tracing::Instrument;
 
 use self::core::PeerCore;
 pub use self::error::ProtocolError;
-use super::config::MuxConfig;
+use super::config::{MuxConfig, PeerTerms};
 use super::message::{MessageSink, OutboundMessage};
 use super::protocol::Epoch;
 use super::slot::{Inlet, PeerControl, Registry, SlotReceiver, SlotSender};
@@ -59,7 +59,7 @@ struct PeerEntry<L> {
     control: Arc<PeerControl>,
     /// The outbound message channel for the current (or next) epoch.
     messages: Mutex<Option<flume::Receiver<OutboundMessage>>>,
-    incoming: Mutex<Option<L>>,
+    incoming: Mutex<Option<(L, Option<PeerTerms>)>>,
     link_arrived: Notify,
     epoch: Mutex<Option<Epoch>>,
 }
@@ -114,9 +114,22 @@ impl<L: Link> Mux<L> {
         }
     }
 
+    /// The configuration this mux runs with.
+    pub fn config(&self) -> &MuxConfig {
+        &self.shared.config
+    }
+
     /// Hands the mux the link for a new epoch with `peer`. A link already
-    /// running for that peer ends with [`EpochEnd::Replaced`].
+    /// running for that peer ends with [`EpochEnd::Replaced`]. The peer's
+    /// terms are taken to be this mux's own (the mem fabric, tests); a link
+    /// layer that learned them at its handshake uses [`Mux::attach_with_terms`].
     pub fn attach(&self, peer: PeerId, link: L) {
+        self.attach_with_terms(peer, link, None);
+    }
+
+    /// [`Mux::attach`] with what the peer announced at the handshake: the
+    /// epoch's slots then send within the peer's slot window, not ours.
+    pub fn attach_with_terms(&self, peer: PeerId, link: L, terms: Option<PeerTerms>) {
         let entry = if self.shared.shutdown.load(Ordering::Acquire) {
             // A peer still draining its queue may take a link; nobody else.
             match lock(&self.shared.peers).get(&peer).cloned() {
@@ -129,8 +142,8 @@ impl<L: Link> Mux<L> {
         } else {
             self.entry(peer)
         };
-        let previous = lock(&entry.incoming).replace(link);
-        if let Some(stale) = previous {
+        let previous = lock(&entry.incoming).replace((link, terms));
+        if let Some((stale, _)) = previous {
             stale.fail(EpochEnd::Replaced);
         }
         entry.link_arrived.notify_one();
@@ -298,7 +311,7 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
     // When the last epoch died (not a graceful end): the reconnect clock.
     let mut died: Option<Instant> = None;
     loop {
-        let Some(link) = wait_for_link(&shared, &entry).await else {
+        let Some((link, terms)) = wait_for_link(&shared, &entry).await else {
             tracing::debug!(?peer, "mux peer task retired");
             return;
         };
@@ -309,7 +322,9 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
         let span = tracing::debug_span!("epoch", ?peer, %epoch);
         // Instrumented, not entered: a guard held across an await leaks the
         // span into whatever else runs on this thread.
-        let end = run_epoch(&shared, &entry, link).instrument(span).await;
+        let end = run_epoch(&shared, &entry, link, terms)
+            .instrument(span)
+            .await;
         tracing::debug!(?peer, %epoch, %end, "epoch ended");
         if !matches!(end, EpochEnd::Closed | EpochEnd::Shutdown) {
             died = Some(Instant::now());
@@ -318,7 +333,10 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
 }
 
 /// Waits for the next link. Returns `None` when the task should retire.
-async fn wait_for_link<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>) -> Option<L> {
+async fn wait_for_link<L: Link>(
+    shared: &Shared<L>,
+    entry: &PeerEntry<L>,
+) -> Option<(L, Option<PeerTerms>)> {
     let peer = entry.control.peer;
     let mut idle_since = Instant::now();
     let mut drain_until: Option<Instant> = None;
@@ -340,8 +358,8 @@ async fn wait_for_link<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>) -> Opt
                 return None;
             }
         }
-        if let Some(link) = lock(&entry.incoming).take() {
-            return Some(link);
+        if let Some(incoming) = lock(&entry.incoming).take() {
+            return Some(incoming);
         }
         if wants_link {
             idle_since = now;
@@ -389,7 +407,7 @@ fn retire<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, force: bool) -> boo
     for inlet in orphans {
         inlet.close(crate::mux::SendError::Dropped(DropReason::Shutdown));
     }
-    if let Some(link) = lock(&entry.incoming).take() {
+    if let Some((link, _)) = lock(&entry.incoming).take() {
         link.fail(EpochEnd::Shutdown);
     }
     true
@@ -424,7 +442,12 @@ fn end_of(err: LinkError) -> EpochEnd {
     }
 }
 
-async fn run_epoch<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, link: L) -> EpochEnd {
+async fn run_epoch<L: Link>(
+    shared: &Shared<L>,
+    entry: &PeerEntry<L>,
+    link: L,
+    terms: Option<PeerTerms>,
+) -> EpochEnd {
     let config = shared.config.clone();
     let mut core = PeerCore::new(
         link.epoch(),
@@ -433,6 +456,9 @@ async fn run_epoch<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, link: L) -
         shared.registry.clone(),
         Instant::now(),
     );
+    if let Some(terms) = terms {
+        core.set_egress_window(terms.slot_window);
+    }
     *lock(&entry.epoch) = Some(link.epoch());
     core.set_sink(shared.sink.get().cloned());
     core.handle_control(Instant::now());
