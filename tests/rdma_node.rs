@@ -14,7 +14,7 @@ use qpmux::link::rdma::{RdmaConfig, RdmaLink, RdmaNodeConfig, RdmaTransport};
 use qpmux::link::tcp::ConnectError;
 use qpmux::link::{EpochEnd, Node};
 use qpmux::mux::{
-    DropReason, Epoch, Frame, Mux, MuxTransport, PeerId, SendError, StreamKey, Terminal,
+    DropReason, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, SendError, StreamKey, Terminal,
 };
 use qpmux::verbs::soft::SoftDevice;
 use qpmux::verbs::soft::udp::UdpConfig;
@@ -640,4 +640,41 @@ async fn qps_killed_before_any_batch_back_off_within_bounds_and_traffic_resets_i
     assert_eq!(a.node().stats().dial_failures, 0);
     no_rnr(&a);
     no_rnr(&b);
+}
+
+/// The RDMA node's hello carries its slot window too: a sender with 16×
+/// the receiver's window sends within the receiver's, and no epoch dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rdma_sender_sends_within_its_receivers_smaller_slot_window() {
+    bounded(async {
+        let a = transport(A, None).await;
+        let b_config = RdmaNodeConfig {
+            mux: MuxConfig {
+                slot_window: 16 * 1024,
+                ..MuxConfig::default()
+            },
+            ..config(B, None)
+        };
+        let b = RdmaTransport::start(device().await, b_config)
+            .await
+            .expect("bind");
+        mesh(&[&a, &b]);
+        let key = StreamKey::new(9, 9);
+        let mut rx = b.mux().bind(key).expect("bind");
+        let mut tx = a.mux().open(B, key).expect("open");
+        let records = 64u32;
+        let producer = tokio::spawn(async move {
+            for n in 0..records {
+                tx.send(record(9, n, 1024)).await.expect("send");
+            }
+            tx.finish(Terminal::Finalized).expect("finish");
+        });
+        // The consumer starts late, so the sender meets the window first.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(in_order_to_finalized(&mut rx).await.0, records);
+        producer.await.expect("producer");
+        assert_eq!(a.mux().epoch(B), Some(Epoch(1)), "no epoch died");
+        assert_eq!(b.mux().epoch(A), Some(Epoch(1)), "no epoch died");
+    })
+    .await;
 }
