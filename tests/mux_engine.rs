@@ -967,3 +967,33 @@ async fn a_consumer_runs_before_its_batch_is_released_to_the_provider() {
     until(|| log.lock().expect("log").len() == 2).await;
     assert_eq!(*log.lock().expect("log"), ["consumed", "released"]);
 }
+
+/// The mem fabric tells each mux the other's slot window, as a node's hello
+/// does: a sender with 16× its receiver's window sends within the
+/// receiver's, and the epoch lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_the_mem_fabric_slots_send_within_the_receivers_slot_window() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let small = MuxConfig {
+        slot_window: 16 * 1024,
+        ..MuxConfig::default()
+    };
+    let a = Mux::new(MuxConfig::default(), fabric.dialer(A));
+    fabric.add(A, a.clone());
+    let b = Mux::new(small, fabric.dialer(B));
+    fabric.add(B, b.clone());
+    let key = StreamKey::new(7, 7);
+    let mut rx = b.bind(key).expect("bind");
+    let mut tx = a.open(B, key).expect("open");
+    let records = 64u32;
+    let producer = tokio::spawn(async move {
+        for n in 0..records {
+            tx.send(record(7, n, 1024)).await.expect("send");
+        }
+        tx.finish(Terminal::Finalized).expect("finish");
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(in_order_to_finalized(&mut rx).await.0, records);
+    producer.await.expect("producer");
+    assert_eq!(a.epoch(B), Some(Epoch(1)), "no epoch died");
+}

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use super::{MemConfig, MemLink, pair};
 use crate::link::{EpochEnd, Link, Node, RegisterError};
 use crate::mux::protocol::Epoch;
-use crate::mux::{Dialer, Mux, MuxConfig, PeerId};
+use crate::mux::{Dialer, Mux, MuxConfig, PeerId, PeerTerms};
 
 #[derive(Default)]
 struct Nodes {
@@ -69,8 +69,12 @@ impl MemFabric {
         let (end_a, end_b) = pair(epoch, self.config);
         nodes.links.insert(pair_key, end_a.clone());
         drop(nodes);
-        mux_a.attach(b, end_a);
-        mux_b.attach(a, end_b);
+        // Each side learns the other's slot window, as a node's hello tells it.
+        let terms_of = |mux: &Mux<MemLink>| PeerTerms {
+            slot_window: mux.config().slot_window,
+        };
+        mux_a.attach_with_terms(b, end_a, Some(terms_of(&mux_b)));
+        mux_b.attach_with_terms(a, end_b, Some(terms_of(&mux_a)));
         Some(epoch)
     }
 

@@ -121,7 +121,7 @@ impl<L: Link> Mux<L> {
 
     /// Hands the mux the link for a new epoch with `peer`. A link already
     /// running for that peer ends with [`EpochEnd::Replaced`]. The peer's
-    /// terms are taken to be this mux's own (the mem fabric, tests); a link
+    /// terms are taken to be this mux's own (tests with raw peers); a link
     /// layer that learned them at its handshake uses [`Mux::attach_with_terms`].
     pub fn attach(&self, peer: PeerId, link: L) {
         self.attach_with_terms(peer, link, None);
