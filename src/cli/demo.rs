@@ -50,11 +50,15 @@ struct Row {
     records_per_batch: f64,
     p50_us: f64,
     p99_us: f64,
+    /// Open file descriptors at the end of the run (the whole process).
+    fds: u64,
+    /// RNR NAKs both soft devices sent; `None` on paths without RC.
+    rnr_naks: Option<u64>,
     error: Option<String>,
 }
 
 impl Row {
-    fn new(path: &'static str, streams: u64, r: &Report) -> Row {
+    fn new(path: &'static str, streams: u64, (r, rnr_naks): &(Report, Option<u64>)) -> Row {
         Row {
             path,
             streams,
@@ -64,6 +68,8 @@ impl Row {
             records_per_batch: r.records_per_batch,
             p50_us: r.p50.as_secs_f64() * 1e6,
             p99_us: r.p99.as_secs_f64() * 1e6,
+            fds: r.fds,
+            rnr_naks: *rnr_naks,
             error: None,
         }
     }
@@ -78,6 +84,8 @@ impl Row {
             records_per_batch: f64::NAN,
             p50_us: f64::NAN,
             p99_us: f64::NAN,
+            fds: demo::open_fds(),
+            rnr_naks: None,
             error: Some(format!("{err:#}")),
         }
     }
@@ -114,15 +122,18 @@ async fn tcp_row(workload: Workload) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-async fn rdma_row(workload: Workload) -> anyhow::Result<Report> {
+/// The report, and the RNR NAKs both soft devices sent (read while the
+/// QPs are still up: a device's counters are summed over its live QPs).
+async fn rdma_row(workload: Workload) -> anyhow::Result<(Report, Option<u64>)> {
     let a = super::rdma_node(1).await?;
     let b = super::rdma_node(2).await?;
     b.register(&a.address())?;
     let report = demo::run_nodes(&a, &b, 1, workload).await;
     tracing::debug!(stats = ?a.device().stats(), "soft device after the rdma row");
+    let rnr_naks = a.device().counters().rnr_naks_sent + b.device().counters().rnr_naks_sent;
     a.shutdown();
     b.shutdown();
-    Ok(report)
+    Ok((report, Some(rnr_naks)))
 }
 
 pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
@@ -150,19 +161,23 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
             args.streams, args.passes
         ));
         let report = match path {
-            "mem" => Ok(mem_row(workload).await),
+            "mem" => Ok((mem_row(workload).await, None)),
             "qpmux-rdma" => rdma_row(workload).await,
             #[cfg(feature = "velo")]
             "velo-tcp-mux" => {
                 use super::velo_rows::{VeloPath, velo_tcp};
-                velo_tcp(VeloPath::MessengerMux, 1, workload).await
+                velo_tcp(VeloPath::MessengerMux, 1, workload)
+                    .await
+                    .map(|r| (r, None))
             }
             #[cfg(feature = "velo")]
             "velo-tcp-stream" => {
                 use super::velo_rows::{VeloPath, velo_tcp};
-                velo_tcp(VeloPath::PerStream, 1, workload).await
+                velo_tcp(VeloPath::PerStream, 1, workload)
+                    .await
+                    .map(|r| (r, None))
             }
-            "qpmux-tcp" => tcp_row(workload).await,
+            "qpmux-tcp" => tcp_row(workload).await.map(|r| (r, None)),
             other => anyhow::bail!("unknown path {other}"),
         };
         rows.push(match report {
@@ -189,18 +204,51 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
     );
     println!();
     println!(
-        "{:<15} {:>12} {:>14} {:>10} {:>10} {:>10}",
-        "path", "records/s", "CPU µs/record", "rec/batch", "p50 µs", "p99 µs"
+        "{:<15} {:>12} {:>14} {:>10} {:>10} {:>10} {:>6} {:>9}",
+        "path", "records/s", "CPU µs/record", "rec/batch", "p50 µs", "p99 µs", "fds", "RNR NAKs"
     );
     for r in &rows {
         if let Some(err) = &r.error {
             println!("{:<15} failed: {err}", r.path);
             continue;
         }
+        let rnr = r.rnr_naks.map_or("–".to_string(), |n| n.to_string());
         println!(
-            "{:<15} {:>12.0} {:>14.2} {:>10.1} {:>10.1} {:>10.1}",
-            r.path, r.records_per_sec, r.cpu_us_per_record, r.records_per_batch, r.p50_us, r.p99_us
+            "{:<15} {:>12.0} {:>14.2} {:>10.1} {:>10.1} {:>10.1} {:>6} {:>9}",
+            r.path,
+            r.records_per_sec,
+            r.cpu_us_per_record,
+            r.records_per_batch,
+            r.p50_us,
+            r.p99_us,
+            r.fds,
+            rnr
         );
     }
+    println!("(fds: the whole process's descriptors at the end of the row; RNR NAKs: sent");
+    println!(" by either soft device, none expected: link credit is receive posts)");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The RDMA row carries the soft devices' RNR NAK count (none: link
+    /// credit is receive posts) and its descriptors; the TCP row has no RNR.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_rdma_row_reports_rnr_naks_and_descriptors() {
+        let workload = Workload::new(8, 20, 64, None);
+        let rdma = Row::new(
+            "qpmux-rdma",
+            8,
+            &rdma_row(workload).await.expect("rdma row"),
+        );
+        assert_eq!(rdma.records, 8 * 20);
+        assert_eq!(rdma.rnr_naks, Some(0));
+        assert!(rdma.fds > 0);
+        let tcp = tcp_row(workload).await.expect("tcp row");
+        let tcp = Row::new("qpmux-tcp", 8, &(tcp, None));
+        assert_eq!(tcp.rnr_naks, None);
+    }
 }
