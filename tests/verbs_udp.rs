@@ -448,6 +448,31 @@ async fn a_qp_dropped_as_its_last_receive_completes_still_acknowledges_it() {
     assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::Success);
 }
 
+/// After each receive completes, the driver reads ahead the receive buffer
+/// next in line (it was last touched a whole receive queue ago), once per
+/// completion; with no receive left posted there is nothing to read.
+#[tokio::test]
+async fn each_completed_receive_warms_the_next_posted_buffer() {
+    let mut h = UdpHarness::new();
+    let (a, mut b) = verbs_suite::connect(&mut h, verbs_suite::Params::default()).await;
+    for i in 0..3 {
+        b.post_recv(i + 1, i as usize * 64, 64);
+    }
+    for i in 1..=3u64 {
+        a.post_send(i, 0, 8, None, true).expect("send");
+        assert!(verbs_suite::wait_wcs(&mut h, &mut b, 0, i as usize).await);
+        let warmed = i.min(2); // the third receive leaves none posted
+        let dev = b.dev.clone();
+        assert!(
+            h.wait_until(|| dev.stats().rx_buffers_warmed == warmed)
+                .await,
+            "after receive {i}: {:?}",
+            b.dev.stats()
+        );
+    }
+    assert_eq!(b.dev.stats().rx_buffers_warmed, 2);
+}
+
 /// `post_send` puts its packets on the wire itself once the socket is known
 /// writable. Before that (a fresh device on a current-thread runtime whose
 /// reactor has not run yet) they go to the driver's backlog, and arrive all

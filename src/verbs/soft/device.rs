@@ -51,6 +51,9 @@ pub struct DeviceStats {
     /// Completion handler calls the driver owed after its turns (one per CQ
     /// a turn added completions to, where a link installed a handler).
     pub cq_handler_calls: u64,
+    /// Next-in-line receive buffers the driver read ahead after a receive
+    /// completed (docs/soft-provider.md § "The next receive buffer is warmed").
+    pub rx_buffers_warmed: u64,
 }
 
 pub(crate) struct QpEntry {
@@ -83,6 +86,9 @@ pub(crate) struct DeviceCore {
     /// The UDP driver's hand-off with inline sends (unused in simulation).
     pub inline: super::udp::InlineGate,
     completions: Completions,
+    /// QPs that completed a receive since the driver last warmed their next
+    /// receive buffer (each listed once).
+    warm_due: Vec<Qpn>,
 }
 
 /// Where engine completions go: to their CQ, which notifies, or, while the
@@ -119,6 +125,7 @@ impl DeviceCore {
             partitioned: false,
             inline: Default::default(),
             completions: Completions::default(),
+            warm_due: Vec::new(),
         }
     }
 
@@ -173,6 +180,8 @@ impl DeviceCore {
 
     pub fn destroy_qp(&mut self, qpn: Qpn) {
         self.qps.remove(&qpn);
+        // Without a UDP driver (simulation) nothing drains the list.
+        self.warm_due.retain(|&q| q != qpn);
     }
 
     /// Run a command on one engine, then move its completions to the CQs.
@@ -225,12 +234,29 @@ impl DeviceCore {
         };
         match Packet::parse(&ctx, bytes) {
             Ok(pkt) => {
+                let was_cold = entry.engine.rq_head_cold();
                 entry.engine.handle_packet(now, &pkt);
+                if !was_cold && entry.engine.rq_head_cold() {
+                    self.warm_due.push(bth.dest_qp());
+                }
                 drain(entry, &mut self.completions);
             }
             Err(e) => {
                 tracing::trace!(error = %e, "dropping malformed RoCE datagram");
                 self.stats.rx_malformed += 1;
+            }
+        }
+    }
+
+    /// Reads ahead the next receive buffer of each QP that completed a
+    /// receive since the last call (see `QpEngine::warm_next_receive`). The
+    /// UDP driver calls it after the receivers ran, off the record's path.
+    pub fn warm_next_receives(&mut self) {
+        while let Some(qpn) = self.warm_due.pop() {
+            if let Some(entry) = self.qps.get_mut(&qpn) {
+                if entry.engine.warm_next_receive() {
+                    self.stats.rx_buffers_warmed += 1;
+                }
             }
         }
     }

@@ -133,6 +133,10 @@ impl SendWqe {
     }
 }
 
+/// Bytes of the next receive buffer [`QpEngine::warm_next_receive`] reads:
+/// a small batch and its header.
+const WARM_BYTES: usize = 256;
+
 #[derive(Debug)]
 pub(crate) struct RecvWqe {
     pub wr_id: u64,
@@ -263,6 +267,9 @@ pub(crate) struct QpEngine {
     /// network duplicate (the responder NAKs once per gap).
     seq_nak_psn: Option<Psn>,
     // Responder.
+    /// A receive completed since [`QpEngine::warm_next_receive`]: the new
+    /// head of the receive queue is cold.
+    rq_head_cold: bool,
     rq: VecDeque<RecvWqe>,
     epsn: Psn,
     msn: u32,
@@ -301,6 +308,7 @@ impl QpEngine {
             rnr_left: 0,
             rnr_waiting: false,
             seq_nak_psn: None,
+            rq_head_cold: false,
             rq: VecDeque::new(),
             epsn: Psn::new(0),
             msn: 0,
@@ -607,6 +615,28 @@ impl QpEngine {
         self.since_ack_req = 0;
     }
 
+    /// After a receive completed, reads the start of the next posted
+    /// receive buffer, so the next message's copy into it does not miss
+    /// (the buffer was last touched a whole receive queue ago).
+    /// Returns whether there was a buffer to read.
+    pub fn warm_next_receive(&mut self) -> bool {
+        if !std::mem::take(&mut self.rq_head_cold) {
+            return false;
+        }
+        match self.rq.front().and_then(|w| w.segs.first()) {
+            Some(Segment::Mr { mem, offset, len }) => {
+                mem.warm(*offset, (*len).min(WARM_BYTES));
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether a receive completed since the last [`QpEngine::warm_next_receive`].
+    pub fn rq_head_cold(&self) -> bool {
+        self.rq_head_cold
+    }
+
     pub fn handle_packet(&mut self, now: Instant, pkt: &Packet<'_>) {
         match self.state {
             QpState::Rtr | QpState::Rts => {}
@@ -886,6 +916,7 @@ impl QpEngine {
         if op.ends_message() {
             self.msn = self.msn.wrapping_add(1);
             let recv = self.rq.pop_front().expect("front exists");
+            self.rq_head_cold = true;
             let wc = WorkCompletion {
                 wr_id: recv.wr_id,
                 status: WcStatus::Success,

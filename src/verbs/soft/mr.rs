@@ -112,6 +112,19 @@ impl MrMem {
         }
     }
 
+    /// Reads the first lines of `len` bytes at `offset` (and their chunk's
+    /// lock), so a write that lands there soon finds them cached.
+    pub fn warm(&self, offset: usize, len: usize) {
+        if let Some((idx, at, n)) = self.pieces(offset, len).next() {
+            let chunk = self.chunks[idx].lock();
+            let sum = chunk[at..at + n]
+                .iter()
+                .step_by(64)
+                .fold(0u8, |acc, &b| acc ^ b);
+            std::hint::black_box(sum);
+        }
+    }
+
     /// Runs `f` over `len` bytes at `offset` with every chunk they touch
     /// locked (in ascending order); bytes spanning chunks go through a copy.
     fn with_locked<R>(

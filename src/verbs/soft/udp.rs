@@ -487,6 +487,7 @@ impl Driver {
                 let t = self.now();
                 core.defer_completions();
                 core.handle_timeout(t);
+                core.warm_next_receives();
                 self.outbox.clear();
                 // What inline sends could not place goes first.
                 let backlog = std::mem::take(&mut core.inline.backlog);
