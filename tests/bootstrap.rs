@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use qpmux::link::bootstrap::{BootstrapError, ClusterKey, DeclineReason, MAX_MESSAGE};
 use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
-use qpmux::mux::{Epoch, Mux, MuxConfig, MuxTransport, PeerId, StreamKey, Terminal};
+use qpmux::mux::{Epoch, Mux, MuxConfig, MuxTransport, PeerId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -344,20 +344,5 @@ async fn one_stream_between(sender: MuxConfig, receiver: MuxConfig) {
     let (b_node, b) = node_with(TcpNodeConfig::new(B), receiver).await;
     a_node.register(B, b_node.local_addr());
     b_node.register(A, a_node.local_addr());
-    let key = StreamKey::new(4, 4);
-    let mut rx = b.bind(key).expect("bind");
-    let mut tx = a.open(B, key).expect("open");
-    let records = 64u32;
-    let producer = tokio::spawn(async move {
-        for n in 0..records {
-            tx.send(slots::record(4, n, 1024)).await.expect("send");
-        }
-        tx.finish(Terminal::Finalized).expect("finish");
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let (got, _) = slots::in_order_to_finalized(&mut rx).await;
-    assert_eq!(got, records);
-    producer.await.expect("producer");
-    assert_eq!(a.epoch(B), Some(Epoch(1)), "no epoch died");
-    assert_eq!(b.epoch(A), Some(Epoch(1)), "no epoch died");
+    slots::late_consumer_stream(&a, A, &b, B, 4).await;
 }

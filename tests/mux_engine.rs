@@ -982,18 +982,5 @@ async fn over_the_mem_fabric_slots_send_within_the_receivers_slot_window() {
     fabric.add(A, a.clone());
     let b = Mux::new(small, fabric.dialer(B));
     fabric.add(B, b.clone());
-    let key = StreamKey::new(7, 7);
-    let mut rx = b.bind(key).expect("bind");
-    let mut tx = a.open(B, key).expect("open");
-    let records = 64u32;
-    let producer = tokio::spawn(async move {
-        for n in 0..records {
-            tx.send(record(7, n, 1024)).await.expect("send");
-        }
-        tx.finish(Terminal::Finalized).expect("finish");
-    });
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(in_order_to_finalized(&mut rx).await.0, records);
-    producer.await.expect("producer");
-    assert_eq!(a.epoch(B), Some(Epoch(1)), "no epoch died");
+    slots::late_consumer_stream(&a, A, &b, B, 7).await;
 }

@@ -659,22 +659,7 @@ async fn an_rdma_sender_sends_within_its_receivers_smaller_slot_window() {
             .await
             .expect("bind");
         mesh(&[&a, &b]);
-        let key = StreamKey::new(9, 9);
-        let mut rx = b.mux().bind(key).expect("bind");
-        let mut tx = a.mux().open(B, key).expect("open");
-        let records = 64u32;
-        let producer = tokio::spawn(async move {
-            for n in 0..records {
-                tx.send(record(9, n, 1024)).await.expect("send");
-            }
-            tx.finish(Terminal::Finalized).expect("finish");
-        });
-        // The consumer starts late, so the sender meets the window first.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        assert_eq!(in_order_to_finalized(&mut rx).await.0, records);
-        producer.await.expect("producer");
-        assert_eq!(a.mux().epoch(B), Some(Epoch(1)), "no epoch died");
-        assert_eq!(b.mux().epoch(A), Some(Epoch(1)), "no epoch died");
+        slots::late_consumer_stream(a.mux(), A, b.mux(), B, 9).await;
     })
     .await;
 }

@@ -5,7 +5,9 @@
 #![allow(dead_code)] // each test binary uses its own subset
 
 use bytes::Bytes;
-use qpmux::mux::{DropReason, Epoch, Frame, SlotReceiver};
+use qpmux::mux::{
+    DropReason, Epoch, Frame, MuxTransport, PeerId, SlotReceiver, StreamKey, Terminal,
+};
 
 /// A record of `len` bytes (at least 12) naming `slot` and sequence `n`.
 pub fn record(slot: u64, n: u32, len: usize) -> Bytes {
@@ -61,4 +63,32 @@ pub async fn in_order_to_finalized(rx: &mut SlotReceiver) -> (u32, usize) {
         }
     }
     panic!("the stream ended without Finalized after {next} records");
+}
+
+/// 64 records of 1 KiB on one slot from `from` to `peer` (whose mux is
+/// `to`), the consumer starting 200 ms late so the sender meets its slot
+/// window first; every record must arrive in order, then `Finalized`, and
+/// both sides stay in epoch 1 (no epoch died on the way).
+pub async fn late_consumer_stream(
+    from: &impl MuxTransport,
+    from_id: PeerId,
+    to: &impl MuxTransport,
+    peer: PeerId,
+    slot: u64,
+) {
+    let key = StreamKey::new(slot, slot);
+    let mut rx = to.bind(key).expect("bind");
+    let mut tx = from.open(peer, key).expect("open");
+    let records = 64u32;
+    let producer = tokio::spawn(async move {
+        for n in 0..records {
+            tx.send(record(slot, n, 1024)).await.expect("send");
+        }
+        tx.finish(Terminal::Finalized).expect("finish");
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(in_order_to_finalized(&mut rx).await.0, records);
+    producer.await.expect("producer");
+    assert_eq!(from.epoch(peer), Some(Epoch(1)), "no epoch died");
+    assert_eq!(to.epoch(from_id), Some(Epoch(1)), "no epoch died");
 }
