@@ -70,15 +70,18 @@ async fn raw(node: &TcpNode) -> (TcpStream, [u8; 32]) {
 
 /// A keyless dialer hello, framed, byte by byte per docs/bootstrap.md.
 fn hello(version: u16, node: PeerId, echo: &[u8; 32], max_batch: u32) -> Vec<u8> {
-    hello_with_window(version, node, echo, max_batch, 256 * 1024)
+    hello_with_windows(version, node, echo, max_batch, (256 * 1024, 64 << 20))
 }
 
-fn hello_with_window(
+/// A hello's slot window and peer window.
+type Windows = (u32, u32);
+
+fn hello_with_windows(
     version: u16,
     node: PeerId,
     echo: &[u8; 32],
     max_batch: u32,
-    slot_window: u32,
+    windows: Windows,
 ) -> Vec<u8> {
     let mut body = vec![2u8];
     body.extend_from_slice(b"QPMX");
@@ -91,7 +94,8 @@ fn hello_with_window(
     body.push(1); // endpoint kind: tcp
     body.extend_from_slice(&4u16.to_be_bytes());
     body.extend_from_slice(&max_batch.to_be_bytes());
-    body.extend_from_slice(&slot_window.to_be_bytes());
+    body.extend_from_slice(&windows.0.to_be_bytes());
+    body.extend_from_slice(&windows.1.to_be_bytes());
     body.push(0); // no MAC
     let mut out = (body.len() as u32).to_be_bytes().to_vec();
     out.extend_from_slice(&body);
@@ -250,15 +254,16 @@ async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_se
         expect(half, true, BootstrapError::Truncated).await;
 
         // Cases that need the connection's own nonce.
-        let cases: [(u16, PeerId, u32, u32, BootstrapError); 4] = [
-            (1, A, 65536, 1, BootstrapError::BadVersion { got: 1 }),
-            (2, A, 1, 1, BootstrapError::BadField("tcp max_batch")),
-            (2, A, 65536, 0, BootstrapError::BadField("slot window")),
-            (2, B, 65536, 1, BootstrapError::SelfConnect),
+        let cases: [(u16, PeerId, u32, Windows, BootstrapError); 5] = [
+            (1, A, 65536, (1, 1), BootstrapError::BadVersion { got: 1 }),
+            (2, A, 1, (1, 1), BootstrapError::BadField("tcp max_batch")),
+            (2, A, 65536, (0, 1), BootstrapError::BadField("slot window")),
+            (2, A, 65536, (1, 0), BootstrapError::BadField("peer window")),
+            (2, B, 65536, (1, 1), BootstrapError::SelfConnect),
         ];
-        for (version, id, max_batch, window, want) in cases {
+        for (version, id, max_batch, windows, want) in cases {
             let (mut s, nonce) = raw(&l_node).await;
-            s.write_all(&hello_with_window(version, id, &nonce, max_batch, window))
+            s.write_all(&hello_with_windows(version, id, &nonce, max_batch, windows))
                 .await
                 .expect("write");
             n += 1;
@@ -317,14 +322,16 @@ async fn a_keyed_listener_refuses_a_dialer_without_proof() {
     .await;
 }
 
-/// Sender and receiver with slot windows 16× apart, each way round: the
-/// hello tells the sender the receiver's window, and its slots send within
-/// it. (Before the window was in the hello, a sender with the larger window
-/// used its own, and its receiver ended every epoch with a `CreditOverrun`.)
+/// Sender and receiver with slot windows 16× apart and peer windows 8,192×
+/// apart, each way round: the hello tells the sender the receiver's windows,
+/// and its slots send within them. (Before the windows were in the hello, a
+/// sender with the larger ones used its own, and its receiver ended every
+/// epoch with a `CreditOverrun` or `PeerCreditOverrun`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn slots_send_within_the_receivers_slot_window_either_way_round() {
+async fn slots_send_within_the_receivers_windows_either_way_round() {
     let small = MuxConfig {
         slot_window: 16 * 1024,
+        peer_window: 8 * 1024,
         ..MuxConfig::default()
     };
     for (sender, receiver) in [

@@ -122,6 +122,135 @@ async fn data_beyond_the_granted_slot_credit_is_epoch_death() {
     .await;
 }
 
+/// The lie that slot credit alone never bounded: open a stream nobody here
+/// binds, fill it within its window, close it, and again on a new key. Each
+/// closed slot kept what it held (nobody consumes it), so memory grew by a
+/// window a slot, without end. Peer credit counts the closed slots' bytes
+/// until a consumer takes them, so the liar dies at the peer window.
+#[tokio::test]
+async fn filling_and_closing_unbound_streams_is_epoch_death_at_the_peer_window() {
+    bounded(async {
+        let (slot_window, peer_window) = (32 * 1024, 128 * 1024);
+        let mut arena = Arena::new(MuxConfig {
+            slot_window,
+            peer_window,
+            ..MuxConfig::default()
+        })
+        .await;
+        let chunk = vec![7u8; 16 * 1024];
+        let fills = peer_window as usize / chunk.len();
+        for i in 0..fills as u32 {
+            let s = slot(i, 0);
+            arena
+                .evil
+                .open(s, StreamKey::new(EVIL.0, 100 + u64::from(i)))
+                .await;
+            arena.evil.data(s, &chunk).await;
+            arena.evil.close(s, CloseReason::Finalized).await;
+        }
+        assert_eq!(
+            arena.target.epoch(EVIL),
+            Some(EVIL_EPOCH),
+            "within the window"
+        );
+        let s = slot(fills as u32, 0);
+        arena.evil.open(s, StreamKey::new(EVIL.0, 99)).await;
+        arena.evil.data(s, b"one byte too many").await;
+        epoch_death(
+            &arena,
+            ProtocolError::PeerCreditOverrun {
+                outstanding: u64::from(peer_window),
+                len: 17,
+                window: peer_window,
+            },
+        )
+        .await;
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+/// A consumer that takes a closed stream's bytes gives them back as peer
+/// credit: the same fills go on without end while someone reads them.
+#[tokio::test]
+async fn bytes_a_consumer_takes_from_a_closed_stream_come_back_as_peer_credit() {
+    bounded(async {
+        let peer_window = 64 * 1024;
+        let mut arena = Arena::new(MuxConfig {
+            slot_window: 32 * 1024,
+            peer_window,
+            // Returned as consumers act, never by the backstop sweep.
+            credit_sweep: Duration::from_secs(3600),
+            ..MuxConfig::default()
+        })
+        .await;
+        let chunk = vec![7u8; 16 * 1024];
+        let (mut returned, mut sent) = (0u64, 0u64);
+        // 2.5 windows' worth, each stream read after its close. Every other
+        // one is below the grant threshold (a quarter slot window): only the
+        // consumer taking its terminal gives those bytes back.
+        for i in 0..16u32 {
+            let s = slot(i, 0);
+            let key = StreamKey::new(EVIL.0, 200 + u64::from(i));
+            let body = &chunk[..if i % 2 == 0 { 16 * 1024 } else { 4 * 1024 }];
+            let mut rx = arena.target.bind(key).expect("bind");
+            arena.evil.open(s, key).await;
+            arena.evil.data(s, body).await;
+            arena.evil.close(s, CloseReason::Finalized).await;
+            sent += body.len() as u64;
+            assert_eq!(rx.recv().await, Some(Frame::Data(body.to_vec().into())));
+            assert_eq!(rx.recv().await, Some(Frame::Finalized));
+            while returned < sent {
+                if let Heard::PeerCredit(bytes) = arena
+                    .evil
+                    .hear_until(|h| matches!(h, Heard::PeerCredit(_)))
+                    .await
+                {
+                    returned += u64::from(bytes);
+                }
+            }
+        }
+        assert_eq!(returned, sent);
+        // A consumer that drops a closed stream unread gives its bytes back too.
+        let (s, key) = (slot(16, 0), StreamKey::new(EVIL.0, 216));
+        let rx = arena.target.bind(key).expect("bind");
+        arena.evil.open(s, key).await;
+        arena.evil.data(s, &chunk).await;
+        arena.evil.close(s, CloseReason::Finalized).await;
+        arena.evil.ping(1).await;
+        drop(rx);
+        let heard = arena
+            .evil
+            .hear_until(|h| matches!(h, Heard::PeerCredit(_)))
+            .await;
+        assert_eq!(heard, Heard::PeerCredit(16 * 1024));
+        assert_eq!(arena.target.epoch(EVIL), Some(EVIL_EPOCH));
+        assert_eq!(arena.target.stats().protocol_violations, 0);
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_peer_credit_grant_beyond_the_peer_window_is_epoch_death() {
+    bounded(async {
+        let mut arena = Arena::new(MuxConfig::default()).await;
+        let window = MuxConfig::default().peer_window;
+        // The target holds a full peer window toward the liar; any grant is more.
+        arena.evil.lie_peer_credit_overgrant(1).await;
+        epoch_death(
+            &arena,
+            ProtocolError::PeerCreditOverGrant {
+                credit: i64::from(window) + 1,
+                window,
+            },
+        )
+        .await;
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_credit_grant_beyond_the_window_is_epoch_death() {
     bounded(async {

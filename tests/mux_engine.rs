@@ -968,14 +968,15 @@ async fn a_consumer_runs_before_its_batch_is_released_to_the_provider() {
     assert_eq!(*log.lock().expect("log"), ["consumed", "released"]);
 }
 
-/// The mem fabric tells each mux the other's slot window, as a node's hello
-/// does: a sender with 16× its receiver's window sends within the
-/// receiver's, and the epoch lives.
+/// The mem fabric tells each mux the other's windows, as a node's hello
+/// does: a sender with 16× its receiver's slot window and 8,192× its peer
+/// window sends within the receiver's, and the epoch lives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn over_the_mem_fabric_slots_send_within_the_receivers_slot_window() {
+async fn over_the_mem_fabric_slots_send_within_the_receivers_windows() {
     let fabric = MemFabric::new(MemConfig::default());
     let small = MuxConfig {
         slot_window: 16 * 1024,
+        peer_window: 8 * 1024,
         ..MuxConfig::default()
     };
     let a = Mux::new(MuxConfig::default(), fabric.dialer(A));
@@ -983,4 +984,108 @@ async fn over_the_mem_fabric_slots_send_within_the_receivers_slot_window() {
     let b = Mux::new(small, fabric.dialer(B));
     fabric.add(B, b.clone());
     slots::late_consumer_stream(&a, A, &b, B, 7).await;
+}
+
+/// Eight slots whose consumers start late, each within its slot window, more
+/// than the receiver's peer window together: the sender waits for peer
+/// credit (counted), every record arrives in order, and no epoch dies. The
+/// slots finish before their consumers read, so the bytes of closed slots
+/// come back as peer credit too. The consumers read side by side: one that
+/// waited for its stream while others held the whole peer window would
+/// wait for ever (docs/design.md § "Peer credit bounds what a peer can make
+/// us hold").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slots_together_send_within_the_receivers_peer_window() {
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        eight_late_slots_against_a_peer_window(),
+    )
+    .await
+    .expect("every record within 20 s");
+}
+
+async fn eight_late_slots_against_a_peer_window() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = Mux::new(MuxConfig::default(), fabric.dialer(A));
+    fabric.add(A, a.clone());
+    let b = Mux::new(
+        MuxConfig {
+            slot_window: 32 * 1024,
+            peer_window: 64 * 1024,
+            ..MuxConfig::default()
+        },
+        fabric.dialer(B),
+    );
+    fabric.add(B, b.clone());
+    let (slots, records) = (8u64, 32u32);
+    let mut receivers = Vec::new();
+    for s in 0..slots {
+        let key = StreamKey::new(9, s);
+        receivers.push(b.bind(key).expect("bind"));
+        let mut tx = a.open(B, key).expect("open");
+        tokio::spawn(async move {
+            for n in 0..records {
+                tx.send(record(s, n, 1024)).await.expect("send");
+            }
+            tx.finish(Terminal::Finalized).expect("finish");
+        });
+    }
+    // 256 KiB offered against a 64 KiB peer window: the sender meets it.
+    until(|| a.stats().peer_credit_stalls > 0).await;
+    let readers: Vec<_> = receivers
+        .into_iter()
+        .map(|mut rx| tokio::spawn(async move { in_order_to_finalized(&mut rx).await.0 }))
+        .collect();
+    for reader in readers {
+        assert_eq!(reader.await.expect("reader"), records);
+    }
+    assert_eq!((a.epoch(B), b.epoch(A)), (Some(Epoch(1)), Some(Epoch(1))));
+    assert_eq!(b.stats().protocol_violations, 0);
+    assert!(b.stats().peer_credit_updates_sent > 0);
+}
+
+/// A record larger than the receiver's whole peer window can never go: its
+/// slot ends for the producer with `TooLarge` naming that window, the
+/// consumer sees the sender drop the stream, and the epoch lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_larger_than_the_receivers_peer_window_ends_only_its_slot() {
+    tokio::time::timeout(Duration::from_secs(20), a_record_past_the_peer_window())
+        .await
+        .expect("the slot ends within 20 s");
+}
+
+async fn a_record_past_the_peer_window() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = Mux::new(MuxConfig::default(), fabric.dialer(A));
+    fabric.add(A, a.clone());
+    let peer_window = 64 * 1024;
+    let b = Mux::new(
+        MuxConfig {
+            peer_window,
+            max_record: peer_window as usize,
+            ..MuxConfig::default()
+        },
+        fabric.dialer(B),
+    );
+    fabric.add(B, b.clone());
+    let key = StreamKey::new(10, 1);
+    let mut rx = b.bind(key).expect("bind");
+    let mut tx = a.open(B, key).expect("open");
+    tx.send(record(1, 0, 100)).await.expect("send");
+    tx.send(record(1, 1, 100 * 1024)).await.expect("queued");
+    assert_eq!(
+        tx.closed().await,
+        SendError::TooLarge {
+            len: 100 * 1024,
+            max: peer_window as usize
+        }
+    );
+    assert!(matches!(rx.recv().await, Some(Frame::Data(d)) if seq_of(&d) == 0));
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Dropped(DropReason::SenderDropped))
+    );
+    assert_eq!((a.epoch(B), b.epoch(A)), (Some(Epoch(1)), Some(Epoch(1))));
+    // The peer and its other streams go on.
+    slots::late_consumer_stream(&a, A, &b, B, 11).await;
 }

@@ -388,6 +388,7 @@ fn hello_to(listener: PeerId) -> Handshake {
                 udp_port: 9,
             }),
             slot_window: 256 * 1024,
+            peer_window: 64 << 20,
         },
         Some(listener),
         fresh_nonce(),
@@ -642,15 +643,17 @@ async fn qps_killed_before_any_batch_back_off_within_bounds_and_traffic_resets_i
     no_rnr(&b);
 }
 
-/// The RDMA node's hello carries its slot window too: a sender with 16×
-/// the receiver's window sends within the receiver's, and no epoch dies.
+/// The RDMA node's hello carries its windows too: a sender with 16× the
+/// receiver's slot window and 8,192× its peer window sends within the
+/// receiver's, and no epoch dies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_rdma_sender_sends_within_its_receivers_smaller_slot_window() {
+async fn an_rdma_sender_sends_within_its_receivers_smaller_windows() {
     bounded(async {
         let a = transport(A, None).await;
         let b_config = RdmaNodeConfig {
             mux: MuxConfig {
                 slot_window: 16 * 1024,
+                peer_window: 8 * 1024,
                 ..MuxConfig::default()
             },
             ..config(B, None)

@@ -85,6 +85,7 @@ fn fields(node: PeerId, proposes: u64, rdma: bool) -> HelloFields {
         proposed: Epoch(proposes.min(u64::MAX - 1)),
         endpoint: endpoint(rdma),
         slot_window: 256 * 1024,
+        peer_window: 64 << 20,
     }
 }
 

@@ -11,7 +11,8 @@
 //! Invariants: no panic; a protocol violation is an error (the epoch dies,
 //! `fail_all` ends every slot) and nothing after it is fed; live slots never
 //! exceed the configured limit; a receiver never holds more undrained data
-//! than its window plus two records (credit bounds memory); every batch out
+//! than its window plus two records, nor than the peer window (credit bounds
+//! memory), and the peer's held bytes never exceed the peer window; every batch out
 //! parses, names the epoch and counts up by one; one drain is bounded.
 #![no_main]
 
@@ -27,6 +28,8 @@ use tokio::time::Instant;
 const EPOCH: Epoch = Epoch(7);
 const WINDOW: u32 = 4096;
 const MAX_RECORD: usize = 8192;
+/// Smaller than the slots' windows together, so peer credit is what binds.
+const PEER_WINDOW: u32 = 2 * MAX_RECORD as u32;
 const MAX_SLOTS: u32 = 16;
 const BATCH_BUF: usize = 16 << 10;
 const STEPS_CAP: usize = 128;
@@ -66,6 +69,7 @@ enum Rec {
         generation: u8,
         bytes: u32,
     },
+    PeerCredit(u32),
     Heartbeat {
         index: u8,
         generation: u8,
@@ -175,6 +179,7 @@ impl Run {
                     generation,
                     bytes,
                 } => enc.push_credit(slot(*index, *generation), *bytes),
+                Rec::PeerCredit(bytes) => enc.push_peer_credit(*bytes),
                 Rec::Heartbeat {
                     index,
                     generation,
@@ -231,6 +236,10 @@ impl Run {
             bytes <= u64::from(WINDOW) + 2 * MAX_RECORD as u64,
             "{bytes} undrained bytes: credit does not bound the receiver"
         );
+        assert!(
+            bytes <= u64::from(PEER_WINDOW),
+            "{bytes} undrained bytes: peer credit does not bound the receiver"
+        );
         self.peer.handle_control(self.now);
     }
 
@@ -258,6 +267,7 @@ impl Run {
             }
         }
         assert!(self.peer.live_slots() <= MAX_SLOTS as usize);
+        assert!(self.peer.peer_outstanding() <= u64::from(PEER_WINDOW));
         self.max_live = self.max_live.max(self.peer.live_slots());
         self.poll_out();
     }
@@ -283,6 +293,7 @@ fuzz_target!(|input: (Vec<u8>, Vec<Step>)| {
     let now = Instant::now();
     let config = MuxConfig {
         slot_window: WINDOW,
+        peer_window: PEER_WINDOW,
         max_record: MAX_RECORD,
         max_slots_per_peer: MAX_SLOTS,
         heartbeat: Some(Duration::from_secs(1)),

@@ -32,6 +32,13 @@ pub struct MuxConfig {
     /// the bandwidth-delay product of a soft-RoCE or 100 Gb/s link at tens of
     /// microseconds (docs/design.md § "Slot credit in bytes, sized to the BDP").
     pub slot_window: u32,
+    /// Peer credit a receiver grants each peer, in bytes: what all of one
+    /// peer's slots together may have here unconsumed (in flight, queued for
+    /// consumers, reassembling), whatever the slot count. Bounds what a peer
+    /// can make this node hold. At least `max_record`, or records between
+    /// the two can never be sent to us. Default 64 MiB
+    /// (docs/design.md § "Peer credit bounds what a peer can make us hold").
+    pub peer_window: u32,
     /// Bytes a producer may queue on one slot before `send` waits. Default 1 MiB.
     pub slot_budget: usize,
     /// Bytes all producers may queue toward one peer. Default 8 MiB.
@@ -57,6 +64,7 @@ impl Default for MuxConfig {
         MuxConfig {
             flush: FlushPolicy::Auto,
             slot_window: 256 * 1024,
+            peer_window: 64 * 1024 * 1024,
             slot_budget: 1024 * 1024,
             peer_budget: 8 * 1024 * 1024,
             credit_sweep: Duration::from_millis(200),
@@ -76,4 +84,17 @@ pub struct PeerTerms {
     /// The peer's [`MuxConfig::slot_window`]: bytes each of our slots may
     /// have outstanding toward it. Never 0.
     pub slot_window: u32,
+    /// The peer's [`MuxConfig::peer_window`]: bytes all of our slots together
+    /// may have outstanding toward it. Never 0.
+    pub peer_window: u32,
+}
+
+impl PeerTerms {
+    /// What a node with `config` announces to its peers.
+    pub fn announced_by(config: &MuxConfig) -> PeerTerms {
+        PeerTerms {
+            slot_window: config.slot_window,
+            peer_window: config.peer_window,
+        }
+    }
 }

@@ -372,15 +372,16 @@ impl Inlet {
     /// only once every record before it is gone. A record's bytes leave the
     /// slot's budget here and the peer's when the caller releases them
     /// ([`PeerControl::release_budget`]).
-    pub fn pop(&self, credit: bool) -> Pop {
+    /// The next record if `may_start` allows one of its length.
+    pub fn pop(&self, may_start: impl FnOnce(usize) -> bool) -> Pop {
         let mut state = lock(&self.state);
-        if state.queue.is_empty() {
+        let Some(next) = state.queue.front() else {
             return match state.terminal.take() {
                 Some(reason) => Pop::Terminal(reason),
                 None => Pop::Empty,
             };
-        }
-        if !credit {
+        };
+        if !may_start(next.len()) {
             return Pop::Blocked;
         }
         let data = state.queue.pop_front().expect("queue is not empty");
@@ -623,6 +624,8 @@ struct RxState {
     dirty: bool,
     /// The receiver found nothing and waits: the next push notifies `ready`.
     receiver_waiting: bool,
+    /// The consumer took the terminal.
+    terminal_taken: bool,
 }
 
 /// What the peer task learns when it visits a dirty `RxSlot`.
@@ -630,6 +633,8 @@ struct RxState {
 pub(crate) struct RxVisit {
     pub drained: u64,
     pub receiver_gone: bool,
+    /// The terminal has been taken: nothing of the slot is held any more.
+    pub finished: bool,
 }
 
 impl RxSlot {
@@ -666,7 +671,8 @@ impl RxSlot {
         true
     }
 
-    /// Appends the terminal and detaches the feeder. Returns false if a
+    /// Appends the terminal; the feeder stays, to hear what the consumer
+    /// still takes (peer credit). Returns false if a
     /// terminal was already there (exactly one per slot).
     pub fn end(&self, frame: Frame) -> bool {
         let mut state = lock(&self.state);
@@ -674,7 +680,6 @@ impl RxSlot {
             return false;
         }
         state.ended = true;
-        state.feeder = None;
         if !state.receiver_gone {
             state.frames.push_back((frame, 0));
         }
@@ -695,6 +700,7 @@ impl RxSlot {
         RxVisit {
             drained: std::mem::take(&mut state.drained),
             receiver_gone: state.receiver_gone,
+            finished: state.terminal_taken,
         }
     }
 
@@ -779,6 +785,11 @@ impl SlotReceiver {
         }
         if frame.is_terminal() {
             self.done = true;
+            state.terminal_taken = true;
+            if state.drained > 0 {
+                // The feeder returns what the closed slot still counted as held.
+                self.rx.mark_dirty(&mut state);
+            }
             drop(state);
             self.registry.remove(&self.rx);
         }
@@ -790,9 +801,10 @@ impl Drop for SlotReceiver {
     fn drop(&mut self) {
         let mut state = lock(&self.rx.state);
         state.receiver_gone = true;
-        state.frames.clear();
+        let cleared: u64 = state.frames.drain(..).map(|(_, credit)| credit).sum();
         let feeding = state.feeder.is_some() && !state.ended;
-        if feeding {
+        if feeding || cleared > 0 || state.drained > 0 {
+            // The feeder closes the slot, or returns what it held as peer credit.
             self.rx.mark_dirty(&mut state);
         }
         drop(state);
@@ -845,7 +857,7 @@ mod tests {
         let blocked = slot.clone();
         let mut second = tokio::spawn(async move { blocked.push(record(60)).await });
         assert!(still_waiting(&mut second).await, "60 + 60 > 100");
-        assert!(matches!(slot.pop(true), Pop::Record(r) if r.len() == 60));
+        assert!(matches!(slot.pop(|_| true), Pop::Record(r) if r.len() == 60));
         tokio::time::timeout(WAIT, second)
             .await
             .expect("woken by the pop")
@@ -863,7 +875,7 @@ mod tests {
         assert!(still_waiting(&mut send).await, "the peer holds 80 of 100");
         assert_eq!(control.budget_waiters.load(Ordering::Relaxed), 1);
         // A release from a different slot than the one waiting.
-        let Pop::Record(popped) = full.pop(true) else {
+        let Pop::Record(popped) = full.pop(|_| true) else {
             panic!("a record is queued");
         };
         assert!(still_waiting(&mut send).await, "popped, not yet released");

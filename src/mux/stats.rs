@@ -69,6 +69,11 @@ pub struct Stats {
     pub credit_stalls: u64,
     /// CreditUpdate records sent.
     pub credit_updates_sent: u64,
+    /// Times a slot had a record ready and slot credit, but the peer's
+    /// credit (its `peer_window` less what it still holds of ours) was short.
+    pub peer_credit_stalls: u64,
+    /// PeerCredit records sent.
+    pub peer_credit_updates_sent: u64,
     /// Bytes producers have queued that are not yet on the wire (gauge).
     pub withheld_bytes: u64,
     /// Epochs that ended.
@@ -111,6 +116,11 @@ impl Stats {
             ("qpmux_records_received_total", self.records_received),
             ("qpmux_credit_stalls_total", self.credit_stalls),
             ("qpmux_credit_updates_sent_total", self.credit_updates_sent),
+            ("qpmux_peer_credit_stalls_total", self.peer_credit_stalls),
+            (
+                "qpmux_peer_credit_updates_sent_total",
+                self.peer_credit_updates_sent,
+            ),
             ("qpmux_withheld_bytes", self.withheld_bytes),
             ("qpmux_epoch_deaths_total", self.epoch_deaths),
             ("qpmux_slots_dropped_total", self.slots_dropped),
@@ -164,6 +174,8 @@ pub(crate) struct Counters {
     pub records_received: AtomicU64,
     pub credit_stalls: AtomicU64,
     pub credit_updates_sent: AtomicU64,
+    pub peer_credit_stalls: AtomicU64,
+    pub peer_credit_updates_sent: AtomicU64,
     /// Written by every producer per record: kept off the lines the peer
     /// tasks write.
     pub withheld_bytes: Padded<AtomicU64>,
@@ -212,6 +224,8 @@ impl Counters {
             records_received: get(&self.records_received),
             credit_stalls: get(&self.credit_stalls),
             credit_updates_sent: get(&self.credit_updates_sent),
+            peer_credit_stalls: get(&self.peer_credit_stalls),
+            peer_credit_updates_sent: get(&self.peer_credit_updates_sent),
             withheld_bytes: get(&self.withheld_bytes),
             epoch_deaths: get(&self.epoch_deaths),
             slots_dropped: get(&self.slots_dropped),

@@ -66,6 +66,8 @@ pub enum Heard {
     Close(SlotId, CloseReason),
     /// The target granted credit.
     Credit(SlotId, u32),
+    /// The target returned peer credit.
+    PeerCredit(u32),
     /// Slot data of this many bytes.
     Data(SlotId, usize),
     /// A Pong with its nonce.
@@ -160,6 +162,20 @@ impl HostileMem {
             .await;
     }
 
+    /// An honest CloseSlot on `slot` (in sequence).
+    pub async fn close(&mut self, slot: SlotId, reason: CloseReason) {
+        let seq = self.take_seq(slot);
+        self.post(|enc| enc.push_close(slot, seq, reason).expect("fits"))
+            .await;
+    }
+
+    /// A Ping, then waits for its Pong: the target has handled every batch
+    /// posted before it.
+    pub async fn ping(&mut self, nonce: u64) {
+        self.post(|enc| enc.push_ping(nonce).expect("fits")).await;
+        self.hear_until(|h| *h == Heard::Pong(nonce)).await;
+    }
+
     // ---- the lies ----
 
     /// Data for a slot index nobody opened.
@@ -192,6 +208,12 @@ impl HostileMem {
                 .expect("fits");
         })
         .await;
+    }
+
+    /// A PeerCredit returning `bytes` the target never sent.
+    pub async fn lie_peer_credit_overgrant(&mut self, bytes: u32) {
+        self.post(|enc| enc.push_peer_credit(bytes).expect("fits"))
+            .await;
     }
 
     /// A CreditUpdate for the target's egress `slot` larger than any window.
@@ -321,6 +343,7 @@ impl HostileMem {
                 }
                 RecordBody::Close(reason) => Heard::Close(r.slot, reason),
                 RecordBody::Credit(bytes) => Heard::Credit(r.slot, bytes),
+                RecordBody::PeerCredit(bytes) => Heard::PeerCredit(bytes),
                 RecordBody::Data(body) => Heard::Data(r.slot, body.len()),
                 RecordBody::Pong(nonce) => Heard::Pong(nonce),
                 _ => Heard::Other,
@@ -507,6 +530,7 @@ impl HostileDialer {
             proposed: Epoch::default(),
             endpoint: Endpoint::Tcp(TcpEndpoint { max_batch: 65536 }),
             slot_window: 256 * 1024,
+            peer_window: 64 << 20,
         };
         let key = key.map(|k| ClusterKey::new(k).expect("key length"));
         let mut hs = Handshake::dialer(key, fields, Some(to), fresh_nonce());

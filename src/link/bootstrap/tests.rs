@@ -20,6 +20,7 @@ fn tcp(node: PeerId, proposed: u64) -> HelloFields {
         endpoint: Endpoint::Tcp(TcpEndpoint { max_batch: 65536 }),
         // Differs per node, so the happy paths show it crossing intact.
         slot_window: 4096 * (node.0 as u32 + 1),
+        peer_window: (1 << 20) * (node.0 as u32 + 1),
     }
 }
 
@@ -221,12 +222,18 @@ fn bad_version_is_named() {
 }
 
 #[test]
-fn a_zero_slot_window_is_named() {
+fn zero_windows_are_named() {
     let mut fields = tcp(D, 0);
     fields.slot_window = 0;
     assert_eq!(
         listener_error(&framed(&dialer_hello_body(&fields))),
         BootstrapError::BadField("slot window")
+    );
+    let mut fields = tcp(D, 0);
+    fields.peer_window = 0;
+    assert_eq!(
+        listener_error(&framed(&dialer_hello_body(&fields))),
+        BootstrapError::BadField("peer window")
     );
 }
 

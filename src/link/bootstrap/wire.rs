@@ -266,6 +266,9 @@ pub struct HelloFields {
     /// Bytes the sender lets each slot have outstanding toward it (its
     /// `MuxConfig::slot_window`): the peer's egress window. Never 0.
     pub slot_window: u32,
+    /// Bytes the sender lets all slots together have outstanding toward it
+    /// (its `MuxConfig::peer_window`): the peer's peer credit. Never 0.
+    pub peer_window: u32,
 }
 
 /// A decoded hello.
@@ -413,6 +416,10 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
             if slot_window == 0 {
                 return Err(BootstrapError::BadField("slot window"));
             }
+            let peer_window = r.u32()?;
+            if peer_window == 0 {
+                return Err(BootstrapError::BadField("peer window"));
+            }
             let (mac, signed_len) = mac_trailer(body, &mut r)?;
             Ok(Message::Hello(HelloMessage {
                 fields: HelloFields {
@@ -421,6 +428,7 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
                     proposed,
                     endpoint,
                     slot_window,
+                    peer_window,
                 },
                 echo,
                 nonce,
@@ -466,6 +474,7 @@ pub(crate) fn hello_signed(fields: &HelloFields, echo: &Nonce, nonce: &Nonce) ->
     out.extend_from_slice(nonce);
     fields.endpoint.encode(&mut out);
     out.extend_from_slice(&fields.slot_window.to_be_bytes());
+    out.extend_from_slice(&fields.peer_window.to_be_bytes());
     out
 }
 

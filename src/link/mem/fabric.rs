@@ -69,10 +69,8 @@ impl MemFabric {
         let (end_a, end_b) = pair(epoch, self.config);
         nodes.links.insert(pair_key, end_a.clone());
         drop(nodes);
-        // Each side learns the other's slot window, as a node's hello tells it.
-        let terms_of = |mux: &Mux<MemLink>| PeerTerms {
-            slot_window: mux.config().slot_window,
-        };
+        // Each side learns the other's windows, as a node's hello tells it.
+        let terms_of = |mux: &Mux<MemLink>| PeerTerms::announced_by(mux.config());
         mux_a.attach_with_terms(b, end_a, Some(terms_of(&mux_b)));
         mux_b.attach_with_terms(a, end_b, Some(terms_of(&mux_a)));
         Some(epoch)

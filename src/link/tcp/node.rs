@@ -507,18 +507,15 @@ impl<E: EpochMaker> NodeInner<E> {
 
     fn hello(&self, proposed: Epoch, endpoint: Endpoint) -> HelloFields {
         // Without a mux the handshake ends in a decline or `NotServing`.
-        let slot_window = self
-            .mux
-            .get()
-            .map_or(MuxConfig::default().slot_window, |mux| {
-                mux.config().slot_window
-            });
+        let default = MuxConfig::default();
+        let config = self.mux.get().map_or(&default, |mux| mux.config());
         HelloFields {
             node: self.config.id,
             incarnation: self.incarnation,
             proposed,
             endpoint,
-            slot_window,
+            slot_window: config.slot_window,
+            peer_window: config.peer_window,
         }
     }
 }
@@ -987,6 +984,7 @@ fn install<E: EpochMaker>(
     // Under the table lock, so two installs for one peer attach in epoch order.
     let terms = PeerTerms {
         slot_window: established.peer.slot_window,
+        peer_window: established.peer.peer_window,
     };
     mux.attach_with_terms(peer, link, Some(terms));
     Ok(established.epoch)

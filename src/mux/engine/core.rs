@@ -6,10 +6,12 @@
 //!  handle_batch   ◄─ a received batch: deliver, grant, close, or a ProtocolError
 //!  poll_batch     ─► control owed (pong, closes, grants, opens), then data round-robin
 //!  handle_timeout ◄─ credit sweep, heartbeats;  poll_timeout ─► next deadline
+//!  credit: a record starts on slot credit > 0 and peer credit ≥ its length;
+//!          every data byte in counts against our peer window until consumed
 //! ```
 //!
 //! Owner: the peer task. Nothing here survives the epoch: the next one builds
-//! a new `PeerCore` (docs/design.md § "All slot state is epoch-scoped").
+//! a new `PeerCore` (docs/design.md § "A Link is one epoch").
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -18,14 +20,14 @@ use bytes::{Bytes, BytesMut};
 use tokio::time::Instant;
 
 use super::ProtocolError;
-use crate::mux::config::{FlushPolicy, MuxConfig};
+use crate::mux::config::{FlushPolicy, MuxConfig, PeerTerms};
 use crate::mux::message::{MessageSink, OutboundMessage};
 use crate::mux::protocol::{
     BatchEncoder, BatchView, CloseReason, EncodeError, Epoch, FrameSeq, Lane, Record, RecordBody,
     SlotId,
 };
 use crate::mux::slot::{
-    Inlet, InletStatus, OpenOutcome, PeerControl, Pop, Registry, RxSlot, SendError,
+    Inlet, InletStatus, OpenOutcome, PeerControl, Pop, Registry, RxSlot, RxVisit, SendError,
 };
 use crate::mux::stats::Counters;
 use crate::mux::surface::{DropReason, Frame, StreamKey};
@@ -54,6 +56,8 @@ struct EgressSlot {
     /// A popped terminal waiting for room in a batch.
     terminal: Option<CloseReason>,
     in_ready: bool,
+    /// On `peer_blocked`: its next record waits for peer credit.
+    awaiting_peer_credit: bool,
     heartbeat_owed: bool,
     sent_since_tick: bool,
 }
@@ -114,8 +118,24 @@ pub(crate) struct PeerCore {
     /// Of those, the ones whose terminal is in it too: freed once it is posted.
     closed_in_batch: Vec<u32>,
 
+    /// Peer credit: what all our slots together may still start toward the
+    /// peer (its peer window less what it holds of ours). A record takes its
+    /// whole length when it starts.
+    peer_credit: i64,
+    /// The peer's window, from its handshake (else ours).
+    egress_peer_window: u32,
+    /// Slots whose next record waits for peer credit, in the order they met it.
+    peer_blocked: Vec<u32>,
+
     ingress: HashMap<u32, IngressSlot>,
     by_rx: HashMap<usize, u32>,
+    /// Closed ingress slots whose consumer has not yet taken all they hold:
+    /// by receiver, the bytes still counted against the peer window.
+    draining: HashMap<usize, (Arc<RxSlot>, u64)>,
+    /// Data bytes received in this epoch and not yet returned as peer credit.
+    peer_outstanding: u64,
+    /// Peer credit to return in the next batch.
+    peer_grant_owed: u64,
     grants_owed: BTreeMap<u32, (SlotId, u64)>,
     closes_owed: BTreeMap<u32, (SlotId, CloseReason)>,
     pong_owed: Option<u64>,
@@ -164,6 +184,7 @@ impl PeerCore {
     ) -> PeerCore {
         let counters = control.counters.clone();
         let egress_window = config.slot_window;
+        let egress_peer_window = config.peer_window;
         PeerCore {
             epoch,
             sweep_at: now + config.credit_sweep,
@@ -180,8 +201,14 @@ impl PeerCore {
             opens_owed: VecDeque::new(),
             opened_in_batch: Vec::new(),
             closed_in_batch: Vec::new(),
+            peer_credit: i64::from(egress_peer_window),
+            egress_peer_window,
+            peer_blocked: Vec::new(),
             ingress: HashMap::new(),
             by_rx: HashMap::new(),
+            draining: HashMap::new(),
+            peer_outstanding: 0,
+            peer_grant_owed: 0,
             grants_owed: BTreeMap::new(),
             closes_owed: BTreeMap::new(),
             pong_owed: None,
@@ -232,15 +259,23 @@ impl PeerCore {
         self.live_egress + self.ingress.len()
     }
 
+    /// The peer's data bytes held or in flight here, not yet returned as
+    /// peer credit.
+    pub fn peer_outstanding(&self) -> u64 {
+        self.peer_outstanding
+    }
+
     pub fn goodbye_received(&self) -> bool {
         self.goodbye_received
     }
 
-    /// The peer's slot window, from its handshake: what our slots send
-    /// within from now on. Set before the epoch's first slot opens.
-    pub fn set_egress_window(&mut self, window: u32) {
+    /// The peer's windows, from its handshake: what our slots send within
+    /// from now on. Set before the epoch's first slot opens.
+    pub fn set_peer_terms(&mut self, terms: PeerTerms) {
         debug_assert!(self.live_egress == 0, "set before any slot opens");
-        self.egress_window = window;
+        self.egress_window = terms.slot_window;
+        self.egress_peer_window = terms.peer_window;
+        self.peer_credit = i64::from(terms.peer_window);
     }
 
     /// Whether a consumer was handed a frame or a message since the last
@@ -318,7 +353,9 @@ impl PeerCore {
     pub fn handle_timeout(&mut self, now: Instant) {
         if now >= self.sweep_at {
             self.sweep_at = now + self.config.credit_sweep;
-            let slots: Vec<Arc<RxSlot>> = self.ingress.values().map(|s| s.rx.clone()).collect();
+            let slots: Vec<Arc<RxSlot>> = (self.ingress.values().map(|s| s.rx.clone()))
+                .chain(self.draining.values().map(|(rx, _)| rx.clone()))
+                .collect();
             for rx in slots {
                 self.visit_rx(&rx, now);
             }
@@ -512,6 +549,8 @@ impl PeerCore {
             }
         }
         self.publish_ingress();
+        self.draining.clear();
+        self.peer_blocked.clear();
         self.live_egress = 0;
         self.by_inlet.clear();
         self.by_rx.clear();
@@ -589,6 +628,7 @@ impl PeerCore {
             partial_started: false,
             terminal: None,
             in_ready: false,
+            awaiting_peer_credit: false,
             heartbeat_owed: false,
             sent_since_tick: false,
         });
@@ -631,6 +671,7 @@ impl PeerCore {
             || self.ping_owed.is_some()
             || !self.closes_owed.is_empty()
             || !self.grants_owed.is_empty()
+            || self.peer_grant_owed > 0
             || !self.opens_owed.is_empty()
     }
 
@@ -674,6 +715,14 @@ impl PeerCore {
             } else {
                 self.grants_owed.insert(index, (slot, rest));
             }
+        }
+        while self.peer_grant_owed > 0 {
+            let grant = u32::try_from(self.peer_grant_owed).unwrap_or(u32::MAX);
+            if enc.push_peer_credit(grant).is_err() {
+                return false;
+            }
+            Counters::add(&self.counters.peer_credit_updates_sent, 1);
+            self.peer_grant_owed -= u64::from(grant);
         }
         while let Some(&index) = self.opens_owed.front() {
             if let Some(slot) = self.table[index as usize].slot.as_mut() {
@@ -733,6 +782,9 @@ impl PeerCore {
         let counters = &self.counters;
         let popped_bytes = &mut self.popped_bytes;
         let encoded_bytes = &mut self.encoded_bytes;
+        let peer_credit = &mut self.peer_credit;
+        let peer_blocked = &mut self.peer_blocked;
+        let peer_window = self.egress_peer_window;
         let Some(slot) = self.table[index as usize].slot.as_mut() else {
             return Fill::Idle;
         };
@@ -772,10 +824,37 @@ impl PeerCore {
                 }
                 return Fill::Closed;
             }
-            match slot.inlet.pop(slot.credit > 0) {
-                // Credit gates the start of a record; its fragments then flow
-                // (docs/design.md § "Credit gates the start of a record").
+            // Slot credit gates the start of a record, and its fragments then
+            // flow (docs/design.md § "Credit gates the start of a record");
+            // peer credit takes the whole record as it starts (§ "Peer credit
+            // bounds what a peer can make us hold").
+            let slot_credit = slot.credit > 0;
+            let mut short = None;
+            let gate = |len: usize| {
+                let fits = (len as i64) <= *peer_credit;
+                if slot_credit && !fits {
+                    short = Some(len);
+                }
+                slot_credit && fits
+            };
+            match slot.inlet.pop(gate) {
+                Pop::Blocked if short.is_some_and(|len| len > peer_window as usize) => {
+                    // More than the peer will ever hold of ours: it can never go.
+                    let len = short.expect("checked");
+                    let max = peer_window as usize;
+                    slot.inlet.close(SendError::TooLarge { len, max });
+                    slot.terminal = Some(CloseReason::SenderDropped);
+                }
+                Pop::Blocked if short.is_some() => {
+                    Counters::add(&counters.peer_credit_stalls, 1);
+                    if !slot.awaiting_peer_credit {
+                        slot.awaiting_peer_credit = true;
+                        peer_blocked.push(index);
+                    }
+                    return Fill::Blocked;
+                }
                 Pop::Record(data) => {
+                    *peer_credit -= data.len() as i64;
                     *popped_bytes += data.len();
                     if let Some(unposted) = slot.unposted.as_mut() {
                         unposted.records.push(data.clone());
@@ -812,7 +891,9 @@ impl PeerCore {
 
     fn visit_rx(&mut self, rx: &Arc<RxSlot>, now: Instant) {
         let visit = rx.visit();
-        let Some(&index) = self.by_rx.get(&(Arc::as_ptr(rx) as usize)) else {
+        let key = Arc::as_ptr(rx) as usize;
+        let Some(&index) = self.by_rx.get(&key) else {
+            self.visit_draining(key, visit, now);
             return;
         };
         let Some(slot) = self.ingress.get_mut(&index) else {
@@ -823,15 +904,35 @@ impl PeerCore {
             slot.outstanding = slot.outstanding.saturating_sub(visit.drained);
             let owed = self.grants_owed.entry(index).or_insert((id, 0));
             owed.1 += visit.drained;
-            self.control_since.get_or_insert(now);
+            self.return_peer_credit(visit.drained, now);
         }
         if visit.receiver_gone {
-            self.remove_ingress(index);
+            // What the consumer left behind was discarded with it.
+            let left = self
+                .remove_ingress(index)
+                .map_or(0, |slot| slot.outstanding);
+            self.return_peer_credit(left, now);
             self.grants_owed.remove(&index);
             self.closes_owed
                 .insert(index, (id, CloseReason::ReceiverGone));
             self.registry.remove(rx);
             self.control_since.get_or_insert(now);
+        }
+    }
+
+    /// A closed slot's consumer took or dropped what it held: peer credit.
+    fn visit_draining(&mut self, key: usize, visit: RxVisit, now: Instant) {
+        let Some((_, held)) = self.draining.get_mut(&key) else {
+            return;
+        };
+        let taken = visit.drained.min(*held);
+        *held -= taken;
+        let left = *held;
+        if visit.finished || visit.receiver_gone || left == 0 {
+            self.draining.remove(&key);
+            self.return_peer_credit(taken + left, now);
+        } else {
+            self.return_peer_credit(taken, now);
         }
     }
 
@@ -899,6 +1000,7 @@ impl PeerCore {
             ),
             RecordBody::Close(reason) => self.on_close(record.slot, record.seq, reason, now),
             RecordBody::Credit(bytes) => self.on_credit(record.slot, bytes, now),
+            RecordBody::PeerCredit(bytes) => self.on_peer_credit(bytes, now),
             RecordBody::Heartbeat => {
                 let Some(index) = self.ingress_for(record.slot, now) else {
                     return Ok(());
@@ -1035,7 +1137,24 @@ impl PeerCore {
         more: bool,
         now: Instant,
     ) -> Result<(), ProtocolError> {
+        // Every data byte counts against the peer window, held or not: the
+        // sender took it from its peer credit either way.
+        let len = body.len() as u64;
+        let peer_window = self.config.peer_window;
+        if self.peer_outstanding + len > u64::from(peer_window) {
+            return Err(ProtocolError::PeerCreditOverrun {
+                outstanding: self.peer_outstanding,
+                len: body.len(),
+                window: peer_window,
+            });
+        }
+        self.peer_outstanding += len;
+        if self.peer_outstanding > u64::from(peer_window) / 2 {
+            // Under pressure, collect sub-threshold drains sooner than the sweep.
+            self.sweep_at = self.sweep_at.min(now + self.config.credit_sweep / 16);
+        }
         let Some(index) = self.ingress_for(id, now) else {
+            self.return_peer_credit(len, now);
             return Ok(());
         };
         let window = self.config.slot_window;
@@ -1126,7 +1245,15 @@ impl PeerCore {
         self.handed_over = true;
         if slot.rx.receiver_gone() {
             self.registry.remove(&slot.rx);
+            self.return_peer_credit(slot.outstanding, now);
+        } else if slot.outstanding > 0 {
+            // Until its consumer takes the rest, it counts against the window.
+            self.draining.insert(
+                Arc::as_ptr(&slot.rx) as usize,
+                (slot.rx.clone(), slot.outstanding),
+            );
         }
+
         if self.live_slots() == 0 {
             self.idle_since = now;
         }
@@ -1150,6 +1277,35 @@ impl PeerCore {
         }
         self.make_ready(index, now);
         Ok(())
+    }
+
+    fn on_peer_credit(&mut self, bytes: u32, now: Instant) -> Result<(), ProtocolError> {
+        let window = self.egress_peer_window;
+        self.peer_credit += i64::from(bytes);
+        if self.peer_credit > i64::from(window) {
+            return Err(ProtocolError::PeerCreditOverGrant {
+                credit: self.peer_credit,
+                window,
+            });
+        }
+        for index in std::mem::take(&mut self.peer_blocked) {
+            if let Some(slot) = self.table[index as usize].slot.as_mut() {
+                slot.awaiting_peer_credit = false;
+            }
+            self.make_ready(index, now);
+        }
+        Ok(())
+    }
+
+    /// Data the peer sent that we let go of (consumed, discarded, or never
+    /// held): returned as peer credit in the next batch.
+    fn return_peer_credit(&mut self, bytes: u64, now: Instant) {
+        if bytes == 0 {
+            return;
+        }
+        self.peer_outstanding = self.peer_outstanding.saturating_sub(bytes);
+        self.peer_grant_owed += bytes;
+        self.control_since.get_or_insert(now);
     }
 }
 

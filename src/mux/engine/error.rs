@@ -56,6 +56,24 @@ pub enum ProtocolError {
         /// The slot's window.
         window: u32,
     },
+    /// Data beyond the peer credit this node granted across all slots.
+    #[error("data of {len} bytes with {outstanding} bytes outstanding, peer window {window}")]
+    PeerCreditOverrun {
+        /// Bytes of the peer's data held or in flight here, not yet returned.
+        outstanding: u64,
+        /// The data record's length.
+        len: usize,
+        /// Our peer window.
+        window: u32,
+    },
+    /// Peer credit returned beyond the peer's window.
+    #[error("peer credit grant raises credit to {credit}, peer window {window}")]
+    PeerCreditOverGrant {
+        /// Credit after the grant.
+        credit: i64,
+        /// The peer's window.
+        window: u32,
+    },
     /// An OpenSlot for an index that is still live.
     #[error("{slot:?} opened while index is live")]
     SlotInUse {

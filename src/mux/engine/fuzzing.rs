@@ -72,6 +72,12 @@ impl PeerHarness {
         self.core.live_slots()
     }
 
+    /// The peer's data bytes this node counts as held (not yet returned as
+    /// peer credit): never above `MuxConfig::peer_window`.
+    pub fn peer_outstanding(&self) -> u64 {
+        self.core.peer_outstanding()
+    }
+
     /// True once the peer said goodbye.
     pub fn goodbye_received(&self) -> bool {
         self.core.goodbye_received()

@@ -457,7 +457,7 @@ async fn run_epoch<L: Link>(
         Instant::now(),
     );
     if let Some(terms) = terms {
-        core.set_egress_window(terms.slot_window);
+        core.set_peer_terms(terms);
     }
     *lock(&entry.epoch) = Some(link.epoch());
     core.set_sink(shared.sink.get().cloned());

@@ -110,6 +110,8 @@ pub enum RecordBody<'a> {
     Close(CloseReason),
     /// Grants the slot's sender this many more bytes.
     Credit(u32),
+    /// Grants the peer's sender this many more bytes, across its slots.
+    PeerCredit(u32),
     /// Keeps an idle slot alive.
     Heartbeat,
     /// The peer is closing gracefully.
@@ -143,6 +145,7 @@ impl Record<'_> {
             RecordBody::Open { .. } => RecordKind::OpenSlot,
             RecordBody::Close(_) => RecordKind::CloseSlot,
             RecordBody::Credit(_) => RecordKind::CreditUpdate,
+            RecordBody::PeerCredit(_) => RecordKind::PeerCredit,
             RecordBody::Heartbeat => RecordKind::Heartbeat,
             RecordBody::Goodbye => RecordKind::Goodbye,
             RecordBody::Message(_) => RecordKind::Message,
@@ -314,6 +317,10 @@ fn parse_record(buf: &[u8], pos: usize, record: u16) -> Result<(Record<'_>, usiz
         RecordKind::CreditUpdate => {
             fixed(CREDIT_BODY_LEN)?;
             RecordBody::Credit(u32::from_be_bytes(array(body)))
+        }
+        RecordKind::PeerCredit => {
+            fixed(CREDIT_BODY_LEN)?;
+            RecordBody::PeerCredit(u32::from_be_bytes(array(body)))
         }
         RecordKind::Heartbeat => {
             fixed(0)?;

@@ -185,6 +185,19 @@ impl<'a> BatchEncoder<'a> {
         )
     }
 
+    /// Appends a PeerCredit granting `bytes` more to the peer's sender.
+    pub fn push_peer_credit(&mut self, bytes: u32) -> Result<(), EncodeError> {
+        let slot = SlotId::from_wire(0);
+        self.push(
+            RecordKind::PeerCredit,
+            false,
+            slot,
+            FrameSeq(0),
+            CREDIT_BODY_LEN,
+            |out| out.copy_from_slice(&bytes.to_be_bytes()),
+        )
+    }
+
     /// Appends a Heartbeat for an idle slot.
     pub fn push_heartbeat(&mut self, slot: SlotId, seq: FrameSeq) -> Result<(), EncodeError> {
         self.push(RecordKind::Heartbeat, false, slot, seq, 0, |_| {})

@@ -32,7 +32,7 @@ pub const RECORD_HEADER_LEN: usize = 13;
 pub const OPEN_BODY_LEN: usize = 16;
 /// Body length of a CloseSlot record (reason).
 pub const CLOSE_BODY_LEN: usize = 1;
-/// Body length of a CreditUpdate record (bytes granted).
+/// Body length of a CreditUpdate or PeerCredit record (bytes granted).
 pub const CREDIT_BODY_LEN: usize = 4;
 /// Body length of a Ping or Pong record (nonce).
 pub const PING_BODY_LEN: usize = 8;

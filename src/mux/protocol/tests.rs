@@ -10,6 +10,7 @@ enum Owned {
     Open(SlotId, FrameSeq, u64, u64),
     Close(SlotId, FrameSeq, CloseReason),
     Credit(SlotId, u32),
+    PeerCredit(u32),
     Heartbeat(SlotId, FrameSeq),
     Goodbye,
     Ping(u64),
@@ -24,6 +25,7 @@ impl Owned {
             Owned::Open(s, q, a, x) => enc.push_open(*s, *q, *a, *x),
             Owned::Close(s, q, r) => enc.push_close(*s, *q, *r),
             Owned::Credit(s, c) => enc.push_credit(*s, *c),
+            Owned::PeerCredit(c) => enc.push_peer_credit(*c),
             Owned::Heartbeat(s, q) => enc.push_heartbeat(*s, *q),
             Owned::Goodbye => enc.push_goodbye(),
             Owned::Ping(n) => enc.push_ping(*n),
@@ -38,6 +40,7 @@ impl Owned {
             RecordBody::Open { anchor, session } => Owned::Open(r.slot, r.seq, anchor, session),
             RecordBody::Close(reason) => Owned::Close(r.slot, r.seq, reason),
             RecordBody::Credit(c) => Owned::Credit(r.slot, c),
+            RecordBody::PeerCredit(c) => Owned::PeerCredit(c),
             RecordBody::Heartbeat => Owned::Heartbeat(r.slot, r.seq),
             RecordBody::Goodbye => Owned::Goodbye,
             RecordBody::Ping(n) => Owned::Ping(n),
@@ -66,6 +69,7 @@ fn owned_strategy() -> impl Strategy<Value = Owned> {
         (slot_strategy(), seq.clone(), reason_strategy())
             .prop_map(|(s, q, r)| Owned::Close(s, q, r)),
         (slot_strategy(), any::<u32>()).prop_map(|(s, c)| Owned::Credit(s, c)),
+        any::<u32>().prop_map(Owned::PeerCredit),
         (slot_strategy(), seq).prop_map(|(s, q)| Owned::Heartbeat(s, q)),
         Just(Owned::Goodbye),
         any::<u64>().prop_map(Owned::Ping),
@@ -219,7 +223,7 @@ fn length_past_end_is_rejected() {
 
 #[test]
 fn unknown_type_and_reserved_type_bit_are_rejected() {
-    for type_byte in [9u8, 0x3f, TYPE_RESERVED] {
+    for type_byte in [10u8, 0x3f, TYPE_RESERVED] {
         let mut batch = good_batch();
         batch[16] = type_byte;
         assert_eq!(

@@ -101,6 +101,8 @@ pub enum RecordKind {
     Ping = 7,
     /// Answer to a [`RecordKind::Ping`].
     Pong = 8,
+    /// Returns peer credit, in bytes: data of any slot its receiver let go.
+    PeerCredit = 9,
 }
 
 impl RecordKind {
@@ -116,6 +118,7 @@ impl RecordKind {
             6 => RecordKind::Message,
             7 => RecordKind::Ping,
             8 => RecordKind::Pong,
+            9 => RecordKind::PeerCredit,
             _ => return None,
         })
     }
