@@ -231,6 +231,45 @@ async fn bytes_a_consumer_takes_from_a_closed_stream_come_back_as_peer_credit() 
     .await;
 }
 
+/// Streams opened for keys nobody binds cost no peer credit when empty; a
+/// peer that opened and closed them without end used to fill the node's
+/// registry for every peer. Past `max_unbound_per_peer` its opens for new
+/// keys are refused (the epoch goes on), and a bind here makes room.
+#[tokio::test]
+async fn opens_past_max_unbound_per_peer_are_refused_until_a_bind_makes_room() {
+    bounded(async {
+        let cap = 8u32;
+        let mut arena = Arena::new(MuxConfig {
+            max_unbound_per_peer: cap,
+            ..MuxConfig::default()
+        })
+        .await;
+        let key = |n: u32| StreamKey::new(EVIL.0, 300 + u64::from(n));
+        for n in 0..cap {
+            arena.evil.open(slot(n, 0), key(n)).await;
+            arena.evil.close(slot(n, 0), CloseReason::Finalized).await;
+        }
+        arena.evil.open(slot(cap, 0), key(cap)).await;
+        let told = arena
+            .evil
+            .hear_until(|h| matches!(h, Heard::Close(..)))
+            .await;
+        assert_eq!(told, Heard::Close(slot(cap, 0), CloseReason::Refused));
+        assert_eq!(arena.target.stats().opens_refused, 1);
+        // The node binds one waiting stream: it gets what was sent, and the
+        // peer may leave one more waiting.
+        let mut rx = arena.target.bind(key(0)).expect("bind");
+        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        arena.evil.open(slot(cap + 1, 0), key(cap + 1)).await;
+        arena.evil.ping(2).await;
+        assert_eq!(arena.target.stats().opens_refused, 1);
+        assert_eq!(arena.target.epoch(EVIL), Some(EVIL_EPOCH));
+        assert_eq!(arena.target.stats().protocol_violations, 0);
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_peer_credit_grant_beyond_the_peer_window_is_epoch_death() {
     bounded(async {

@@ -52,6 +52,11 @@ pub struct MuxConfig {
     pub idle_retire: Duration,
     /// Live egress plus ingress slots per peer. Default 65,536.
     pub max_slots_per_peer: u32,
+    /// Streams one peer's OpenSlots may leave waiting for a `bind` here
+    /// (opened for keys nobody has bound yet, live or ended, across its
+    /// epochs); further opens for new keys are refused. Default 16,384, so
+    /// no one peer can fill the node's registry of 2^20 streams.
+    pub max_unbound_per_peer: u32,
     /// Largest logical record (reassembled from fragments). Default 16 MiB.
     pub max_record: usize,
     /// On shutdown, how long a peer task keeps writing what producers had
@@ -71,6 +76,7 @@ impl Default for MuxConfig {
             heartbeat: Some(Duration::from_secs(5)),
             idle_retire: Duration::from_secs(60),
             max_slots_per_peer: 65_536,
+            max_unbound_per_peer: 16_384,
             max_record: 16 * 1024 * 1024,
             shutdown_linger: Duration::from_secs(1),
         }

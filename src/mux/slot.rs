@@ -537,8 +537,12 @@ impl Drop for SlotSender {
 #[derive(Debug)]
 pub(crate) struct Registry {
     slots: Mutex<HashMap<StreamKey, Arc<RxSlot>>>,
+    /// Per peer, the entries its OpenSlots created that nobody has bound
+    /// yet (across epochs): capped, so no one peer fills `max_entries`.
+    unbound: Mutex<HashMap<PeerId, usize>>,
     window: u32,
     max_entries: usize,
+    max_unbound_per_peer: usize,
 }
 
 /// What an OpenSlot found in the registry.
@@ -549,12 +553,30 @@ pub(crate) enum OpenOutcome {
 }
 
 impl Registry {
-    pub fn new(window: u32, max_entries: usize) -> Arc<Registry> {
+    pub fn new(window: u32, max_entries: usize, max_unbound_per_peer: usize) -> Arc<Registry> {
         Arc::new(Registry {
             slots: Mutex::new(HashMap::new()),
+            unbound: Mutex::new(HashMap::new()),
             window,
             max_entries,
+            max_unbound_per_peer,
         })
+    }
+
+    /// Entries `peer`'s opens created that nobody has bound.
+    #[cfg(test)]
+    pub fn unbound_of(&self, peer: PeerId) -> usize {
+        lock(&self.unbound).get(&peer).copied().unwrap_or(0)
+    }
+
+    fn release_unbound(&self, peer: PeerId) {
+        let mut unbound = lock(&self.unbound);
+        if let Some(n) = unbound.get_mut(&peer) {
+            *n -= 1;
+            if *n == 0 {
+                unbound.remove(&peer);
+            }
+        }
     }
 
     pub fn bind(self: &Arc<Self>, key: StreamKey) -> Result<SlotReceiver, MuxError> {
@@ -568,7 +590,11 @@ impl Registry {
             return Err(MuxError::AlreadyBound(key));
         }
         state.receiver_taken = true;
+        let opened_by = state.opened_by.take();
         drop(state);
+        if let Some(peer) = opened_by {
+            self.release_unbound(peer);
+        }
         Ok(SlotReceiver {
             rx,
             registry: self.clone(),
@@ -579,14 +605,26 @@ impl Registry {
     /// Attaches a peer's OpenSlot to the binding for `key`.
     pub fn open(&self, key: StreamKey, feeder: &Arc<PeerControl>) -> OpenOutcome {
         let mut slots = lock(&self.slots);
-        if !slots.contains_key(&key) && slots.len() >= self.max_entries {
-            return OpenOutcome::Refused;
+        let fresh = !slots.contains_key(&key);
+        if fresh {
+            if slots.len() >= self.max_entries {
+                return OpenOutcome::Refused;
+            }
+            let mut unbound = lock(&self.unbound);
+            let waiting = unbound.entry(feeder.peer).or_default();
+            if *waiting >= self.max_unbound_per_peer {
+                return OpenOutcome::Refused;
+            }
+            *waiting += 1;
         }
         let rx = slots
             .entry(key)
             .or_insert_with(|| RxSlot::new(key, self.window))
             .clone();
         let mut state = lock(&rx.state);
+        if fresh {
+            state.opened_by = Some(feeder.peer);
+        }
         if state.feeder.is_some() || state.ended || state.receiver_gone {
             return OpenOutcome::Refused;
         }
@@ -600,6 +638,10 @@ impl Registry {
         let mut slots = lock(&self.slots);
         if slots.get(&rx.key).is_some_and(|cur| Arc::ptr_eq(cur, rx)) {
             slots.remove(&rx.key);
+            let opened_by = lock(&rx.state).opened_by.take();
+            if let Some(peer) = opened_by {
+                self.release_unbound(peer);
+            }
         }
     }
 }
@@ -626,6 +668,8 @@ struct RxState {
     receiver_waiting: bool,
     /// The consumer took the terminal.
     terminal_taken: bool,
+    /// The peer whose OpenSlot created this entry, until someone binds it.
+    opened_by: Option<PeerId>,
 }
 
 /// What the peer task learns when it visits a dirty `RxSlot`.
@@ -890,7 +934,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_waiting_receiver_is_woken_by_the_next_frame_and_only_then_flagged() {
-        let registry = Registry::new(64 * 1024, 16);
+        let registry = Registry::new(64 * 1024, 16, 16);
         let key = StreamKey::new(1, 1);
         let mut receiver = registry.bind(key).unwrap();
         let control = control(1 << 20);
@@ -911,5 +955,42 @@ mod tests {
             .expect("woken")
             .unwrap();
         assert!(matches!(frame, Some(Frame::Data(_))));
+    }
+
+    #[test]
+    fn one_peer_leaves_at_most_its_cap_of_streams_waiting_for_a_bind() {
+        let registry = Registry::new(64 * 1024, 64, 2);
+        let (one, other) = (control(1 << 20), {
+            let counters = Arc::new(Counters::default());
+            Arc::new(PeerControl::new(PeerId(3), 1 << 20, counters))
+        });
+        let key = |n| StreamKey::new(5, n);
+        for n in 0..2 {
+            let OpenOutcome::Attached(rx) = registry.open(key(n), &one) else {
+                panic!("under the cap");
+            };
+            rx.end(Frame::Finalized); // ended, still waiting for a bind
+        }
+        assert!(matches!(registry.open(key(2), &one), OpenOutcome::Refused));
+        assert!(matches!(
+            registry.open(key(3), &other),
+            OpenOutcome::Attached(_)
+        ));
+        // A stream the node bound first is not waiting on anyone.
+        let _bound = registry.bind(key(4)).unwrap();
+        assert!(matches!(
+            registry.open(key(4), &one),
+            OpenOutcome::Attached(_)
+        ));
+        assert_eq!(registry.unbound_of(PeerId(2)), 2);
+        // Binding one of the waiting streams makes room again.
+        let mut late = registry.bind(key(0)).unwrap();
+        assert_eq!(registry.unbound_of(PeerId(2)), 1);
+        assert!(matches!(late.try_recv(), Ok(Frame::Finalized)));
+        assert!(matches!(
+            registry.open(key(2), &one),
+            OpenOutcome::Attached(_)
+        ));
+        assert_eq!(registry.unbound_of(PeerId(2)), 2);
     }
 }

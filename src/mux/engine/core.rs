@@ -1150,8 +1150,9 @@ impl PeerCore {
         }
         self.peer_outstanding += len;
         if self.peer_outstanding > u64::from(peer_window) / 2 {
-            // Under pressure, collect sub-threshold drains sooner than the sweep.
-            self.sweep_at = self.sweep_at.min(now + self.config.credit_sweep / 16);
+            // Under pressure, collect drains below the grant threshold sooner
+            // than the sweep would (each sweep visits every slot: not often).
+            self.sweep_at = self.sweep_at.min(now + self.config.credit_sweep / 4);
         }
         let Some(index) = self.ingress_for(id, now) else {
             self.return_peer_credit(len, now);
@@ -1330,7 +1331,7 @@ mod tests {
     /// The core of epoch `epoch` for the peer that `control` belongs to.
     fn next_core(epoch: Epoch, control: &Arc<PeerControl>) -> PeerCore {
         let config = Arc::new(MuxConfig::default());
-        let registry = Registry::new(config.slot_window, 16);
+        let registry = Registry::new(config.slot_window, 16, 16);
         PeerCore::new(epoch, config, control.clone(), registry, Instant::now())
     }
 

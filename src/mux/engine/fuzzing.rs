@@ -30,7 +30,11 @@ impl PeerHarness {
     /// A core for `epoch`; its registry holds at most `max_streams` keys.
     pub fn new(config: MuxConfig, epoch: Epoch, max_streams: usize, now: Instant) -> PeerHarness {
         let config = Arc::new(config);
-        let registry = Registry::new(config.slot_window, max_streams);
+        let registry = Registry::new(
+            config.slot_window,
+            max_streams,
+            config.max_unbound_per_peer as usize,
+        );
         let counters = Arc::new(Counters::default());
         let control = Arc::new(PeerControl::new(PeerId(1), config.peer_budget, counters));
         let core = PeerCore::new(epoch, config, control, registry.clone(), now);

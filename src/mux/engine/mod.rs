@@ -97,7 +97,11 @@ impl<L: Link> Mux<L> {
     /// # Panics
     /// Outside a tokio runtime.
     pub fn new(config: MuxConfig, dialer: Arc<dyn Dialer>) -> Mux<L> {
-        let registry = Registry::new(config.slot_window, MAX_REGISTRY_ENTRIES);
+        let registry = Registry::new(
+            config.slot_window,
+            MAX_REGISTRY_ENTRIES,
+            config.max_unbound_per_peer as usize,
+        );
         Mux {
             shared: Arc::new(Shared {
                 config: Arc::new(config),
