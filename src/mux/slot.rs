@@ -12,7 +12,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use bytes::Bytes;
 use thiserror::Error;
@@ -628,7 +628,7 @@ impl Registry {
         if state.feeder.is_some() || state.ended || state.receiver_gone {
             return OpenOutcome::Refused;
         }
-        state.feeder = Some(feeder.clone());
+        state.feeder = Some(Arc::downgrade(feeder));
         drop(state);
         OpenOutcome::Attached(rx)
     }
@@ -662,7 +662,12 @@ struct RxState {
     receiver_taken: bool,
     receiver_gone: bool,
     drained: u64,
-    feeder: Option<Arc<PeerControl>>,
+    /// The peer feeding the slot. Weak, as `fed_by`: a slot on its peer's
+    /// dirty list must not keep the peer's state alive in a cycle.
+    feeder: Option<Weak<PeerControl>>,
+    /// After the terminal, the peer that fed the slot, to hear what the
+    /// consumer still takes (peer credit).
+    fed_by: Option<Weak<PeerControl>>,
     dirty: bool,
     /// The receiver found nothing and waits: the next push notifies `ready`.
     receiver_waiting: bool,
@@ -715,15 +720,16 @@ impl RxSlot {
         true
     }
 
-    /// Appends the terminal; the feeder stays, to hear what the consumer
-    /// still takes (peer credit). Returns false if a
-    /// terminal was already there (exactly one per slot).
+    /// Appends the terminal and detaches the feeder (still told, weakly,
+    /// what the consumer takes). Returns false if a terminal was already
+    /// there (exactly one per slot).
     pub fn end(&self, frame: Frame) -> bool {
         let mut state = lock(&self.state);
         if state.ended {
             return false;
         }
         state.ended = true;
+        state.fed_by = state.feeder.take();
         if !state.receiver_gone {
             state.frames.push_back((frame, 0));
         }
@@ -752,7 +758,8 @@ impl RxSlot {
         if state.dirty {
             return;
         }
-        if let Some(feeder) = state.feeder.clone() {
+        let feeder = (state.feeder.as_ref().or(state.fed_by.as_ref())).and_then(Weak::upgrade);
+        if let Some(feeder) = feeder {
             state.dirty = true;
             feeder.state().dirty_rx.push(self.clone());
             feeder.wake.notify_one();
@@ -846,7 +853,7 @@ impl Drop for SlotReceiver {
         let mut state = lock(&self.rx.state);
         state.receiver_gone = true;
         let cleared: u64 = state.frames.drain(..).map(|(_, credit)| credit).sum();
-        let feeding = state.feeder.is_some() && !state.ended;
+        let feeding = state.feeder.is_some();
         if feeding || cleared > 0 || state.drained > 0 {
             // The feeder closes the slot, or returns what it held as peer credit.
             self.rx.mark_dirty(&mut state);
@@ -992,5 +999,47 @@ mod tests {
             OpenOutcome::Attached(_)
         ));
         assert_eq!(registry.unbound_of(PeerId(2)), 2);
+    }
+
+    /// Found by the `mux_peer` fuzz target (its RSS grew without end): a slot
+    /// that marks itself dirty sits on its peer's list, and a strong
+    /// reference back to the peer made a cycle nothing dropped. Both kinds:
+    /// an ended slot whose consumer took the rest, a live one whose consumer
+    /// left.
+    #[test]
+    fn a_slot_on_its_peers_dirty_list_does_not_keep_the_peer_alive() {
+        let registry = Registry::new(64 * 1024, 16, 16);
+        let control = control(1 << 20);
+        let key = StreamKey::new(6, 1);
+        let mut rx = registry.bind(key).unwrap();
+        let OpenOutcome::Attached(slot) = registry.open(key, &control) else {
+            panic!("the binding takes the peer's open");
+        };
+        assert!(slot.push(Frame::Data(record(4)), 4));
+        assert!(slot.end(Frame::Finalized));
+        assert!(matches!(rx.try_recv(), Ok(Frame::Data(_))));
+        assert!(matches!(rx.try_recv(), Ok(Frame::Finalized)));
+        assert_eq!(
+            control.state().dirty_rx.len(),
+            1,
+            "the terminal told the peer"
+        );
+        let live_key = StreamKey::new(6, 2);
+        let live_rx = registry.bind(live_key).unwrap();
+        let OpenOutcome::Attached(live) = registry.open(live_key, &control) else {
+            panic!("the binding takes the peer's open");
+        };
+        drop(live_rx);
+        assert_eq!(
+            control.state().dirty_rx.len(),
+            2,
+            "the consumer's leaving told the peer"
+        );
+        let peer = Arc::downgrade(&control);
+        drop((rx, slot, live, control, registry));
+        assert!(
+            peer.upgrade().is_none(),
+            "a cycle keeps the peer's state alive"
+        );
     }
 }
