@@ -368,11 +368,11 @@ impl Inlet {
         !state.queue.is_empty() || state.terminal.is_some()
     }
 
-    /// Pops the next item. A record only if `credit` allows one; the terminal
-    /// only once every record before it is gone. A record's bytes leave the
-    /// slot's budget here and the peer's when the caller releases them
+    /// Pops the next item. A record only if `may_start` allows one of its
+    /// length (the caller's credit); the terminal only once every record
+    /// before it is gone. A record's bytes leave the slot's budget here and
+    /// the peer's when the caller releases them
     /// ([`PeerControl::release_budget`]).
-    /// The next record if `may_start` allows one of its length.
     pub fn pop(&self, may_start: impl FnOnce(usize) -> bool) -> Pop {
         let mut state = lock(&self.state);
         let Some(next) = state.queue.front() else {
