@@ -71,8 +71,8 @@ impl MemFabric {
         drop(nodes);
         // Each side learns the other's windows, as a node's hello tells it.
         let terms_of = |mux: &Mux<MemLink>| PeerTerms::announced_by(mux.config());
-        mux_a.attach_with_terms(b, end_a, Some(terms_of(&mux_b)));
-        mux_b.attach_with_terms(a, end_b, Some(terms_of(&mux_a)));
+        mux_a.attach_with_terms(b, end_a, terms_of(&mux_b));
+        mux_b.attach_with_terms(a, end_b, terms_of(&mux_a));
         Some(epoch)
     }
 

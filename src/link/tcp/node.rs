@@ -986,7 +986,7 @@ fn install<E: EpochMaker>(
         slot_window: established.peer.slot_window,
         peer_window: established.peer.peer_window,
     };
-    mux.attach_with_terms(peer, link, Some(terms));
+    mux.attach_with_terms(peer, link, terms);
     Ok(established.epoch)
 }
 

@@ -59,7 +59,7 @@ struct PeerEntry<L> {
     control: Arc<PeerControl>,
     /// The outbound message channel for the current (or next) epoch.
     messages: Mutex<Option<flume::Receiver<OutboundMessage>>>,
-    incoming: Mutex<Option<(L, Option<PeerTerms>)>>,
+    incoming: Mutex<Option<(L, PeerTerms)>>,
     link_arrived: Notify,
     epoch: Mutex<Option<Epoch>>,
 }
@@ -128,12 +128,13 @@ impl<L: Link> Mux<L> {
     /// terms are taken to be this mux's own (tests with raw peers); a link
     /// layer that learned them at its handshake uses [`Mux::attach_with_terms`].
     pub fn attach(&self, peer: PeerId, link: L) {
-        self.attach_with_terms(peer, link, None);
+        let own = PeerTerms::announced_by(self.config());
+        self.attach_with_terms(peer, link, own);
     }
 
     /// [`Mux::attach`] with what the peer announced at the handshake: the
-    /// epoch's slots then send within the peer's slot window, not ours.
-    pub fn attach_with_terms(&self, peer: PeerId, link: L, terms: Option<PeerTerms>) {
+    /// epoch's slots then send within the peer's windows, not ours.
+    pub fn attach_with_terms(&self, peer: PeerId, link: L, terms: PeerTerms) {
         let entry = if self.shared.shutdown.load(Ordering::Acquire) {
             // A peer still draining its queue may take a link; nobody else.
             match lock(&self.shared.peers).get(&peer).cloned() {
@@ -340,7 +341,7 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
 async fn wait_for_link<L: Link>(
     shared: &Shared<L>,
     entry: &PeerEntry<L>,
-) -> Option<(L, Option<PeerTerms>)> {
+) -> Option<(L, PeerTerms)> {
     let peer = entry.control.peer;
     let mut idle_since = Instant::now();
     let mut drain_until: Option<Instant> = None;
@@ -450,7 +451,7 @@ async fn run_epoch<L: Link>(
     shared: &Shared<L>,
     entry: &PeerEntry<L>,
     link: L,
-    terms: Option<PeerTerms>,
+    terms: PeerTerms,
 ) -> EpochEnd {
     let config = shared.config.clone();
     let mut core = PeerCore::new(
@@ -460,9 +461,7 @@ async fn run_epoch<L: Link>(
         shared.registry.clone(),
         Instant::now(),
     );
-    if let Some(terms) = terms {
-        core.set_peer_terms(terms);
-    }
+    core.set_peer_terms(terms);
     *lock(&entry.epoch) = Some(link.epoch());
     core.set_sink(shared.sink.get().cloned());
     core.handle_control(Instant::now());
