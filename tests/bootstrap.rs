@@ -5,7 +5,9 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use qpmux::link::bootstrap::{BootstrapError, ClusterKey, DeclineReason, MAX_MESSAGE};
+use qpmux::link::bootstrap::{
+    BootstrapError, ClusterKey, DeclineReason, MAX_MESSAGE, PROTOCOL_VERSION as V,
+};
 use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
 use qpmux::mux::{Epoch, Mux, MuxConfig, MuxTransport, PeerId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -62,7 +64,7 @@ async fn raw(node: &TcpNode) -> (TcpStream, [u8; 32]) {
     assert_eq!(frame[..4], 39u32.to_be_bytes());
     assert_eq!(frame[4], 1, "challenge kind");
     assert_eq!(&frame[5..9], b"QPMX");
-    assert_eq!(frame[9..11], 2u16.to_be_bytes(), "version 2");
+    assert_eq!(frame[9..11], V.to_be_bytes(), "version");
     let mut nonce = [0u8; 32];
     nonce.copy_from_slice(&frame[11..]);
     (s, nonce)
@@ -70,11 +72,17 @@ async fn raw(node: &TcpNode) -> (TcpStream, [u8; 32]) {
 
 /// A keyless dialer hello, framed, byte by byte per docs/bootstrap.md.
 fn hello(version: u16, node: PeerId, echo: &[u8; 32], max_batch: u32) -> Vec<u8> {
-    hello_with_windows(version, node, echo, max_batch, (256 * 1024, 64 << 20))
+    hello_with_windows(
+        version,
+        node,
+        echo,
+        max_batch,
+        (256 * 1024, 64 << 20, 64 << 20),
+    )
 }
 
-/// A hello's slot window and peer window.
-type Windows = (u32, u32);
+/// A hello's slot window, peer window and peer credit.
+type Windows = (u32, u32, u32);
 
 fn hello_with_windows(
     version: u16,
@@ -96,6 +104,7 @@ fn hello_with_windows(
     body.extend_from_slice(&max_batch.to_be_bytes());
     body.extend_from_slice(&windows.0.to_be_bytes());
     body.extend_from_slice(&windows.1.to_be_bytes());
+    body.extend_from_slice(&windows.2.to_be_bytes());
     body.push(0); // no MAC
     let mut out = (body.len() as u32).to_be_bytes().to_vec();
     out.extend_from_slice(&body);
@@ -244,22 +253,61 @@ async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_se
         .await;
         // A hello echoing a nonce from some other connection (replay).
         expect(
-            hello(2, A, &[0x55; 32], 65536),
+            hello(V, A, &[0x55; 32], 65536),
             false,
             BootstrapError::StaleNonce,
         )
         .await;
         // Half a message, then EOF.
-        let half = hello(2, A, &[0; 32], 65536)[..40].to_vec();
+        let half = hello(V, A, &[0; 32], 65536)[..40].to_vec();
         expect(half, true, BootstrapError::Truncated).await;
 
         // Cases that need the connection's own nonce.
-        let cases: [(u16, PeerId, u32, Windows, BootstrapError); 5] = [
-            (1, A, 65536, (1, 1), BootstrapError::BadVersion { got: 1 }),
-            (2, A, 1, (1, 1), BootstrapError::BadField("tcp max_batch")),
-            (2, A, 65536, (0, 1), BootstrapError::BadField("slot window")),
-            (2, A, 65536, (1, 0), BootstrapError::BadField("peer window")),
-            (2, B, 65536, (1, 1), BootstrapError::SelfConnect),
+        let cases: [(u16, PeerId, u32, Windows, BootstrapError); 7] = [
+            (
+                1,
+                A,
+                65536,
+                (1, 1, 1),
+                BootstrapError::BadVersion { got: 1 },
+            ),
+            // Version 2 started each epoch on the whole peer window.
+            (
+                2,
+                A,
+                65536,
+                (1, 1, 1),
+                BootstrapError::BadVersion { got: 2 },
+            ),
+            (
+                V,
+                A,
+                1,
+                (1, 1, 1),
+                BootstrapError::BadField("tcp max_batch"),
+            ),
+            (
+                V,
+                A,
+                65536,
+                (0, 1, 1),
+                BootstrapError::BadField("slot window"),
+            ),
+            (
+                V,
+                A,
+                65536,
+                (1, 0, 0),
+                BootstrapError::BadField("peer window"),
+            ),
+            (
+                V,
+                A,
+                65536,
+                (1, 1, 2),
+                BootstrapError::BadField("peer credit"),
+            ),
+            (V, B, 65536, (1, 1, 1), BootstrapError::SelfConnect),
         ];
         for (version, id, max_batch, windows, want) in cases {
             let (mut s, nonce) = raw(&l_node).await;
@@ -281,7 +329,7 @@ async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_se
 
         // A well-behaved raw dialer still gets the listener's hello.
         let (mut s, nonce) = raw(&l_node).await;
-        s.write_all(&hello(2, A, &nonce, 65536))
+        s.write_all(&hello(V, A, &nonce, 65536))
             .await
             .expect("write");
         let mut len = [0u8; 4];
@@ -310,7 +358,7 @@ async fn a_keyed_listener_refuses_a_dialer_without_proof() {
     bounded(async {
         let (l_node, _l) = node(B, Some(KEY)).await;
         let (mut s, nonce) = raw(&l_node).await;
-        s.write_all(&hello(2, A, &nonce, 65536))
+        s.write_all(&hello(V, A, &nonce, 65536))
             .await
             .expect("write");
         assert_eq!(

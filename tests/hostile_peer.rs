@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use hostile::{Arena, EVIL, EVIL_EPOCH, Heard, HostileDialer, TARGET, bounded, until};
+use hostile::{Arena, EVIL, EVIL_EPOCH, Heard, HostileDialer, HostileMem, TARGET, bounded, until};
 use qpmux::link::EpochEnd;
 use qpmux::link::bootstrap::{BootstrapError, ClusterKey, MAX_MESSAGE};
 use qpmux::link::rdma::credit::{Credit, Overclaim};
@@ -226,6 +226,64 @@ async fn bytes_a_consumer_takes_from_a_closed_stream_come_back_as_peer_credit() 
         assert_eq!(heard, Heard::PeerCredit(16 * 1024));
         assert_eq!(arena.target.epoch(EVIL), Some(EVIL_EPOCH));
         assert_eq!(arena.target.stats().protocol_violations, 0);
+        arena.honest.still_unaffected().await;
+    })
+    .await;
+}
+
+/// A peer that reconnects gets no fresh peer window while what it sent in
+/// the last epoch sits unread here: the new epoch starts on the room left
+/// (what the hello would say: `peer_room`), what consumers then take comes
+/// back in it, and one byte past the room is epoch death.
+#[tokio::test]
+async fn a_reconnect_brings_only_the_room_the_last_epochs_unread_streams_left() {
+    bounded(async {
+        let peer_window = 64 * 1024;
+        let mut arena = Arena::new(MuxConfig {
+            slot_window: 32 * 1024,
+            peer_window,
+            ..MuxConfig::default()
+        })
+        .await;
+        let is_grant = |h: &Heard| matches!(h, Heard::PeerCredit(_));
+        let chunk = vec![7u8; 16 * 1024];
+        let key = |n: u32| StreamKey::new(EVIL.0, 400 + u64::from(n));
+        // Three streams nobody reads: 48 KiB of the 64 held.
+        for n in 0..3 {
+            arena.evil.open(slot(n, 0), key(n)).await;
+            arena.evil.data(slot(n, 0), &chunk).await;
+            arena.evil.close(slot(n, 0), CloseReason::Finalized).await;
+        }
+        arena.evil.ping(1).await;
+        assert_eq!(arena.target.peer_room(EVIL), 16 * 1024);
+
+        let next = Epoch(EVIL_EPOCH.0 + 1);
+        arena.evil = HostileMem::attach(&arena.target, EVIL, next);
+        until(|| arena.target.epoch(EVIL) == Some(next)).await;
+        let mut rx = arena.target.bind(key(0)).expect("bind");
+        assert_eq!(rx.recv().await, Some(Frame::Data(chunk.clone().into())));
+        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        assert_eq!(
+            arena.evil.hear_until(is_grant).await,
+            Heard::PeerCredit(16 * 1024),
+            "a read of the last epoch's stream frees room in this one"
+        );
+        for n in 3..5 {
+            arena.evil.open(slot(n, 0), key(n)).await;
+            arena.evil.data(slot(n, 0), &chunk).await;
+        }
+        arena.evil.open(slot(5, 0), key(5)).await;
+        arena.evil.data(slot(5, 0), b"!").await;
+        assert_eq!(
+            arena.evil.verdict().await,
+            EpochEnd::Violation(ProtocolError::PeerCreditOverrun {
+                outstanding: u64::from(peer_window),
+                len: 1,
+                window: peer_window,
+            })
+        );
+        until(|| arena.target.epoch(EVIL).is_none()).await;
+        assert_eq!(arena.target.stats().protocol_violations, 1);
         arena.honest.still_unaffected().await;
     })
     .await;

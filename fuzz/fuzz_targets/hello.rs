@@ -86,6 +86,7 @@ fn fields(node: PeerId, proposes: u64, rdma: bool) -> HelloFields {
         endpoint: endpoint(rdma),
         slot_window: 256 * 1024,
         peer_window: 64 << 20,
+        peer_credit: 64 << 20,
     }
 }
 

@@ -4,15 +4,18 @@
 //!  fuzzer ─ Step ─► batch of records (valid framing; fuzzed slots, seqs,
 //!          │        kinds, lengths, fragments) or raw bytes ─► handle_batch
 //!          ├► bind a stream key / drain a receiver (returns credit)
+//!          ├► reconnect: the next epoch, what closed streams hold carried over
 //!          └► advance the clock ─► handle_timeout
 //!  after each step: poll_batch until empty, check invariants
 //! ```
 //!
 //! Invariants: no panic; a protocol violation is an error (the epoch dies,
-//! `fail_all` ends every slot) and nothing after it is fed; live slots never
+//! `fail_all` ends every slot) and the peer reconnects (a few times, then
+//! nothing more is fed); live slots never
 //! exceed the configured limit; a receiver never holds more undrained data
 //! than its window plus two records, nor than the peer window (credit bounds
-//! memory), and the peer's held bytes never exceed the peer window; every batch out
+//! memory), and the peer's held bytes never exceed the peer window, across
+//! epochs too; every batch out
 //! parses, names the epoch and counts up by one; one drain is bounded.
 #![no_main]
 
@@ -26,6 +29,8 @@ use qpmux::mux::{DropReason, Frame, MuxConfig, SlotReceiver, StreamKey};
 use tokio::time::Instant;
 
 const EPOCH: Epoch = Epoch(7);
+/// Epochs one input may run through (violations and reconnects).
+const MAX_EPOCHS: u64 = 4;
 const WINDOW: u32 = 4096;
 const MAX_RECORD: usize = 8192;
 /// Smaller than the slots' windows together, so peer credit is what binds.
@@ -96,6 +101,7 @@ enum Step {
     Bind(u8),
     Drain(u8),
     Advance(u16),
+    Reconnect,
 }
 
 fn key(k: u8) -> StreamKey {
@@ -108,6 +114,7 @@ fn slot(index: u8, generation: u8) -> SlotId {
 
 struct Run {
     peer: PeerHarness,
+    epoch: Epoch,
     now: Instant,
     batch_seq: u32,
     out_seq: u32,
@@ -115,6 +122,7 @@ struct Run {
     message_seq: u32,
     receivers: Vec<SlotReceiver>,
     dead: bool,
+    violations: u32,
     buf: Vec<u8>,
     /// Data frames consumers drained (for `FUZZ_TRACE`).
     delivered: u64,
@@ -135,7 +143,7 @@ impl Run {
 
     fn encode(&mut self, records: &[Rec], seq: Option<u32>, epoch: Option<u64>) -> Vec<u8> {
         let mut buf = vec![0u8; BATCH_BUF];
-        let epoch = epoch.map_or(EPOCH, Epoch);
+        let epoch = epoch.map_or(self.epoch, Epoch);
         let batch_seq = seq.unwrap_or(self.batch_seq);
         let mut enc = BatchEncoder::new(&mut buf, epoch, batch_seq, Lane(0)).expect("big buffer");
         let filler = [0x5au8; MAX_RECORD + 64];
@@ -212,11 +220,27 @@ impl Run {
 
     fn feed(&mut self, bytes: &[u8]) {
         if self.peer.handle_batch(bytes, self.now).is_err() {
-            // A violation ends the epoch; the driver feeds nothing more.
-            self.peer.fail_all(DropReason::EpochEnded { epoch: EPOCH });
+            // A violation ends the epoch; the peer may come back.
+            self.violations += 1;
+            self.reconnect();
+        }
+    }
+
+    /// Ends the epoch and, a few times per input, starts the next one.
+    fn reconnect(&mut self) {
+        if self.epoch.0 - EPOCH.0 + 1 >= MAX_EPOCHS {
+            self.peer.fail_all(DropReason::EpochEnded { epoch: self.epoch });
             assert_eq!(self.peer.live_slots(), 0, "fail_all leaves a slot");
             self.dead = true;
+            return;
         }
+        self.epoch = Epoch(self.epoch.0 + 1);
+        self.peer.next_epoch(self.epoch, self.now);
+        assert_eq!(self.peer.live_slots(), 0, "a slot outlived its epoch");
+        self.batch_seq = 0;
+        self.out_seq = 0;
+        self.slot_seq = [0; INDICES as usize + 1];
+        self.message_seq = 0;
     }
 
     fn drain_receiver(&mut self, which: u8) {
@@ -265,6 +289,7 @@ impl Run {
                 self.now += Duration::from_millis(u64::from(*ms));
                 self.peer.handle_timeout(self.now);
             }
+            Step::Reconnect => self.reconnect(),
         }
         assert!(self.peer.live_slots() <= MAX_SLOTS as usize);
         assert!(self.peer.peer_outstanding() <= u64::from(PEER_WINDOW));
@@ -279,7 +304,7 @@ impl Run {
                 return;
             }
             let view = BatchView::new_checked(&self.buf[..n]).expect("own batch parses");
-            assert_eq!(view.epoch(), EPOCH);
+            assert_eq!(view.epoch(), self.epoch);
             assert_eq!(view.batch_seq(), self.out_seq);
             assert_eq!(view.records().count(), usize::from(view.record_count()));
             self.out_seq = self.out_seq.wrapping_add(1);
@@ -301,6 +326,7 @@ fuzz_target!(|input: (Vec<u8>, Vec<Step>)| {
     };
     let mut run = Run {
         peer: PeerHarness::new(config, EPOCH, 64, now),
+        epoch: EPOCH,
         now,
         batch_seq: 0,
         out_seq: 0,
@@ -308,6 +334,7 @@ fuzz_target!(|input: (Vec<u8>, Vec<Step>)| {
         message_seq: 0,
         receivers: Vec::new(),
         dead: false,
+        violations: 0,
         buf: vec![0; BATCH_BUF],
         delivered: 0,
         max_live: 0,
@@ -324,7 +351,8 @@ fuzz_target!(|input: (Vec<u8>, Vec<Step>)| {
     if trace_on() {
         let mut reached = Vec::new();
         for (name, hit) in [
-            ("violation", run.dead),
+            ("violation", run.violations > 0),
+            ("next_epoch", run.epoch != EPOCH),
             ("delivered", run.delivered > 0),
             ("slot_limit", run.max_live == MAX_SLOTS as usize),
             ("goodbye", run.peer.goodbye_received()),

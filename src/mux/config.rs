@@ -91,16 +91,23 @@ pub struct PeerTerms {
     /// have outstanding toward it. Never 0.
     pub slot_window: u32,
     /// The peer's [`MuxConfig::peer_window`]: bytes all of our slots together
-    /// may have outstanding toward it. Never 0.
+    /// may have outstanding toward it, and the most peer credit it may ever
+    /// grant. Never 0.
     pub peer_window: u32,
+    /// The peer credit our slots start the epoch with: the peer's window
+    /// less what it still holds of our earlier epochs' data
+    /// ([`Mux::peer_room`](crate::mux::Mux::peer_room) on its side). At most
+    /// `peer_window`; 0 is allowed (we wait for its first grant).
+    pub peer_credit: u32,
 }
 
 impl PeerTerms {
-    /// What a node with `config` announces to its peers.
+    /// What a node with `config` that holds nothing of ours announces.
     pub fn announced_by(config: &MuxConfig) -> PeerTerms {
         PeerTerms {
             slot_window: config.slot_window,
             peer_window: config.peer_window,
+            peer_credit: config.peer_window,
         }
     }
 }

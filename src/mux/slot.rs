@@ -81,6 +81,9 @@ pub(crate) struct PeerControl {
     egress_live: AtomicUsize,
     /// Ingress slots in the current epoch's table, published by the peer task.
     pub ingress_live: AtomicUsize,
+    /// The peer's data bytes held here, in any epoch, not yet let go of
+    /// (published by the peer task): what the next hello's credit leaves out.
+    pub peer_held: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -108,7 +111,13 @@ impl PeerControl {
             pong_seen: tokio::sync::watch::Sender::new(0),
             egress_live: AtomicUsize::new(0),
             ingress_live: AtomicUsize::new(0),
+            peer_held: AtomicU64::new(0),
         }
+    }
+
+    /// Publishes what the peer task counts as held of the peer's data.
+    pub fn publish_held(&self, bytes: u64) {
+        self.peer_held.store(bytes, Ordering::Release);
     }
 
     /// Counts one more egress slot if both directions together stay within

@@ -531,6 +531,7 @@ impl HostileDialer {
             endpoint: Endpoint::Tcp(TcpEndpoint { max_batch: 65536 }),
             slot_window: 256 * 1024,
             peer_window: 64 << 20,
+            peer_credit: 64 << 20,
         };
         let key = key.map(|k| ClusterKey::new(k).expect("key length"));
         let mut hs = Handshake::dialer(key, fields, Some(to), fresh_nonce());

@@ -21,6 +21,7 @@ fn tcp(node: PeerId, proposed: u64) -> HelloFields {
         // Differs per node, so the happy paths show it crossing intact.
         slot_window: 4096 * (node.0 as u32 + 1),
         peer_window: (1 << 20) * (node.0 as u32 + 1),
+        peer_credit: (1 << 19) * (node.0 as u32 + 1),
     }
 }
 
@@ -218,6 +219,26 @@ fn bad_version_is_named() {
     assert_eq!(
         d.handle_input(&framed(&challenge)),
         Err(BootstrapError::BadVersion { got: 9 })
+    );
+}
+
+#[test]
+fn a_peer_credit_past_the_peer_window_is_named() {
+    let mut fields = tcp(D, 0);
+    fields.peer_credit = fields.peer_window + 1;
+    assert_eq!(
+        listener_error(&framed(&dialer_hello_body(&fields))),
+        BootstrapError::BadField("peer credit")
+    );
+    // Zero is a valid start: the peer waits for the first grant.
+    let mut fields = tcp(D, 0);
+    fields.peer_credit = 0;
+    assert_eq!(
+        wire::decode(&dialer_hello_body(&fields)).map(|m| match m {
+            Message::Hello(hello) => hello.fields.peer_credit,
+            _ => u32::MAX,
+        }),
+        Ok(0)
     );
 }
 

@@ -12,7 +12,7 @@ use crate::mux::protocol::Epoch;
 /// Largest message body accepted or sent.
 pub const MAX_MESSAGE: usize = 4096;
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Leading bytes of a challenge and a hello.
 pub const MAGIC: [u8; 4] = *b"QPMX";
 /// Bytes in a nonce.
@@ -267,8 +267,13 @@ pub struct HelloFields {
     /// `MuxConfig::slot_window`): the peer's egress window. Never 0.
     pub slot_window: u32,
     /// Bytes the sender lets all slots together have outstanding toward it
-    /// (its `MuxConfig::peer_window`): the peer's peer credit. Never 0.
+    /// (its `MuxConfig::peer_window`), and the most peer credit it ever
+    /// grants. Never 0.
     pub peer_window: u32,
+    /// The peer credit the receiver of the hello starts the epoch with: the
+    /// window less what the sender still holds of the receiver's data from
+    /// earlier epochs (`Mux::peer_room`). At most `peer_window`.
+    pub peer_credit: u32,
 }
 
 /// A decoded hello.
@@ -420,6 +425,10 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
             if peer_window == 0 {
                 return Err(BootstrapError::BadField("peer window"));
             }
+            let peer_credit = r.u32()?;
+            if peer_credit > peer_window {
+                return Err(BootstrapError::BadField("peer credit"));
+            }
             let (mac, signed_len) = mac_trailer(body, &mut r)?;
             Ok(Message::Hello(HelloMessage {
                 fields: HelloFields {
@@ -429,6 +438,7 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
                     endpoint,
                     slot_window,
                     peer_window,
+                    peer_credit,
                 },
                 echo,
                 nonce,
@@ -475,6 +485,7 @@ pub(crate) fn hello_signed(fields: &HelloFields, echo: &Nonce, nonce: &Nonce) ->
     fields.endpoint.encode(&mut out);
     out.extend_from_slice(&fields.slot_window.to_be_bytes());
     out.extend_from_slice(&fields.peer_window.to_be_bytes());
+    out.extend_from_slice(&fields.peer_credit.to_be_bytes());
     out
 }
 

@@ -69,10 +69,15 @@ impl MemFabric {
         let (end_a, end_b) = pair(epoch, self.config);
         nodes.links.insert(pair_key, end_a.clone());
         drop(nodes);
-        // Each side learns the other's windows, as a node's hello tells it.
-        let terms_of = |mux: &Mux<MemLink>| PeerTerms::announced_by(mux.config());
-        mux_a.attach_with_terms(b, end_a, terms_of(&mux_b));
-        mux_b.attach_with_terms(a, end_b, terms_of(&mux_a));
+        // Each side learns the other's windows and the credit it starts
+        // with, as a node's hello tells it.
+        let (room_for_b, room_for_a) = (mux_a.peer_room(b), mux_b.peer_room(a));
+        let terms_of = |mux: &Mux<MemLink>, peer_credit| PeerTerms {
+            peer_credit,
+            ..PeerTerms::announced_by(mux.config())
+        };
+        mux_a.attach_with_terms(b, end_a, terms_of(&mux_b, room_for_a), room_for_b);
+        mux_b.attach_with_terms(a, end_b, terms_of(&mux_a, room_for_b), room_for_a);
         Some(epoch)
     }
 

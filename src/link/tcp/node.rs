@@ -505,10 +505,13 @@ impl<E: EpochMaker> NodeInner<E> {
         state.retry_at = Some(Instant::now() + state.backoff);
     }
 
-    fn hello(&self, proposed: Epoch, endpoint: Endpoint) -> HelloFields {
+    /// Our hello to `peer`; its `peer_credit` is what the epoch's install
+    /// must tell the mux it granted.
+    fn hello(&self, peer: PeerId, proposed: Epoch, endpoint: Endpoint) -> HelloFields {
         // Without a mux the handshake ends in a decline or `NotServing`.
         let default = MuxConfig::default();
-        let config = self.mux.get().map_or(&default, |mux| mux.config());
+        let mux = self.mux.get();
+        let config = mux.map_or(&default, |mux| mux.config());
         HelloFields {
             node: self.config.id,
             incarnation: self.incarnation,
@@ -516,6 +519,7 @@ impl<E: EpochMaker> NodeInner<E> {
             endpoint,
             slot_window: config.slot_window,
             peer_window: config.peer_window,
+            peer_credit: mux.map_or(config.peer_window, |mux| mux.peer_room(peer)),
         }
     }
 }
@@ -850,17 +854,16 @@ async fn dial_once<E: EpochMaker>(
         }
         (addr, state.last_epoch)
     };
+    // The credit our hello gives the peer, for the mux at install.
+    let mut granted = 0;
     let attempt = async {
         let mut stream = TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
         // The dialer's hello carries its endpoint, so its resources come first.
         let (prepared, endpoint) = inner.epochs.prepare()?;
-        let mut hs = Handshake::dialer(
-            inner.config.key.clone(),
-            inner.hello(proposed, endpoint),
-            Some(peer),
-            fresh_nonce(),
-        );
+        let hello = inner.hello(peer, proposed, endpoint);
+        granted = hello.peer_credit;
+        let mut hs = Handshake::dialer(inner.config.key.clone(), hello, Some(peer), fresh_nonce());
         let mut prepared = Some(prepared);
         let mut armed = None;
         let (established, prefix) = drive(
@@ -885,7 +888,7 @@ async fn dial_once<E: EpochMaker>(
     let (stream, established, prefix, armed) = timeout(inner.config.handshake_timeout, attempt)
         .await
         .map_err(|_| ConnectError::Timeout)??;
-    install(inner, peer, established, armed, stream, prefix)
+    install(inner, peer, established, armed, stream, prefix, granted)
 }
 
 /// Runs `hs` over `stream` to the end. `on_hello` answers a listener's
@@ -957,6 +960,7 @@ fn install<E: EpochMaker>(
     armed: E::Armed,
     stream: TcpStream,
     prefix: Vec<u8>,
+    granted: u32,
 ) -> Result<Epoch, ConnectError> {
     let mux = inner.mux.get().ok_or(ConnectError::NotServing)?;
     let mut peers = inner.peers();
@@ -985,8 +989,9 @@ fn install<E: EpochMaker>(
     let terms = PeerTerms {
         slot_window: established.peer.slot_window,
         peer_window: established.peer.peer_window,
+        peer_credit: established.peer.peer_credit,
     };
-    mux.attach_with_terms(peer, link, terms);
+    mux.attach_with_terms(peer, link, terms, granted);
     Ok(established.epoch)
 }
 
@@ -1076,6 +1081,7 @@ async fn accept_once<E: EpochMaker>(
     let mut guard = Accepting { inner, peer: None };
     let mut armed = None;
     let mut local_failure = None;
+    let mut granted = 0;
     let result = drive(
         &mut stream,
         &mut hs,
@@ -1099,7 +1105,9 @@ async fn accept_once<E: EpochMaker>(
             match made {
                 Ok((a, endpoint)) => {
                     armed = Some(a);
-                    Some(Ok(inner.hello(proposed, endpoint)))
+                    let ours = inner.hello(hello.node, proposed, endpoint);
+                    granted = ours.peer_credit;
+                    Some(Ok(ours))
                 }
                 Err(err) => {
                     local_failure = Some(err);
@@ -1130,6 +1138,7 @@ async fn accept_once<E: EpochMaker>(
         armed,
         stream,
         prefix,
+        granted,
     );
     drop(guard);
     epoch

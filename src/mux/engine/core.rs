@@ -20,6 +20,7 @@ use bytes::{Bytes, BytesMut};
 use tokio::time::Instant;
 
 use super::ProtocolError;
+use super::held::Held;
 use crate::mux::config::{FlushPolicy, MuxConfig, PeerTerms};
 use crate::mux::message::{MessageSink, OutboundMessage};
 use crate::mux::protocol::{
@@ -129,13 +130,21 @@ pub(crate) struct PeerCore {
 
     ingress: HashMap<u32, IngressSlot>,
     by_rx: HashMap<usize, u32>,
-    /// Closed ingress slots whose consumer has not yet taken all they hold:
-    /// by receiver, the bytes still counted against the peer window.
-    draining: HashMap<usize, (Arc<RxSlot>, u64)>,
-    /// Data bytes received in this epoch and not yet returned as peer credit.
+    /// Closed ingress slots whose consumer has not yet taken all they hold,
+    /// this epoch's and earlier ones'.
+    held: Held,
+    /// The peer's data bytes held here, in any epoch, not yet let go of.
     peer_outstanding: u64,
-    /// Peer credit to return in the next batch.
+    /// Peer credit granted in this epoch (written or owed) that the peer has
+    /// not yet used: what it may still send. `peer_outstanding` plus this
+    /// never exceeds our peer window.
+    peer_unspent: u64,
+    /// Peer credit to grant in the next batch.
     peer_grant_owed: u64,
+    /// No peer credit granted in a batch yet this epoch: the peer may be
+    /// waiting on it (its hello can have said 0), so no flush policy holds
+    /// the first grant back.
+    opening_grant_owed: bool,
     grants_owed: BTreeMap<u32, (SlotId, u64)>,
     closes_owed: BTreeMap<u32, (SlotId, CloseReason)>,
     pong_owed: Option<u64>,
@@ -175,17 +184,23 @@ pub(crate) struct PeerCore {
 }
 
 impl PeerCore {
+    /// The core of `epoch`. `held` is what earlier epochs' slots still hold
+    /// of the peer's data. Until [`PeerCore::set_peer_terms`], the peer is
+    /// taken to have announced our own terms and been granted our window
+    /// less `held`.
     pub fn new(
         epoch: Epoch,
         config: Arc<MuxConfig>,
         control: Arc<PeerControl>,
         registry: Arc<Registry>,
+        mut held: Held,
         now: Instant,
     ) -> PeerCore {
         let counters = control.counters.clone();
         let egress_window = config.slot_window;
         let egress_peer_window = config.peer_window;
-        PeerCore {
+        held.settle();
+        let core = PeerCore {
             epoch,
             sweep_at: now + config.credit_sweep,
             heartbeat_at: config.heartbeat.map(|h| now + h),
@@ -206,9 +221,11 @@ impl PeerCore {
             peer_blocked: Vec::new(),
             ingress: HashMap::new(),
             by_rx: HashMap::new(),
-            draining: HashMap::new(),
-            peer_outstanding: 0,
+            peer_outstanding: held.bytes(),
+            peer_unspent: u64::from(egress_peer_window).saturating_sub(held.bytes()),
+            held,
             peer_grant_owed: 0,
+            opening_grant_owed: true,
             grants_owed: BTreeMap::new(),
             closes_owed: BTreeMap::new(),
             pong_owed: None,
@@ -231,7 +248,9 @@ impl PeerCore {
             control_since: None,
             data_since: None,
             idle_since: now,
-        }
+        };
+        core.publish_held();
+        core
     }
 
     pub fn epoch(&self) -> Epoch {
@@ -269,13 +288,23 @@ impl PeerCore {
         self.goodbye_received
     }
 
-    /// The peer's windows, from its handshake: what our slots send within
-    /// from now on. Set before the epoch's first slot opens.
-    pub fn set_peer_terms(&mut self, terms: PeerTerms) {
+    /// What the epoch's two hellos said: the peer's windows and the credit
+    /// it gave us (what our slots send within), and the credit our hello
+    /// `granted` it. Set before the epoch's first batch either way. If
+    /// consumers freed room since our hello was written, it is granted now.
+    pub fn set_peer_terms(&mut self, terms: PeerTerms, granted: u32, now: Instant) {
         debug_assert!(self.live_egress == 0, "set before any slot opens");
         self.egress_window = terms.slot_window;
         self.egress_peer_window = terms.peer_window;
-        self.peer_credit = i64::from(terms.peer_window);
+        self.peer_credit = i64::from(terms.peer_credit.min(terms.peer_window));
+        self.peer_unspent = u64::from(granted);
+        self.grant_peer_room(now);
+    }
+
+    /// What the closed slots (and the slots `fail_all` closed) still hold of
+    /// the peer's data, for the next epoch's core. Called once the epoch is over.
+    pub fn take_held(&mut self) -> Held {
+        std::mem::take(&mut self.held)
     }
 
     /// Whether a consumer was handed a frame or a message since the last
@@ -340,6 +369,12 @@ impl PeerCore {
             &self.counters.records_received,
             u64::from(view.record_count()),
         );
+        let handled = self.handle_records(&view, now);
+        self.publish_held();
+        handled
+    }
+
+    fn handle_records(&mut self, view: &BatchView<'_>, now: Instant) -> Result<(), ProtocolError> {
         for record in view.records() {
             if self.goodbye_received {
                 return Err(ProtocolError::AfterGoodbye);
@@ -354,7 +389,7 @@ impl PeerCore {
         if now >= self.sweep_at {
             self.sweep_at = now + self.config.credit_sweep;
             let slots: Vec<Arc<RxSlot>> = (self.ingress.values().map(|s| s.rx.clone()))
-                .chain(self.draining.values().map(|(rx, _)| rx.clone()))
+                .chain(self.held.receivers().cloned())
                 .collect();
             for rx in slots {
                 self.visit_rx(&rx, now);
@@ -399,6 +434,9 @@ impl PeerCore {
     pub fn wants_write(&self, now: Instant) -> bool {
         let control = self.has_control_owed();
         let data = !self.ready.is_empty() || self.has_messages();
+        if self.opening_grant_owed && self.peer_grant_owed > 0 {
+            return true;
+        }
         match self.config.flush {
             FlushPolicy::Auto => control || data,
             FlushPolicy::AutoLinger { max_linger } => {
@@ -472,7 +510,8 @@ impl PeerCore {
             self.write_data(&mut enc, now);
             if self.ready.is_empty() && !self.has_messages() {
                 self.data_since = None;
-                self.flush_requested = false;
+                // A flush that met no peer credit holds until a grant comes.
+                self.flush_requested &= !self.peer_blocked.is_empty();
             }
         }
         if enc.is_empty() {
@@ -546,10 +585,18 @@ impl PeerCore {
             }
             if slot.rx.receiver_gone() {
                 self.registry.remove(&slot.rx);
+            } else {
+                // What it delivered stays readable, and counted, into the
+                // next epoch; a record still reassembling is gone.
+                let partial = slot.reassembly.as_ref().map_or(0, |r| r.len() as u64);
+                self.held.insert(slot.rx, slot.outstanding - partial);
             }
         }
+        // What this epoch still held of the peer's data is the held set now.
+        self.peer_outstanding = self.held.bytes();
+        self.peer_unspent = 0;
+        self.publish_held();
         self.publish_ingress();
-        self.draining.clear();
         self.peer_blocked.clear();
         self.live_egress = 0;
         self.by_inlet.clear();
@@ -723,6 +770,7 @@ impl PeerCore {
             }
             Counters::add(&self.counters.peer_credit_updates_sent, 1);
             self.peer_grant_owed -= u64::from(grant);
+            self.opening_grant_owed = false;
         }
         while let Some(&index) = self.opens_owed.front() {
             if let Some(slot) = self.table[index as usize].slot.as_mut() {
@@ -922,18 +970,8 @@ impl PeerCore {
 
     /// A closed slot's consumer took or dropped what it held: peer credit.
     fn visit_draining(&mut self, key: usize, visit: RxVisit, now: Instant) {
-        let Some((_, held)) = self.draining.get_mut(&key) else {
-            return;
-        };
-        let taken = visit.drained.min(*held);
-        *held -= taken;
-        let left = *held;
-        if visit.finished || visit.receiver_gone || left == 0 {
-            self.draining.remove(&key);
-            self.return_peer_credit(taken + left, now);
-        } else {
-            self.return_peer_credit(taken, now);
-        }
+        let freed = self.held.visit(key, visit);
+        self.return_peer_credit(freed, now);
     }
 
     fn remove_ingress(&mut self, index: u32) -> Option<IngressSlot> {
@@ -1141,13 +1179,14 @@ impl PeerCore {
         // sender took it from its peer credit either way.
         let len = body.len() as u64;
         let peer_window = self.config.peer_window;
-        if self.peer_outstanding + len > u64::from(peer_window) {
+        if len > self.peer_unspent {
             return Err(ProtocolError::PeerCreditOverrun {
                 outstanding: self.peer_outstanding,
                 len: body.len(),
                 window: peer_window,
             });
         }
+        self.peer_unspent -= len;
         self.peer_outstanding += len;
         if self.peer_outstanding > u64::from(peer_window) / 2 {
             // Under pressure, collect drains below the grant threshold sooner
@@ -1247,12 +1286,9 @@ impl PeerCore {
         if slot.rx.receiver_gone() {
             self.registry.remove(&slot.rx);
             self.return_peer_credit(slot.outstanding, now);
-        } else if slot.outstanding > 0 {
+        } else {
             // Until its consumer takes the rest, it counts against the window.
-            self.draining.insert(
-                Arc::as_ptr(&slot.rx) as usize,
-                (slot.rx.clone(), slot.outstanding),
-            );
+            self.held.insert(slot.rx, slot.outstanding);
         }
 
         if self.live_slots() == 0 {
@@ -1305,7 +1341,24 @@ impl PeerCore {
             return;
         }
         self.peer_outstanding = self.peer_outstanding.saturating_sub(bytes);
-        self.peer_grant_owed += bytes;
+        self.publish_held();
+        self.grant_peer_room(now);
+    }
+
+    fn publish_held(&self) {
+        self.control.publish_held(self.peer_outstanding);
+    }
+
+    /// Grants the peer what our window has room for: the window less what
+    /// we hold of its data and what it may still send.
+    fn grant_peer_room(&mut self, now: Instant) {
+        let room = u64::from(self.config.peer_window)
+            .saturating_sub(self.peer_outstanding + self.peer_unspent);
+        if room == 0 {
+            return;
+        }
+        self.peer_unspent += room;
+        self.peer_grant_owed += room;
         self.control_since.get_or_insert(now);
     }
 }
@@ -1332,7 +1385,27 @@ mod tests {
     fn next_core(epoch: Epoch, control: &Arc<PeerControl>) -> PeerCore {
         let config = Arc::new(MuxConfig::default());
         let registry = Registry::new(config.slot_window, 16, 16);
-        PeerCore::new(epoch, config, control.clone(), registry, Instant::now())
+        PeerCore::new(
+            epoch,
+            config,
+            control.clone(),
+            registry,
+            Held::default(),
+            Instant::now(),
+        )
+    }
+
+    /// Hands the core the peer's next batch, written by `records`.
+    fn feed(
+        core: &mut PeerCore,
+        records: impl FnOnce(&mut BatchEncoder<'_>) -> Result<(), EncodeError>,
+    ) -> Result<(), ProtocolError> {
+        let mut buf = vec![0u8; 1 << 16];
+        let mut enc = BatchEncoder::new(&mut buf, core.epoch, core.batch_seq_in, Lane(0))
+            .expect("room for a header");
+        records(&mut enc).expect("the records fit");
+        let len = enc.finish();
+        core.handle_batch(&buf[..len], Instant::now())
     }
 
     /// Opens a slot toward the core's peer, as `Mux::open` does.
@@ -1455,6 +1528,153 @@ mod tests {
             next_batch(&mut next).is_empty(),
             "nothing of it reaches epoch 2"
         );
+    }
+
+    /// A small peer window, and the registry consumers bind from.
+    fn held_core(
+        epoch: Epoch,
+        control: &Arc<PeerControl>,
+        registry: &Arc<Registry>,
+        held: Held,
+    ) -> PeerCore {
+        let config = MuxConfig {
+            slot_window: 8192,
+            peer_window: 8192,
+            ..MuxConfig::default()
+        };
+        PeerCore::new(
+            epoch,
+            Arc::new(config),
+            control.clone(),
+            registry.clone(),
+            held,
+            Instant::now(),
+        )
+    }
+
+    /// The peer opens slot `index` for session `session` and sends `len`
+    /// bytes on it (`more`: the record goes on), then closes it if `close`.
+    fn peer_sends(
+        core: &mut PeerCore,
+        index: u32,
+        session: u64,
+        len: usize,
+        more: bool,
+        close: bool,
+    ) -> Result<(), ProtocolError> {
+        let slot = SlotId::new(index, 0).expect("a valid index");
+        let body = vec![5u8; len];
+        feed(core, |enc| {
+            enc.push_open(slot, FrameSeq(0), 7, session)?;
+            enc.push_data(slot, FrameSeq(1), &body, more)?;
+            if close {
+                enc.push_close(slot, FrameSeq(2), CloseReason::Finalized)?;
+            }
+            Ok(())
+        })
+    }
+
+    fn peer_control() -> Arc<PeerControl> {
+        Arc::new(PeerControl::new(
+            PeerId(2),
+            1 << 20,
+            Arc::new(Counters::default()),
+        ))
+    }
+
+    #[tokio::test]
+    async fn a_new_epoch_grants_only_the_room_earlier_epochs_streams_left() {
+        let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
+        let mut first = held_core(Epoch(1), &control, &registry, Held::default());
+        // Closed and unread, then live at the epoch's death with a record
+        // still reassembling (which dies with the epoch).
+        peer_sends(&mut first, 1, 1, 3000, false, true).expect("within the window");
+        peer_sends(&mut first, 2, 2, 2000, false, false).expect("within the window");
+        peer_sends(&mut first, 3, 3, 1000, true, false).expect("within the window");
+        assert_eq!(first.peer_outstanding(), 6000);
+        assert_eq!(control.peer_held.load(Ordering::Acquire), 6000);
+        first.fail_all(ended(1));
+        assert_eq!(
+            control.peer_held.load(Ordering::Acquire),
+            5000,
+            "what the next hello leaves out"
+        );
+
+        let mut second = held_core(Epoch(2), &control, &registry, first.take_held());
+        assert_eq!(second.peer_outstanding(), 5000);
+        second.set_peer_terms(
+            PeerTerms::announced_by(&second.config),
+            3192,
+            Instant::now(),
+        );
+        assert!(
+            next_batch(&mut second).is_empty(),
+            "the hello granted it all"
+        );
+        peer_sends(&mut second, 1, 4, 3192, false, true).expect("within the room");
+        assert_eq!(
+            peer_sends(&mut second, 2, 5, 1, false, false),
+            Err(ProtocolError::PeerCreditOverrun {
+                outstanding: 8192,
+                len: 1,
+                window: 8192,
+            }),
+            "the room left, not a fresh window"
+        );
+    }
+
+    #[tokio::test]
+    async fn what_a_consumer_takes_from_an_earlier_epoch_comes_back_in_the_next() {
+        let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
+        let mut first = held_core(Epoch(1), &control, &registry, Held::default());
+        peer_sends(&mut first, 1, 1, 3000, false, true).expect("within the window");
+        peer_sends(&mut first, 2, 2, 2000, false, false).expect("within the window");
+        first.fail_all(ended(1));
+        let mut second = held_core(Epoch(2), &control, &registry, first.take_held());
+        second.set_peer_terms(
+            PeerTerms::announced_by(&second.config),
+            3192,
+            Instant::now(),
+        );
+
+        let mut closed = registry.bind(StreamKey::new(7, 1)).expect("bind");
+        assert_eq!(closed.try_recv(), Ok(Frame::Data(vec![5u8; 3000].into())));
+        assert_eq!(closed.try_recv(), Ok(Frame::Finalized));
+        let mut dropped = registry.bind(StreamKey::new(7, 2)).expect("bind");
+        assert_eq!(dropped.try_recv(), Ok(Frame::Data(vec![5u8; 2000].into())));
+        assert_eq!(dropped.try_recv(), Ok(Frame::Dropped(ended(1))));
+        second.handle_control(Instant::now());
+        assert_eq!(second.peer_outstanding(), 0);
+        assert_eq!(control.peer_held.load(Ordering::Acquire), 0);
+        assert_eq!(next_batch(&mut second), ["PeerCredit(5000)"]);
+    }
+
+    /// Room a consumer frees between our hello and the epoch's start is
+    /// granted at once, whatever the flush policy.
+    #[tokio::test]
+    async fn room_freed_after_the_hello_is_the_epochs_first_batch() {
+        let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
+        let mut first = held_core(Epoch(1), &control, &registry, Held::default());
+        peer_sends(&mut first, 1, 1, 3000, false, true).expect("within the window");
+        first.fail_all(ended(1));
+        let mut rx = registry.bind(StreamKey::new(7, 1)).expect("bind");
+        assert!(rx.try_recv().is_ok() && rx.try_recv().is_ok(), "read whole");
+        let mut second = held_core(Epoch(2), &control, &registry, first.take_held());
+        let manual = FlushPolicy::Manual {
+            reply_linger: std::time::Duration::from_secs(3600),
+        };
+        second.config = Arc::new(MuxConfig {
+            flush: manual,
+            ..(*second.config).clone()
+        });
+        // The hello said 5192 (written before the read).
+        second.set_peer_terms(
+            PeerTerms::announced_by(&second.config),
+            5192,
+            Instant::now(),
+        );
+        assert!(second.wants_write(Instant::now()));
+        assert_eq!(next_batch(&mut second), ["PeerCredit(3000)"]);
     }
 
     #[tokio::test]

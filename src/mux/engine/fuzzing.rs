@@ -14,6 +14,7 @@ use tokio::time::Instant;
 
 use super::ProtocolError;
 use super::core::PeerCore;
+use super::held::Held;
 use crate::mux::config::MuxConfig;
 use crate::mux::protocol::Epoch;
 use crate::mux::slot::{PeerControl, Registry, SlotReceiver};
@@ -24,6 +25,8 @@ use crate::mux::surface::{DropReason, MuxError, PeerId, StreamKey};
 pub struct PeerHarness {
     core: PeerCore,
     registry: Arc<Registry>,
+    config: Arc<MuxConfig>,
+    control: Arc<PeerControl>,
 }
 
 impl PeerHarness {
@@ -37,8 +40,37 @@ impl PeerHarness {
         );
         let counters = Arc::new(Counters::default());
         let control = Arc::new(PeerControl::new(PeerId(1), config.peer_budget, counters));
-        let core = PeerCore::new(epoch, config, control, registry.clone(), now);
-        PeerHarness { core, registry }
+        let core = PeerCore::new(
+            epoch,
+            config.clone(),
+            control.clone(),
+            registry.clone(),
+            Held::default(),
+            now,
+        );
+        PeerHarness {
+            core,
+            registry,
+            config,
+            control,
+        }
+    }
+
+    /// Ends this epoch (every live slot `Dropped`) and starts `epoch` for
+    /// the same peer, as a reconnect does: what closed streams still hold of
+    /// the peer's data carries over, and receivers stay bound.
+    pub fn next_epoch(&mut self, epoch: Epoch, now: Instant) {
+        self.core.fail_all(DropReason::EpochEnded {
+            epoch: self.core.epoch(),
+        });
+        self.core = PeerCore::new(
+            epoch,
+            self.config.clone(),
+            self.control.clone(),
+            self.registry.clone(),
+            self.core.take_held(),
+            now,
+        );
     }
 
     /// Binds a consumer to `key` (before or after the peer opens it).
@@ -77,7 +109,8 @@ impl PeerHarness {
     }
 
     /// The peer's data bytes this node counts as held (not yet returned as
-    /// peer credit): never above `MuxConfig::peer_window`.
+    /// peer credit), in this epoch and earlier ones: never above
+    /// `MuxConfig::peer_window`.
     pub fn peer_outstanding(&self) -> u64 {
         self.core.peer_outstanding()
     }

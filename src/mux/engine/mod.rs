@@ -18,6 +18,7 @@ mod core;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+mod held;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,6 +31,7 @@ use tracing::Instrument;
 
 use self::core::PeerCore;
 pub use self::error::ProtocolError;
+use self::held::Held;
 use super::config::{MuxConfig, PeerTerms};
 use super::message::{MessageSink, OutboundMessage};
 use super::protocol::Epoch;
@@ -59,9 +61,17 @@ struct PeerEntry<L> {
     control: Arc<PeerControl>,
     /// The outbound message channel for the current (or next) epoch.
     messages: Mutex<Option<flume::Receiver<OutboundMessage>>>,
-    incoming: Mutex<Option<(L, PeerTerms)>>,
+    incoming: Mutex<Option<(L, Opening)>>,
     link_arrived: Notify,
     epoch: Mutex<Option<Epoch>>,
+}
+
+/// What the two hellos of an epoch said about peer credit and windows.
+#[derive(Clone, Copy, Debug)]
+struct Opening {
+    theirs: PeerTerms,
+    /// The peer credit our hello gave the peer to start with.
+    granted: u32,
 }
 
 struct Shared<L> {
@@ -125,16 +135,31 @@ impl<L: Link> Mux<L> {
 
     /// Hands the mux the link for a new epoch with `peer`. A link already
     /// running for that peer ends with [`EpochEnd::Replaced`]. The peer's
-    /// terms are taken to be this mux's own (tests with raw peers); a link
-    /// layer that learned them at its handshake uses [`Mux::attach_with_terms`].
+    /// terms are taken to be this mux's own (tests with raw peers), and the
+    /// peer to have been granted [`Mux::peer_room`] now; a link layer that
+    /// ran a handshake uses [`Mux::attach_with_terms`].
     pub fn attach(&self, peer: PeerId, link: L) {
         let own = PeerTerms::announced_by(self.config());
-        self.attach_with_terms(peer, link, own);
+        self.attach_with_terms(peer, link, own, self.peer_room(peer));
     }
 
-    /// [`Mux::attach`] with what the peer announced at the handshake: the
-    /// epoch's slots then send within the peer's windows, not ours.
-    pub fn attach_with_terms(&self, peer: PeerId, link: L, terms: PeerTerms) {
+    /// The peer credit to give `peer` at the start of its next epoch, for the
+    /// hello: our peer window less what we still hold of its data (streams
+    /// closed or dropped but not yet read). Counted per peer across epochs,
+    /// so a reconnect does not bring a fresh window.
+    pub fn peer_room(&self, peer: PeerId) -> u32 {
+        let window = self.shared.config.peer_window;
+        let held = lock(&self.shared.peers)
+            .get(&peer)
+            .map_or(0, |entry| entry.control.peer_held.load(Ordering::Acquire));
+        u32::try_from(u64::from(window).saturating_sub(held)).unwrap_or(window)
+    }
+
+    /// [`Mux::attach`] with what the handshake said: the epoch's slots send
+    /// within the peer's windows (not ours) starting from the credit it
+    /// gave us, and `granted` is the credit our hello gave it (what
+    /// [`Mux::peer_room`] said when the hello was written).
+    pub fn attach_with_terms(&self, peer: PeerId, link: L, terms: PeerTerms, granted: u32) {
         let entry = if self.shared.shutdown.load(Ordering::Acquire) {
             // A peer still draining its queue may take a link; nobody else.
             match lock(&self.shared.peers).get(&peer).cloned() {
@@ -147,7 +172,11 @@ impl<L: Link> Mux<L> {
         } else {
             self.entry(peer)
         };
-        let previous = lock(&entry.incoming).replace((link, terms));
+        let opening = Opening {
+            theirs: terms,
+            granted,
+        };
+        let previous = lock(&entry.incoming).replace((link, opening));
         if let Some((stale, _)) = previous {
             stale.fail(EpochEnd::Replaced);
         }
@@ -315,8 +344,10 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
     let peer = entry.control.peer;
     // When the last epoch died (not a graceful end): the reconnect clock.
     let mut died: Option<Instant> = None;
+    // What the peer's closed streams still hold here, from epoch to epoch.
+    let mut held = Held::default();
     loop {
-        let Some((link, terms)) = wait_for_link(&shared, &entry).await else {
+        let Some((link, opening)) = wait_for_link(&shared, &entry, &mut held).await else {
             tracing::debug!(?peer, "mux peer task retired");
             return;
         };
@@ -327,7 +358,8 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
         let span = tracing::debug_span!("epoch", ?peer, %epoch);
         // Instrumented, not entered: a guard held across an await leaks the
         // span into whatever else runs on this thread.
-        let end = run_epoch(&shared, &entry, link, terms)
+        let end;
+        (end, held) = run_epoch(&shared, &entry, link, opening, held)
             .instrument(span)
             .await;
         tracing::debug!(?peer, %epoch, %end, "epoch ended");
@@ -337,11 +369,15 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
     }
 }
 
-/// Waits for the next link. Returns `None` when the task should retire.
+/// Waits for the next link, keeping count of what consumers take from the
+/// peer's closed streams meanwhile. Returns `None` when the task should
+/// retire: never while those streams hold the peer's data (unless shutting
+/// down), since the count would go with it.
 async fn wait_for_link<L: Link>(
     shared: &Shared<L>,
     entry: &PeerEntry<L>,
-) -> Option<(L, PeerTerms)> {
+    held: &mut Held,
+) -> Option<(L, Opening)> {
     let peer = entry.control.peer;
     let mut idle_since = Instant::now();
     let mut drain_until: Option<Instant> = None;
@@ -366,11 +402,22 @@ async fn wait_for_link<L: Link>(
         if let Some(incoming) = lock(&entry.incoming).take() {
             return Some(incoming);
         }
+        let visited = std::mem::take(&mut entry.control.state().dirty_rx);
+        for rx in visited {
+            held.visit(Held::key(&rx), rx.visit());
+        }
+        entry.control.publish_held(held.bytes());
         if wants_link {
             idle_since = now;
             shared.dialer.want_link(peer);
-        } else if now >= idle_since + shared.config.idle_retire && retire(shared, entry, false) {
-            return None;
+        } else if now >= idle_since + shared.config.idle_retire {
+            held.settle();
+            entry.control.publish_held(held.bytes());
+            if held.is_empty() && retire(shared, entry, false) {
+                return None;
+            }
+            // Still holding: look again an idle period from now.
+            idle_since = now;
         }
         let mut next_check = if wants_link {
             now + REDIAL_INTERVAL
@@ -447,21 +494,25 @@ fn end_of(err: LinkError) -> EpochEnd {
     }
 }
 
+/// One epoch on `link`; returns how it ended and what the peer's closed
+/// streams still hold for the next.
 async fn run_epoch<L: Link>(
     shared: &Shared<L>,
     entry: &PeerEntry<L>,
     link: L,
-    terms: PeerTerms,
-) -> EpochEnd {
+    opening: Opening,
+    held: Held,
+) -> (EpochEnd, Held) {
     let config = shared.config.clone();
     let mut core = PeerCore::new(
         link.epoch(),
         config.clone(),
         entry.control.clone(),
         shared.registry.clone(),
+        held,
         Instant::now(),
     );
-    core.set_peer_terms(terms);
+    core.set_peer_terms(opening.theirs, opening.granted, Instant::now());
     *lock(&entry.epoch) = Some(link.epoch());
     core.set_sink(shared.sink.get().cloned());
     core.handle_control(Instant::now());
@@ -505,7 +556,7 @@ async fn run_epoch<L: Link>(
     }
     Counters::add(&shared.counters.epoch_deaths, 1);
     *lock(&entry.epoch) = None;
-    end
+    (end, core.take_held())
 }
 
 /// One epoch's turns until it ends: a `select!` over the link's `recv`, the
