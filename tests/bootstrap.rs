@@ -5,11 +5,13 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use bytes::Bytes;
 use qpmux::link::bootstrap::{
     BootstrapError, ClusterKey, DeclineReason, MAX_MESSAGE, PROTOCOL_VERSION as V,
 };
 use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
-use qpmux::mux::{Epoch, Mux, MuxConfig, MuxTransport, PeerId};
+use qpmux::link::{EpochEnd, Link, LinkFault};
+use qpmux::mux::{Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, StreamKey, Terminal};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -388,6 +390,63 @@ async fn slots_send_within_the_receivers_windows_either_way_round() {
     ] {
         bounded(one_stream_between(sender, receiver)).await;
     }
+}
+
+/// Over real hellos: streams nobody here reads stay counted when the link
+/// dies, so the next epoch's hello gives the peer only the room left. Its
+/// sender waits there (a stall, not an epoch death) until a consumer here
+/// reads one of the old streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_starts_on_the_room_the_last_epochs_unread_streams_left() {
+    bounded(async {
+        let receiver = MuxConfig {
+            slot_window: 32 * 1024,
+            peer_window: 64 * 1024,
+            ..MuxConfig::default()
+        };
+        let (a_node, a) = node_with(TcpNodeConfig::new(A), MuxConfig::default()).await;
+        let (b_node, b) = node_with(TcpNodeConfig::new(B), receiver).await;
+        a_node.register(B, b_node.local_addr());
+        b_node.register(A, a_node.local_addr());
+        let chunk = Bytes::from(vec![7u8; 16 * 1024]);
+        let key = |n: u64| StreamKey::new(A.0, 500 + n);
+        for n in 0..3 {
+            let mut tx = a.open(B, key(n)).expect("open");
+            tx.send(chunk.clone()).await.expect("send");
+            tx.finish(Terminal::Finalized).expect("finish");
+        }
+        until(|| b.peer_room(A) == 16 * 1024).await;
+        let first = b.epoch(A).expect("a live epoch");
+        a_node
+            .link(B)
+            .expect("a link")
+            .fail(EpochEnd::Fault(LinkFault::Injected));
+        until(|| b.epoch(A).is_none()).await;
+        assert_eq!(
+            b.peer_room(A),
+            16 * 1024,
+            "the dead epoch's streams still count"
+        );
+
+        let mut tx = a.open(B, key(3)).expect("open");
+        tx.send(chunk.clone()).await.expect("within the room");
+        tx.send(chunk.clone()).await.expect("queued");
+        until(|| a.stats().peer_credit_stalls > 0).await;
+        assert!(b.epoch(A).is_some_and(|e| e > first), "a new epoch");
+        let mut fresh = b.bind(key(3)).expect("bind");
+        assert_eq!(fresh.recv().await, Some(Frame::Data(chunk.clone())));
+        let mut old = b.bind(key(0)).expect("bind");
+        assert_eq!(old.recv().await, Some(Frame::Data(chunk.clone())));
+        assert_eq!(old.recv().await, Some(Frame::Finalized));
+        assert_eq!(
+            fresh.recv().await,
+            Some(Frame::Data(chunk.clone())),
+            "the read freed room for the stalled record"
+        );
+        assert_eq!(b.stats().protocol_violations, 0);
+        assert_eq!(a.stats().protocol_violations, 0);
+    })
+    .await;
 }
 
 /// 64 KiB on one slot from a node with `sender`'s config to one with
