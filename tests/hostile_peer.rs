@@ -256,6 +256,10 @@ async fn a_reconnect_brings_only_the_room_the_last_epochs_unread_streams_left() 
         }
         arena.evil.ping(1).await;
         assert_eq!(arena.target.peer_room(EVIL), 16 * 1024);
+        // The liar's 48 KiB, plus any of the honest peer's records taken
+        // but not yet collected (below its slot's grant threshold).
+        let held = arena.target.stats().peer_held_bytes;
+        assert!((48 * 1024..=50 * 1024).contains(&held), "{held}");
 
         let next = Epoch(EVIL_EPOCH.0 + 1);
         arena.evil = HostileMem::attach(&arena.target, EVIL, next);

@@ -115,9 +115,16 @@ impl PeerControl {
         }
     }
 
-    /// Publishes what the peer task counts as held of the peer's data.
+    /// Publishes what the peer task counts as held of the peer's data (and
+    /// moves the node's gauge by the change).
     pub fn publish_held(&self, bytes: u64) {
-        self.peer_held.store(bytes, Ordering::Release);
+        let before = self.peer_held.swap(bytes, Ordering::AcqRel);
+        let gauge = &self.counters.peer_held_bytes;
+        if bytes >= before {
+            gauge.fetch_add(bytes - before, Ordering::Relaxed);
+        } else {
+            gauge.fetch_sub(before - bytes, Ordering::Relaxed);
+        }
     }
 
     /// Counts one more egress slot if both directions together stay within

@@ -76,6 +76,9 @@ pub struct Stats {
     pub peer_credit_updates_sent: u64,
     /// Bytes producers have queued that are not yet on the wire (gauge).
     pub withheld_bytes: u64,
+    /// Peers' data bytes counted here against their peer windows: received
+    /// and not yet given back as peer credit, in any epoch (gauge).
+    pub peer_held_bytes: u64,
     /// Epochs that ended.
     pub epoch_deaths: u64,
     /// Slots that ended with `Dropped` because an epoch died (both directions).
@@ -122,6 +125,7 @@ impl Stats {
                 self.peer_credit_updates_sent,
             ),
             ("qpmux_withheld_bytes", self.withheld_bytes),
+            ("qpmux_peer_held_bytes", self.peer_held_bytes),
             ("qpmux_epoch_deaths_total", self.epoch_deaths),
             ("qpmux_slots_dropped_total", self.slots_dropped),
             ("qpmux_slots_carried_total", self.slots_carried),
@@ -179,6 +183,7 @@ pub(crate) struct Counters {
     /// Written by every producer per record: kept off the lines the peer
     /// tasks write.
     pub withheld_bytes: Padded<AtomicU64>,
+    pub peer_held_bytes: AtomicU64,
     pub epoch_deaths: AtomicU64,
     pub slots_dropped: AtomicU64,
     pub slots_carried: AtomicU64,
@@ -227,6 +232,7 @@ impl Counters {
             peer_credit_stalls: get(&self.peer_credit_stalls),
             peer_credit_updates_sent: get(&self.peer_credit_updates_sent),
             withheld_bytes: get(&self.withheld_bytes),
+            peer_held_bytes: get(&self.peer_held_bytes),
             epoch_deaths: get(&self.epoch_deaths),
             slots_dropped: get(&self.slots_dropped),
             slots_carried: get(&self.slots_carried),

@@ -1599,6 +1599,7 @@ mod tests {
             5000,
             "what the next hello leaves out"
         );
+        assert_eq!(control.counters.snapshot().peer_held_bytes, 5000);
 
         let mut second = held_core(Epoch(2), &control, &registry, first.take_held());
         assert_eq!(second.peer_outstanding(), 5000);

@@ -447,6 +447,8 @@ fn retire<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, force: bool) -> boo
     control.retired = true;
     let orphans = std::mem::take(&mut control.dirty_inlets);
     drop(control);
+    // Held only when forced (shutdown): no window is counted any more.
+    entry.control.publish_held(0);
     let peer = entry.control.peer;
     if peers
         .get(&peer)
