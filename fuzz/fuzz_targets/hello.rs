@@ -31,6 +31,8 @@ struct Input {
     rdma: bool,
     dialer_proposes: u64,
     listener_proposes: u64,
+    /// The peer credit each hello starts the other side on (≤ the window).
+    credit: u32,
     dialer_expects_listener: bool,
     self_dial: bool,
     decline: Option<u8>,
@@ -77,7 +79,7 @@ fn endpoint(rdma: bool) -> Endpoint {
     }
 }
 
-fn fields(node: PeerId, proposes: u64, rdma: bool) -> HelloFields {
+fn fields(node: PeerId, proposes: u64, rdma: bool, credit: u32) -> HelloFields {
     HelloFields {
         node,
         incarnation: node.0 * 1000,
@@ -86,7 +88,7 @@ fn fields(node: PeerId, proposes: u64, rdma: bool) -> HelloFields {
         endpoint: endpoint(rdma),
         slot_window: 256 * 1024,
         peer_window: 64 << 20,
-        peer_credit: 64 << 20,
+        peer_credit: credit % ((64 << 20) + 1),
     }
 }
 
@@ -183,11 +185,16 @@ fn dialer_fields(input: &Input) -> HelloFields {
     } else {
         DIALER_NODE
     };
-    fields(node, input.dialer_proposes, input.rdma)
+    fields(node, input.dialer_proposes, input.rdma, input.credit)
 }
 
 fn listener_fields(input: &Input) -> HelloFields {
-    fields(LISTENER_NODE, input.listener_proposes, input.rdma)
+    fields(
+        LISTENER_NODE,
+        input.listener_proposes,
+        input.rdma,
+        input.credit.rotate_left(16),
+    )
 }
 
 fn new_pair(input: &Input) -> (Side, Side) {
