@@ -229,7 +229,8 @@ impl Run {
     /// Ends the epoch and, a few times per input, starts the next one.
     fn reconnect(&mut self) {
         if self.epoch.0 - EPOCH.0 + 1 >= MAX_EPOCHS {
-            self.peer.fail_all(DropReason::EpochEnded { epoch: self.epoch });
+            self.peer
+                .fail_all(DropReason::EpochEnded { epoch: self.epoch });
             assert_eq!(self.peer.live_slots(), 0, "fail_all leaves a slot");
             self.dead = true;
             return;
