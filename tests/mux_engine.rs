@@ -784,6 +784,37 @@ async fn an_idle_peer_retires_and_a_later_open_is_not_lost() {
     assert!(stats.epoch_deaths >= 3);
 }
 
+/// A peer task whose peer's closed streams still hold data does not retire
+/// when idle (the count would go with it, and the next epoch would start on
+/// a whole window); once a consumer reads them, it retires as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_whose_unread_streams_hold_its_bytes_retires_only_once_they_are_read() {
+    let config = MuxConfig {
+        idle_retire: Duration::from_millis(20),
+        ..MuxConfig::default()
+    };
+    let window = config.peer_window;
+    let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+    let key = StreamKey::new(13, 0);
+    let body = Bytes::from(vec![1u8; 1000]);
+    let mut tx = muxes[0].open(B, key).expect("open");
+    tx.send(body.clone()).await.expect("send");
+    tx.finish(Terminal::Finalized).expect("finish");
+    until(|| muxes[1].peer_room(A) == window - 1000).await;
+    until(|| muxes[0].peer_count() == 0).await;
+    // Five idle periods with nobody reading.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(muxes[1].peer_count(), 1, "retired while holding A's bytes");
+    assert_eq!(muxes[1].peer_room(A), window - 1000);
+    assert_eq!(muxes[1].stats().peer_held_bytes, 1000);
+    let mut rx = muxes[1].bind(key).expect("bind");
+    assert_eq!(rx.recv().await, Some(Frame::Data(body)));
+    assert_eq!(rx.recv().await, Some(Frame::Finalized));
+    until(|| muxes[1].peer_count() == 0).await;
+    assert_eq!(muxes[1].peer_room(A), window);
+    assert_eq!(muxes[1].stats().peer_held_bytes, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ping_is_answered_ahead_of_a_congested_slot() {
     let config = MuxConfig {
