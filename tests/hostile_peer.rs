@@ -232,9 +232,11 @@ async fn bytes_a_consumer_takes_from_a_closed_stream_come_back_as_peer_credit() 
 }
 
 /// A peer that reconnects gets no fresh peer window while what it sent in
-/// the last epoch sits unread here: the new epoch starts on the room left
-/// (what the hello would say: `peer_room`), what consumers then take comes
-/// back in it, and one byte past the room is epoch death.
+/// the last epoch sits unread here. A hello written while that epoch lives
+/// gives nothing (`peer_room` is 0: the live epoch granted all the room);
+/// the new epoch's first batch grants the room left once the old one is
+/// over; what consumers then take comes back in it; one byte past the room
+/// is epoch death.
 #[tokio::test]
 async fn a_reconnect_brings_only_the_room_the_last_epochs_unread_streams_left() {
     bounded(async {
@@ -255,7 +257,11 @@ async fn a_reconnect_brings_only_the_room_the_last_epochs_unread_streams_left() 
             arena.evil.close(slot(n, 0), CloseReason::Finalized).await;
         }
         arena.evil.ping(1).await;
-        assert_eq!(arena.target.peer_room(EVIL), 16 * 1024);
+        assert_eq!(
+            arena.target.peer_room(EVIL),
+            0,
+            "the live epoch holds it all"
+        );
         // The liar's 48 KiB, plus any of the honest peer's records taken
         // but not yet collected (below its slot's grant threshold).
         let held = arena.target.stats().peer_held_bytes;
@@ -263,7 +269,12 @@ async fn a_reconnect_brings_only_the_room_the_last_epochs_unread_streams_left() 
 
         let next = Epoch(EVIL_EPOCH.0 + 1);
         arena.evil = HostileMem::attach(&arena.target, EVIL, next);
-        until(|| arena.target.epoch(EVIL) == Some(next)).await;
+        assert_eq!(
+            arena.evil.hear_until(is_grant).await,
+            Heard::PeerCredit(16 * 1024),
+            "the room the unread streams left, once the old epoch is over"
+        );
+        assert_eq!(arena.target.epoch(EVIL), Some(next));
         let mut rx = arena.target.bind(key(0)).expect("bind");
         assert_eq!(rx.recv().await, Some(Frame::Data(chunk.clone().into())));
         assert_eq!(rx.recv().await, Some(Frame::Finalized));

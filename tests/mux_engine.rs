@@ -800,8 +800,8 @@ async fn a_peer_whose_unread_streams_hold_its_bytes_retires_only_once_they_are_r
     let mut tx = muxes[0].open(B, key).expect("open");
     tx.send(body.clone()).await.expect("send");
     tx.finish(Terminal::Finalized).expect("finish");
-    until(|| muxes[1].peer_room(A) == window - 1000).await;
-    until(|| muxes[0].peer_count() == 0).await;
+    until(|| muxes[1].stats().peer_held_bytes == 1000).await;
+    until(|| muxes[0].peer_count() == 0 && muxes[1].epoch(A).is_none()).await;
     // Five idle periods with nobody reading.
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(muxes[1].peer_count(), 1, "retired while holding A's bytes");

@@ -95,9 +95,9 @@ pub struct PeerTerms {
     /// grant. Never 0.
     pub peer_window: u32,
     /// The peer credit our slots start the epoch with: the peer's window
-    /// less what it still holds of our earlier epochs' data
-    /// ([`Mux::peer_room`](crate::mux::Mux::peer_room) on its side). At most
-    /// `peer_window`; 0 is allowed (we wait for its first grant).
+    /// less what it still holds of our data, or may yet receive on a live
+    /// epoch ([`Mux::peer_room`](crate::mux::Mux::peer_room) on its side).
+    /// At most `peer_window`; 0 is allowed (we wait for its first grant).
     pub peer_credit: u32,
 }
 

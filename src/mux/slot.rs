@@ -82,8 +82,12 @@ pub(crate) struct PeerControl {
     /// Ingress slots in the current epoch's table, published by the peer task.
     pub ingress_live: AtomicUsize,
     /// The peer's data bytes held here, in any epoch, not yet let go of
-    /// (published by the peer task): what the next hello's credit leaves out.
+    /// (published by the peer task).
     pub peer_held: AtomicU64,
+    /// `peer_held` plus the credit the live epoch granted and the peer has
+    /// not yet used (0 once the epoch is over): what the next hello's
+    /// credit leaves out, so an epoch that replaces a live one adds nothing.
+    pub peer_committed: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -112,12 +116,15 @@ impl PeerControl {
             egress_live: AtomicUsize::new(0),
             ingress_live: AtomicUsize::new(0),
             peer_held: AtomicU64::new(0),
+            peer_committed: AtomicU64::new(0),
         }
     }
 
-    /// Publishes what the peer task counts as held of the peer's data (and
-    /// moves the node's gauge by the change).
-    pub fn publish_held(&self, bytes: u64) {
+    /// Publishes what the peer task counts as held of the peer's data and
+    /// what the live epoch may still receive (and moves the node's gauge).
+    pub fn publish_held(&self, bytes: u64, unspent: u64) {
+        self.peer_committed
+            .store(bytes + unspent, Ordering::Release);
         let before = self.peer_held.swap(bytes, Ordering::AcqRel);
         let gauge = &self.counters.peer_held_bytes;
         if bytes >= before {

@@ -28,8 +28,8 @@ use qpmux::mux::protocol::{
     BATCH_HEADER_LEN, BatchEncoder, BatchView, CloseReason, FrameSeq, Lane, RecordBody, SlotId,
 };
 use qpmux::mux::{
-    Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, SlotReceiver, SlotSender, StreamKey,
-    Terminal,
+    Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, PeerTerms, SlotReceiver, SlotSender,
+    StreamKey, Terminal,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -88,10 +88,13 @@ pub struct HostileMem {
 }
 
 impl HostileMem {
-    /// Attaches a fresh mem link to `target` as peer `me`.
+    /// Attaches a fresh mem link to `target` as peer `me`, on the terms a
+    /// node's hello would carry: the target's windows for both sides, and
+    /// the target granting us its `peer_room`.
     pub fn attach(target: &Mux<MemLink>, me: PeerId, epoch: Epoch) -> HostileMem {
         let (ours, theirs) = pair(epoch, MemConfig::default());
-        target.attach(me, ours.clone());
+        let terms = PeerTerms::announced_by(target.config());
+        target.attach_with_terms(me, ours.clone(), terms, target.peer_room(me));
         HostileMem {
             link: theirs,
             target_end: ours,

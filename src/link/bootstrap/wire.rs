@@ -271,8 +271,9 @@ pub struct HelloFields {
     /// grants. Never 0.
     pub peer_window: u32,
     /// The peer credit the receiver of the hello starts the epoch with: the
-    /// window less what the sender still holds of the receiver's data from
-    /// earlier epochs (`Mux::peer_room`). At most `peer_window`.
+    /// window less what the sender still holds of the receiver's data, or
+    /// may yet receive on a live epoch (`Mux::peer_room`). At most
+    /// `peer_window`.
     pub peer_credit: u32,
 }
 

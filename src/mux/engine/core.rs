@@ -299,6 +299,7 @@ impl PeerCore {
         self.peer_credit = i64::from(terms.peer_credit.min(terms.peer_window));
         self.peer_unspent = u64::from(granted);
         self.grant_peer_room(now);
+        self.publish_held();
     }
 
     /// What the closed slots (and the slots `fail_all` closed) still hold of
@@ -1341,12 +1342,13 @@ impl PeerCore {
             return;
         }
         self.peer_outstanding = self.peer_outstanding.saturating_sub(bytes);
-        self.publish_held();
         self.grant_peer_room(now);
+        self.publish_held();
     }
 
     fn publish_held(&self) {
-        self.control.publish_held(self.peer_outstanding);
+        self.control
+            .publish_held(self.peer_outstanding, self.peer_unspent);
     }
 
     /// Grants the peer what our window has room for: the window less what
@@ -1593,6 +1595,11 @@ mod tests {
         peer_sends(&mut first, 3, 3, 1000, true, false).expect("within the window");
         assert_eq!(first.peer_outstanding(), 6000);
         assert_eq!(control.peer_held.load(Ordering::Acquire), 6000);
+        assert_eq!(
+            control.peer_committed.load(Ordering::Acquire),
+            8192,
+            "held plus what the live epoch may still receive"
+        );
         first.fail_all(ended(1));
         assert_eq!(
             control.peer_held.load(Ordering::Acquire),
@@ -1600,6 +1607,7 @@ mod tests {
             "what the next hello leaves out"
         );
         assert_eq!(control.counters.snapshot().peer_held_bytes, 5000);
+        assert_eq!(control.peer_committed.load(Ordering::Acquire), 5000);
 
         let mut second = held_core(Epoch(2), &control, &registry, first.take_held());
         assert_eq!(second.peer_outstanding(), 5000);

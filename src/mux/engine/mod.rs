@@ -134,24 +134,28 @@ impl<L: Link> Mux<L> {
     }
 
     /// Hands the mux the link for a new epoch with `peer`. A link already
-    /// running for that peer ends with [`EpochEnd::Replaced`]. The peer's
-    /// terms are taken to be this mux's own (tests with raw peers), and the
-    /// peer to have been granted [`Mux::peer_room`] now; a link layer that
-    /// ran a handshake uses [`Mux::attach_with_terms`].
+    /// running for that peer ends with [`EpochEnd::Replaced`]. With no
+    /// handshake, the peer's terms are taken to be this mux's own and each
+    /// side to start on the other's whole peer window, as a peer attached
+    /// the same way assumes (tests with raw peers); so the peer window bounds
+    /// each epoch, not the peer across epochs. A link layer that ran a
+    /// handshake uses [`Mux::attach_with_terms`] with [`Mux::peer_room`].
     pub fn attach(&self, peer: PeerId, link: L) {
         let own = PeerTerms::announced_by(self.config());
-        self.attach_with_terms(peer, link, own, self.peer_room(peer));
+        self.attach_with_terms(peer, link, own, own.peer_credit);
     }
 
     /// The peer credit to give `peer` at the start of its next epoch, for the
     /// hello: our peer window less what we still hold of its data (streams
-    /// closed or dropped but not yet read). Counted per peer across epochs,
-    /// so a reconnect does not bring a fresh window.
+    /// closed or dropped but not yet read) and, while an epoch with it is
+    /// still live, less what that epoch may yet receive. Counted per peer
+    /// across epochs, so a reconnect does not bring a fresh window; room
+    /// found free when the epoch starts is granted then.
     pub fn peer_room(&self, peer: PeerId) -> u32 {
         let window = self.shared.config.peer_window;
-        let held = lock(&self.shared.peers)
-            .get(&peer)
-            .map_or(0, |entry| entry.control.peer_held.load(Ordering::Acquire));
+        let held = lock(&self.shared.peers).get(&peer).map_or(0, |entry| {
+            entry.control.peer_committed.load(Ordering::Acquire)
+        });
         u32::try_from(u64::from(window).saturating_sub(held)).unwrap_or(window)
     }
 
@@ -406,13 +410,13 @@ async fn wait_for_link<L: Link>(
         for rx in visited {
             held.visit(Held::key(&rx), rx.visit());
         }
-        entry.control.publish_held(held.bytes());
+        entry.control.publish_held(held.bytes(), 0);
         if wants_link {
             idle_since = now;
             shared.dialer.want_link(peer);
         } else if now >= idle_since + shared.config.idle_retire {
             held.settle();
-            entry.control.publish_held(held.bytes());
+            entry.control.publish_held(held.bytes(), 0);
             if held.is_empty() && retire(shared, entry, false) {
                 return None;
             }
@@ -448,7 +452,7 @@ fn retire<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, force: bool) -> boo
     let orphans = std::mem::take(&mut control.dirty_inlets);
     drop(control);
     // Held only when forced (shutdown): no window is counted any more.
-    entry.control.publish_held(0);
+    entry.control.publish_held(0, 0);
     let peer = entry.control.peer;
     if peers
         .get(&peer)
