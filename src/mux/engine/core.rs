@@ -1686,6 +1686,40 @@ mod tests {
         assert_eq!(next_batch(&mut second), ["PeerCredit(3000)"]);
     }
 
+    /// Under a manual flush policy, a flush that finds the slot short of
+    /// peer credit (the epoch started at 0: its hello replaced a live one)
+    /// stays pending, and the record goes out when the grant comes.
+    #[tokio::test]
+    async fn a_manual_flush_that_meets_no_peer_credit_holds_until_the_grant() {
+        let mut core = next_core(Epoch(1), &peer_control());
+        core.config = Arc::new(MuxConfig {
+            flush: FlushPolicy::Manual {
+                reply_linger: std::time::Duration::from_secs(3600),
+            },
+            ..(*core.config).clone()
+        });
+        let window = core.config.peer_window;
+        let terms = PeerTerms {
+            peer_credit: 0,
+            ..PeerTerms::announced_by(&core.config)
+        };
+        core.set_peer_terms(terms, window, Instant::now());
+        let mut tx = open(&core, 1);
+        tx.send(Bytes::from_static(b"one")).await.expect("queued");
+        core.control.request_flush();
+        core.handle_control(Instant::now());
+        assert!(core.wants_write(Instant::now()));
+        assert_eq!(
+            next_batch(&mut core),
+            ["open 1 seq 0"],
+            "no peer credit yet"
+        );
+        core.batch_posted();
+        feed(&mut core, |enc| enc.push_peer_credit(window)).expect("within the window");
+        assert!(core.wants_write(Instant::now()), "the flush still stands");
+        assert_eq!(next_batch(&mut core), ["data b\"one\" seq 1"]);
+    }
+
     #[tokio::test]
     async fn on_shutdown_a_slot_whose_open_never_left_is_dropped() {
         let mut dying = core();
