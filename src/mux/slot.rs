@@ -11,6 +11,7 @@
 //! is bounded by the number of slots (docs/design.md § "Control is coalesced state").
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -700,6 +701,87 @@ struct RxState {
     opened_by: Option<PeerId>,
 }
 
+/// What [`RxSlot::push_unwoken`] did with a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Pushed {
+    /// The consumer is gone; the frame was dropped.
+    Discarded,
+    /// Queued; the receiver is not waiting (or a frame before it woke it).
+    Buffered,
+    /// Queued, and the receiver waits for it: the caller owes the wake-up.
+    ReceiverWaiting,
+}
+
+/// Receivers a decoded batch found waiting. Dropping it wakes them at once;
+/// [`ReceiverWakes::defer`] wakes the first now and the rest together once
+/// the worker has run what it has queued (docs/design.md § "A batch wakes
+/// its consumers together").
+#[derive(Debug, Default)]
+pub(crate) struct ReceiverWakes(Vec<Arc<RxSlot>>);
+
+impl ReceiverWakes {
+    pub fn push(&mut self, rx: Arc<RxSlot>) {
+        self.0.push(rx);
+    }
+
+    /// Wakes the first receiver now, which a tokio worker queues in its
+    /// LIFO slot without unparking another worker, and hands the rest to
+    /// the runtime's deferred wake-ups (what `yield_now` uses), which a
+    /// worker runs all at once when it next polls its driver, unparking at
+    /// most one other worker. Woken one by one instead, each wake that finds
+    /// the LIFO slot taken can unpark a worker that steals one consumer and
+    /// parks again. Outside a runtime the rest are woken at once.
+    pub fn defer(mut self) {
+        if self.0.len() < 2 {
+            return;
+        }
+        let rest = DeferredWakes(Mutex::new(self.0.split_off(1)));
+        drop(self);
+        let waker = std::task::Waker::from(Arc::new(rest));
+        let mut yielded = std::pin::pin!(tokio::task::yield_now());
+        let _pending = yielded
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(&waker));
+    }
+}
+
+impl Drop for ReceiverWakes {
+    fn drop(&mut self) {
+        for rx in self.0.drain(..) {
+            rx.wake_receiver();
+        }
+    }
+}
+
+/// The deferred part of a [`ReceiverWakes`]: woken by the runtime, or on
+/// drop if the runtime lets its waker go unwoken, so no receiver is missed.
+struct DeferredWakes(Mutex<Vec<Arc<RxSlot>>>);
+
+impl DeferredWakes {
+    fn wake_all(&self) {
+        let receivers = std::mem::take(&mut *lock(&self.0));
+        for rx in receivers {
+            rx.wake_receiver();
+        }
+    }
+}
+
+impl std::task::Wake for DeferredWakes {
+    fn wake(self: Arc<Self>) {
+        self.wake_all();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.wake_all();
+    }
+}
+
+impl Drop for DeferredWakes {
+    fn drop(&mut self) {
+        self.wake_all();
+    }
+}
+
 /// What the peer task learns when it visits a dirty `RxSlot`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct RxVisit {
@@ -722,9 +804,22 @@ impl RxSlot {
     /// Appends a frame whose consumption returns `credit` bytes. Returns false
     /// if the consumer is gone (the frame was discarded).
     pub fn push(&self, frame: Frame, credit: u64) -> bool {
+        match self.push_unwoken(frame, credit) {
+            Pushed::Discarded => false,
+            Pushed::Buffered => true,
+            Pushed::ReceiverWaiting => {
+                self.wake_receiver();
+                true
+            }
+        }
+    }
+
+    /// [`RxSlot::push`] that leaves the waiting receiver's wake-up to the
+    /// caller, who wakes a batch's receivers together ([`ReceiverWakes`]).
+    pub fn push_unwoken(&self, frame: Frame, credit: u64) -> Pushed {
         let mut state = lock(&self.state);
         if state.receiver_gone {
-            return false;
+            return Pushed::Discarded;
         }
         if frame == Frame::Heartbeat
             && state
@@ -732,15 +827,19 @@ impl RxSlot {
                 .back()
                 .is_some_and(|(f, _)| *f == Frame::Heartbeat)
         {
-            return true;
+            return Pushed::Buffered;
         }
         state.frames.push_back((frame, credit));
-        let receiver_waiting = std::mem::take(&mut state.receiver_waiting);
-        drop(state);
-        if receiver_waiting {
-            self.ready.notify_waiters();
+        if std::mem::take(&mut state.receiver_waiting) {
+            Pushed::ReceiverWaiting
+        } else {
+            Pushed::Buffered
         }
-        true
+    }
+
+    /// Wakes the receiver a [`Pushed::ReceiverWaiting`] push left asleep.
+    pub fn wake_receiver(&self) {
+        self.ready.notify_waiters();
     }
 
     /// Appends the terminal and detaches the feeder (still told, weakly,
@@ -985,6 +1084,126 @@ mod tests {
             .expect("woken")
             .unwrap();
         assert!(matches!(frame, Some(Frame::Data(_))));
+    }
+
+    /// `n` bound slots, each with a consumer task that records the order in
+    /// which the consumers got their first frame.
+    fn waiting_consumers(
+        n: u64,
+    ) -> (
+        Vec<Arc<RxSlot>>,
+        Vec<tokio::task::JoinHandle<()>>,
+        Arc<Mutex<Vec<u64>>>,
+    ) {
+        let registry = Registry::new(64 * 1024, 16, 16);
+        let control = control(1 << 20);
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let (mut slots, mut consumers) = (Vec::new(), Vec::new());
+        for slot in 0..n {
+            let key = StreamKey::new(1, slot);
+            let mut receiver = registry.bind(key).unwrap();
+            let OpenOutcome::Attached(rx) = registry.open(key, &control) else {
+                panic!("the binding takes the peer's open");
+            };
+            slots.push(rx);
+            let order = order.clone();
+            consumers.push(tokio::spawn(async move {
+                assert!(matches!(receiver.recv().await, Some(Frame::Data(_))));
+                lock(&order).push(slot);
+            }));
+        }
+        (slots, consumers, order)
+    }
+
+    /// Pushes one frame to each slot, unwoken, and collects the wake-ups owed.
+    fn feed(slots: &[Arc<RxSlot>]) -> ReceiverWakes {
+        let mut woken = ReceiverWakes::default();
+        for rx in slots {
+            assert!(lock(&rx.state).receiver_waiting, "the consumer waits");
+            let pushed = rx.push_unwoken(Frame::Data(record(4)), 4);
+            assert_eq!(pushed, Pushed::ReceiverWaiting);
+            woken.push(rx.clone());
+        }
+        woken
+    }
+
+    #[tokio::test]
+    async fn deferred_receivers_run_after_the_task_that_deferred_them_yields_once() {
+        let (slots, consumers, order) = waiting_consumers(8);
+        for _ in 0..10 {
+            tokio::task::yield_now().await; // every consumer now waits
+        }
+        feed(&slots).defer();
+        assert!(lock(&order).is_empty(), "nothing runs before we yield");
+        // The first went to the run queue; the rest wait for the runtime's
+        // deferred wake-ups, which come after this task's own yield.
+        tokio::task::yield_now().await;
+        assert_eq!(*lock(&order), [0], "only the first was woken at once");
+        for consumer in consumers {
+            tokio::time::timeout(WAIT, consumer)
+                .await
+                .expect("every deferred receiver is woken")
+                .unwrap();
+        }
+        assert_eq!(lock(&order).len(), 8);
+    }
+
+    #[tokio::test]
+    async fn dropped_receiver_wakes_wake_everyone_at_once() {
+        let (slots, consumers, order) = waiting_consumers(8);
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        drop(feed(&slots));
+        tokio::task::yield_now().await;
+        assert_eq!(lock(&order).len(), 8, "all were queued before our yield");
+        for consumer in consumers {
+            consumer.await.unwrap();
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deferred_wakes_reach_every_receiver_on_a_multi_thread_runtime() {
+        for _ in 0..50 {
+            let (slots, consumers, order) = waiting_consumers(64);
+            // Wait until every consumer is parked on its slot.
+            for rx in &slots {
+                while !lock(&rx.state).receiver_waiting {
+                    tokio::task::yield_now().await;
+                }
+            }
+            feed(&slots).defer();
+            for consumer in consumers {
+                tokio::time::timeout(WAIT, consumer)
+                    .await
+                    .expect("no deferred receiver is missed")
+                    .unwrap();
+            }
+            assert_eq!(lock(&order).len(), 64);
+        }
+    }
+
+    #[test]
+    fn deferred_wakes_outside_a_runtime_wake_at_once() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let (slots, consumers, order) = rt.block_on(async {
+            let spawned = waiting_consumers(4);
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+            spawned
+        });
+        // No runtime context here: `defer` must not leave anyone asleep.
+        feed(&slots).defer();
+        rt.block_on(async {
+            for consumer in consumers {
+                tokio::time::timeout(WAIT, consumer).await.unwrap().unwrap();
+            }
+        });
+        assert_eq!(lock(&order).len(), 4);
     }
 
     #[test]

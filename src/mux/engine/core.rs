@@ -28,7 +28,8 @@ use crate::mux::protocol::{
     SlotId,
 };
 use crate::mux::slot::{
-    Inlet, InletStatus, OpenOutcome, PeerControl, Pop, Registry, RxSlot, RxVisit, SendError,
+    Inlet, InletStatus, OpenOutcome, PeerControl, Pop, Pushed, ReceiverWakes, Registry, RxSlot,
+    RxVisit, SendError,
 };
 use crate::mux::stats::Counters;
 use crate::mux::surface::{DropReason, Frame, StreamKey};
@@ -172,6 +173,10 @@ pub(crate) struct PeerCore {
     goodbye_received: bool,
     /// A consumer got a frame or message since [`PeerCore::take_handed_over`].
     handed_over: bool,
+    /// Receivers this batch's records found waiting, woken once it is
+    /// decoded (at most one entry per slot: a woken receiver is no longer
+    /// waiting).
+    wake_after_batch: ReceiverWakes,
     /// Bytes each egress slot may have outstanding: the peer's slot window
     /// when its handshake said, else ours.
     egress_window: u32,
@@ -243,6 +248,7 @@ impl PeerCore {
             encoded_bytes: 0,
             goodbye_received: false,
             handed_over: false,
+            wake_after_batch: ReceiverWakes::default(),
             egress_window,
             flush_requested: false,
             control_since: None,
@@ -349,8 +355,25 @@ impl PeerCore {
         }
     }
 
-    /// Processes one received batch. An error is the peer's protocol violation.
+    /// Processes one received batch and wakes the receivers it fed. An
+    /// error is the peer's protocol violation.
     pub fn handle_batch(&mut self, bytes: &[u8], now: Instant) -> Result<(), ProtocolError> {
+        let (handled, _woken_on_drop) = self.handle_batch_unwoken(bytes, now);
+        handled
+    }
+
+    /// [`PeerCore::handle_batch`] that hands back the receivers the batch
+    /// found waiting, for the caller to wake together.
+    pub fn handle_batch_unwoken(
+        &mut self,
+        bytes: &[u8],
+        now: Instant,
+    ) -> (Result<(), ProtocolError>, ReceiverWakes) {
+        let handled = self.decode_batch(bytes, now);
+        (handled, std::mem::take(&mut self.wake_after_batch))
+    }
+
+    fn decode_batch(&mut self, bytes: &[u8], now: Instant) -> Result<(), ProtocolError> {
         let view = BatchView::new_checked(bytes)?;
         if view.epoch() != self.epoch {
             return Err(ProtocolError::WrongEpoch {
@@ -1243,10 +1266,13 @@ impl PeerCore {
             }
         };
         let len = record.len() as u64;
-        if slot.rx.push(Frame::Data(record), len) {
-            self.handed_over = true;
-        } else {
-            Counters::add(&self.counters.receiver_gone, 1);
+        match slot.rx.push_unwoken(Frame::Data(record), len) {
+            Pushed::ReceiverWaiting => {
+                self.wake_after_batch.push(slot.rx.clone());
+                self.handed_over = true;
+            }
+            Pushed::Buffered => self.handed_over = true,
+            Pushed::Discarded => Counters::add(&self.counters.receiver_gone, 1),
         }
         Ok(())
     }

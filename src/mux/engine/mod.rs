@@ -662,9 +662,11 @@ async fn serve_epoch<L: Link>(
                 match batch {
                     Ok(batch) => {
                         stages::mark(Stage::Decoding);
-                        if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
+                        let (handled, woken) = core.handle_batch_unwoken(&batch, Instant::now());
+                        if let Err(violation) = handled {
                             break EpochEnd::Violation(violation);
                         }
+                        woken.defer();
                         // The consumers this batch woke run before its
                         // buffer is re-posted (docs/design.md § "The
                         // consumer runs before the receive buffer is re-posted").
