@@ -1086,15 +1086,16 @@ mod tests {
         assert!(matches!(frame, Some(Frame::Data(_))));
     }
 
-    /// `n` bound slots, each with a consumer task that records the order in
-    /// which the consumers got their first frame.
-    fn waiting_consumers(
-        n: u64,
-    ) -> (
+    /// Bound slots, their consumer tasks, and the order in which the
+    /// consumers got their first frame.
+    type Consumers = (
         Vec<Arc<RxSlot>>,
         Vec<tokio::task::JoinHandle<()>>,
         Arc<Mutex<Vec<u64>>>,
-    ) {
+    );
+
+    /// `n` bound slots, each with a consumer task waiting for one frame.
+    fn waiting_consumers(n: u64) -> Consumers {
         let registry = Registry::new(64 * 1024, 16, 16);
         let control = control(1 << 20);
         let order = Arc::new(Mutex::new(Vec::new()));
