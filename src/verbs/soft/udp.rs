@@ -596,20 +596,39 @@ impl Driver {
                 .map(IoSliceMut::new)
                 .collect();
             let port = &self.port;
+            // Where the platform takes one datagram per call, a full call
+            // says nothing about the queue.
+            let slots = self.meta.len().min(quinn_udp::BATCH_SIZE);
+            let mut received = 0;
             let r = port.socket.try_io(Interest::READABLE, || {
-                port.state
-                    .recv((&port.socket).into(), &mut bufs, &mut self.meta)
+                received = port
+                    .state
+                    .recv((&port.socket).into(), &mut bufs, &mut self.meta)?;
+                if received < slots {
+                    // Fewer than one call can take: the queue was empty. Reported as
+                    // `WouldBlock` so tokio clears the readiness now, instead
+                    // of one more turn and `recvmmsg` to learn it; a datagram
+                    // that lands after the call raises a new edge (epoll is
+                    // edge-triggered per arrival), and tokio keeps a
+                    // readiness set by an event newer than the one this read
+                    // consumed.
+                    return Err(std::io::ErrorKind::WouldBlock.into());
+                }
+                Ok(received)
             });
             drop(bufs);
-            let n = match r {
-                Ok(n) => n,
+            let drained = match r {
+                Ok(_) => false,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => true,
                 Err(e) => {
-                    if e.kind() != std::io::ErrorKind::WouldBlock {
-                        tracing::debug!(error = %e, "soft RoCE receive failed");
-                    }
+                    tracing::debug!(error = %e, "soft RoCE receive failed");
                     return Some(handled);
                 }
             };
+            let n = received;
+            if n == 0 {
+                return Some(handled);
+            }
             stages::mark(Stage::Received);
             let shared = dev.upgrade()?;
             let now = self.now();
@@ -628,7 +647,7 @@ impl Driver {
             core.take_due(&mut self.due);
             drop(core);
             self.dispatch_due();
-            if n < self.meta.len() {
+            if drained {
                 break;
             }
         }
