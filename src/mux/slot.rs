@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use bytes::Bytes;
+use std::task::{Context, Poll, Waker};
 use thiserror::Error;
 use tokio::sync::Notify;
 
@@ -675,7 +676,6 @@ impl Registry {
 pub(crate) struct RxSlot {
     pub key: StreamKey,
     state: Mutex<RxState>,
-    ready: Notify,
     grant_threshold: u64,
 }
 
@@ -693,8 +693,10 @@ struct RxState {
     /// consumer still takes (peer credit).
     fed_by: Option<Weak<PeerControl>>,
     dirty: bool,
-    /// The receiver found nothing and waits: the next push notifies `ready`.
-    receiver_waiting: bool,
+    /// The receiver found nothing and waits: the next push or the terminal
+    /// takes this and wakes it. One consumer per slot, so one waker, kept
+    /// under the lock the frames are under (no second lock per record).
+    waiter: Option<Waker>,
     /// The consumer took the terminal.
     terminal_taken: bool,
     /// The peer whose OpenSlot created this entry, until someone binds it.
@@ -702,14 +704,14 @@ struct RxState {
 }
 
 /// What [`RxSlot::push_unwoken`] did with a frame.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub(crate) enum Pushed {
     /// The consumer is gone; the frame was dropped.
     Discarded,
     /// Queued; the receiver is not waiting (or a frame before it woke it).
     Buffered,
-    /// Queued, and the receiver waits for it: the caller owes the wake-up.
-    ReceiverWaiting,
+    /// Queued, and the receiver waits for it: the caller owes this wake-up.
+    ReceiverWaiting(Waker),
 }
 
 /// Receivers a decoded batch found waiting. Dropping it wakes them at once;
@@ -717,11 +719,11 @@ pub(crate) enum Pushed {
 /// the worker has run what it has queued (docs/design.md § "A batch wakes
 /// its consumers together").
 #[derive(Debug, Default)]
-pub(crate) struct ReceiverWakes(Vec<Arc<RxSlot>>);
+pub(crate) struct ReceiverWakes(Vec<Waker>);
 
 impl ReceiverWakes {
-    pub fn push(&mut self, rx: Arc<RxSlot>) {
-        self.0.push(rx);
+    pub fn push(&mut self, waiter: Waker) {
+        self.0.push(waiter);
     }
 
     /// Wakes the first receiver now, which a tokio worker queues in its
@@ -737,7 +739,7 @@ impl ReceiverWakes {
         }
         let rest = DeferredWakes(Mutex::new(self.0.split_off(1)));
         drop(self);
-        let waker = std::task::Waker::from(Arc::new(rest));
+        let waker = Waker::from(Arc::new(rest));
         let mut yielded = std::pin::pin!(tokio::task::yield_now());
         let _pending = yielded
             .as_mut()
@@ -747,21 +749,21 @@ impl ReceiverWakes {
 
 impl Drop for ReceiverWakes {
     fn drop(&mut self) {
-        for rx in self.0.drain(..) {
-            rx.wake_receiver();
+        for waiter in self.0.drain(..) {
+            waiter.wake();
         }
     }
 }
 
 /// The deferred part of a [`ReceiverWakes`]: woken by the runtime, or on
 /// drop if the runtime lets its waker go unwoken, so no receiver is missed.
-struct DeferredWakes(Mutex<Vec<Arc<RxSlot>>>);
+struct DeferredWakes(Mutex<Vec<Waker>>);
 
 impl DeferredWakes {
     fn wake_all(&self) {
-        let receivers = std::mem::take(&mut *lock(&self.0));
-        for rx in receivers {
-            rx.wake_receiver();
+        let waiters = std::mem::take(&mut *lock(&self.0));
+        for waiter in waiters {
+            waiter.wake();
         }
     }
 }
@@ -796,7 +798,6 @@ impl RxSlot {
         Arc::new(RxSlot {
             key,
             state: Mutex::new(RxState::default()),
-            ready: Notify::new(),
             grant_threshold: (u64::from(window) / 4).max(1),
         })
     }
@@ -807,8 +808,8 @@ impl RxSlot {
         match self.push_unwoken(frame, credit) {
             Pushed::Discarded => false,
             Pushed::Buffered => true,
-            Pushed::ReceiverWaiting => {
-                self.wake_receiver();
+            Pushed::ReceiverWaiting(waiter) => {
+                waiter.wake();
                 true
             }
         }
@@ -830,16 +831,10 @@ impl RxSlot {
             return Pushed::Buffered;
         }
         state.frames.push_back((frame, credit));
-        if std::mem::take(&mut state.receiver_waiting) {
-            Pushed::ReceiverWaiting
-        } else {
-            Pushed::Buffered
+        match state.waiter.take() {
+            Some(waiter) => Pushed::ReceiverWaiting(waiter),
+            None => Pushed::Buffered,
         }
-    }
-
-    /// Wakes the receiver a [`Pushed::ReceiverWaiting`] push left asleep.
-    pub fn wake_receiver(&self) {
-        self.ready.notify_waiters();
     }
 
     /// Appends the terminal and detaches the feeder (still told, weakly,
@@ -855,8 +850,11 @@ impl RxSlot {
         if !state.receiver_gone {
             state.frames.push_back((frame, 0));
         }
+        let waiter = state.waiter.take();
         drop(state);
-        self.ready.notify_waiters();
+        if let Some(waiter) = waiter {
+            waiter.wake();
+        }
         true
     }
 
@@ -906,37 +904,27 @@ impl SlotReceiver {
 
     /// The next frame, or `None` once the terminal has been returned.
     pub async fn recv(&mut self) -> Option<Frame> {
-        // A frame already buffered needs no waiter (§ "A send with room
-        // registers no waiter" in docs/design.md, the same on this side).
-        match self.try_recv() {
-            Ok(frame) => return Some(frame),
-            Err(RecvError::Ended) => return None,
-            Err(RecvError::Empty) => {}
-        }
-        let rx = self.rx.clone();
-        loop {
-            let ready = rx.ready.notified();
-            tokio::pin!(ready);
-            // Registered (and flagged, on a miss) before the re-check: a
-            // frame pushed after it wakes us.
-            ready.as_mut().enable();
-            match self.take_frame(true) {
-                Ok(frame) => return Some(frame),
-                Err(RecvError::Ended) => return None,
-                Err(RecvError::Empty) => {}
-            }
-            ready.await;
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// [`SlotReceiver::recv`] as a poll: on a miss the task's waker is kept
+    /// (under the frames' lock) for the next push or the terminal to wake.
+    pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Frame>> {
+        match self.take_frame(Some(cx.waker())) {
+            Ok(frame) => Poll::Ready(Some(frame)),
+            Err(RecvError::Ended) => Poll::Ready(None),
+            Err(RecvError::Empty) => Poll::Pending,
         }
     }
 
     /// The next frame if one is buffered.
     pub fn try_recv(&mut self) -> Result<Frame, RecvError> {
-        self.take_frame(false)
+        self.take_frame(None)
     }
 
-    /// [`SlotReceiver::try_recv`]; on a miss, a receiver about to `wait` has
-    /// the next push notify it.
-    fn take_frame(&mut self, wait: bool) -> Result<Frame, RecvError> {
+    /// [`SlotReceiver::try_recv`]; on a miss, `waiter` (if any) is woken by
+    /// the next push.
+    fn take_frame(&mut self, waiter: Option<&Waker>) -> Result<Frame, RecvError> {
         if self.done {
             return Err(RecvError::Ended);
         }
@@ -945,7 +933,12 @@ impl SlotReceiver {
             if state.ended {
                 return Err(RecvError::Ended);
             }
-            state.receiver_waiting |= wait;
+            if let Some(waiter) = waiter {
+                match &mut state.waiter {
+                    Some(kept) if kept.will_wake(waiter) => {}
+                    kept => *kept = Some(waiter.clone()),
+                }
+            }
             return Err(RecvError::Empty);
         };
         if credit > 0 {
@@ -974,6 +967,7 @@ impl Drop for SlotReceiver {
     fn drop(&mut self) {
         let mut state = lock(&self.rx.state);
         state.receiver_gone = true;
+        state.waiter = None;
         let cleared: u64 = state.frames.drain(..).map(|(_, credit)| credit).sum();
         let feeding = state.feeder.is_some();
         if feeding || cleared > 0 || state.drained > 0 {
@@ -1073,12 +1067,12 @@ mod tests {
         // A frame already there: no wait, no flag.
         assert!(rx.push(Frame::Data(record(4)), 4));
         assert!(matches!(receiver.recv().await, Some(Frame::Data(_))));
-        assert!(!lock(&rx.state).receiver_waiting);
+        assert!(lock(&rx.state).waiter.is_none());
         let mut next = tokio::spawn(async move { receiver.recv().await });
         assert!(still_waiting(&mut next).await);
-        assert!(lock(&rx.state).receiver_waiting);
+        assert!(lock(&rx.state).waiter.is_some());
         assert!(rx.push(Frame::Data(record(4)), 4));
-        assert!(!lock(&rx.state).receiver_waiting, "the push took the flag");
+        assert!(lock(&rx.state).waiter.is_none(), "the push took the waker");
         let frame = tokio::time::timeout(WAIT, next)
             .await
             .expect("woken")
@@ -1120,10 +1114,11 @@ mod tests {
     fn feed(slots: &[Arc<RxSlot>]) -> ReceiverWakes {
         let mut woken = ReceiverWakes::default();
         for rx in slots {
-            assert!(lock(&rx.state).receiver_waiting, "the consumer waits");
-            let pushed = rx.push_unwoken(Frame::Data(record(4)), 4);
-            assert_eq!(pushed, Pushed::ReceiverWaiting);
-            woken.push(rx.clone());
+            assert!(lock(&rx.state).waiter.is_some(), "the consumer waits");
+            let Pushed::ReceiverWaiting(waiter) = rx.push_unwoken(Frame::Data(record(4)), 4) else {
+                panic!("the consumer waits");
+            };
+            woken.push(waiter);
         }
         woken
     }
@@ -1169,7 +1164,7 @@ mod tests {
             let (slots, consumers, order) = waiting_consumers(64);
             // Wait until every consumer is parked on its slot.
             for rx in &slots {
-                while !lock(&rx.state).receiver_waiting {
+                while lock(&rx.state).waiter.is_none() {
                     tokio::task::yield_now().await;
                 }
             }

@@ -1267,8 +1267,8 @@ impl PeerCore {
         };
         let len = record.len() as u64;
         match slot.rx.push_unwoken(Frame::Data(record), len) {
-            Pushed::ReceiverWaiting => {
-                self.wake_after_batch.push(slot.rx.clone());
+            Pushed::ReceiverWaiting(waiter) => {
+                self.wake_after_batch.push(waiter);
                 self.handed_over = true;
             }
             Pushed::Buffered => self.handed_over = true,
