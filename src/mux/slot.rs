@@ -1080,6 +1080,25 @@ mod tests {
         assert!(matches!(frame, Some(Frame::Data(_))));
     }
 
+    #[tokio::test]
+    async fn a_receiver_dropped_while_waiting_leaves_no_waker_behind() {
+        let registry = Registry::new(64 * 1024, 16, 16);
+        let key = StreamKey::new(1, 1);
+        let mut receiver = registry.bind(key).unwrap();
+        let control = control(1 << 20);
+        let OpenOutcome::Attached(rx) = registry.open(key, &control) else {
+            panic!("the binding takes the peer's open");
+        };
+        let mut waiting = tokio::spawn(async move { receiver.recv().await });
+        assert!(still_waiting(&mut waiting).await);
+        assert!(lock(&rx.state).waiter.is_some());
+        waiting.abort();
+        assert!(waiting.await.unwrap_err().is_cancelled());
+        // The waker would keep the finished task's allocation alive.
+        assert!(lock(&rx.state).waiter.is_none());
+        assert!(!rx.push(Frame::Data(record(4)), 4), "nobody reads it");
+    }
+
     /// Bound slots, their consumer tasks, and the order in which the
     /// consumers got their first frame.
     type Consumers = (
