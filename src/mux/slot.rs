@@ -1055,15 +1055,22 @@ mod tests {
         assert_eq!(control.budget_waiters.load(Ordering::Relaxed), 0);
     }
 
-    #[tokio::test]
-    async fn a_waiting_receiver_is_woken_by_the_next_frame_and_only_then_flagged() {
+    /// A bound slot fed by a peer: its receiver, its state, and the peer's
+    /// control (kept alive: the slot holds it weakly).
+    fn bound_slot() -> (SlotReceiver, Arc<RxSlot>, Arc<PeerControl>) {
         let registry = Registry::new(64 * 1024, 16, 16);
         let key = StreamKey::new(1, 1);
-        let mut receiver = registry.bind(key).unwrap();
+        let receiver = registry.bind(key).unwrap();
         let control = control(1 << 20);
         let OpenOutcome::Attached(rx) = registry.open(key, &control) else {
             panic!("the binding takes the peer's open");
         };
+        (receiver, rx, control)
+    }
+
+    #[tokio::test]
+    async fn a_waiting_receiver_is_woken_by_the_next_frame_and_only_then_flagged() {
+        let (mut receiver, rx, _control) = bound_slot();
         // A frame already there: no wait, no flag.
         assert!(rx.push(Frame::Data(record(4)), 4));
         assert!(matches!(receiver.recv().await, Some(Frame::Data(_))));
@@ -1082,13 +1089,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_receiver_dropped_while_waiting_leaves_no_waker_behind() {
-        let registry = Registry::new(64 * 1024, 16, 16);
-        let key = StreamKey::new(1, 1);
-        let mut receiver = registry.bind(key).unwrap();
-        let control = control(1 << 20);
-        let OpenOutcome::Attached(rx) = registry.open(key, &control) else {
-            panic!("the binding takes the peer's open");
-        };
+        let (mut receiver, rx, _control) = bound_slot();
         let mut waiting = tokio::spawn(async move { receiver.recv().await });
         assert!(still_waiting(&mut waiting).await);
         assert!(lock(&rx.state).waiter.is_some());
