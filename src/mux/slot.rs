@@ -726,13 +726,10 @@ impl ReceiverWakes {
         self.0.push(waiter);
     }
 
-    /// Wakes the first receiver now, which a tokio worker queues in its
-    /// LIFO slot without unparking another worker, and hands the rest to
-    /// the runtime's deferred wake-ups (what `yield_now` uses), which a
-    /// worker runs all at once when it next polls its driver, unparking at
-    /// most one other worker. Woken one by one instead, each wake that finds
-    /// the LIFO slot taken can unpark a worker that steals one consumer and
-    /// parks again. Outside a runtime the rest are woken at once.
+    /// Wakes the first receiver now (a tokio worker's LIFO slot: no other
+    /// worker unparked) and hands the rest to the runtime's deferred
+    /// wake-ups, the list `yield_now` uses, which a worker runs together
+    /// when it next polls its driver. Outside a runtime: all at once.
     pub fn defer(mut self) {
         if self.0.len() < 2 {
             return;
@@ -741,9 +738,7 @@ impl ReceiverWakes {
         drop(self);
         let waker = Waker::from(Arc::new(rest));
         let mut yielded = std::pin::pin!(tokio::task::yield_now());
-        let _pending = yielded
-            .as_mut()
-            .poll(&mut std::task::Context::from_waker(&waker));
+        let _pending = yielded.as_mut().poll(&mut Context::from_waker(&waker));
     }
 }
 
