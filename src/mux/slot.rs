@@ -730,15 +730,31 @@ impl ReceiverWakes {
     /// worker unparked) and hands the rest to the runtime's deferred
     /// wake-ups, the list `yield_now` uses, which a worker runs together
     /// when it next polls its driver. Outside a runtime: all at once.
-    pub fn defer(mut self) {
+    pub fn defer(mut self) -> Deferred {
         if self.0.len() < 2 {
-            return;
+            return Deferred(None);
         }
-        let rest = DeferredWakes(Mutex::new(self.0.split_off(1)));
+        let rest = Arc::new(DeferredWakes(Mutex::new(self.0.split_off(1))));
         drop(self);
-        let waker = Waker::from(Arc::new(rest));
+        let waker = Waker::from(rest.clone());
         let mut yielded = std::pin::pin!(tokio::task::yield_now());
         let _pending = yielded.as_mut().poll(&mut Context::from_waker(&waker));
+        Deferred(Some(rest))
+    }
+}
+
+/// The receivers [`ReceiverWakes::defer`] handed to the runtime.
+/// [`Deferred::wake_now`] wakes those it has not woken yet: the peer task
+/// calls it on its next turn, so a worker kept busy (a saturating producer
+/// on it) delays them by one turn, not until it next idles.
+#[derive(Default)]
+pub(crate) struct Deferred(Option<Arc<DeferredWakes>>);
+
+impl Deferred {
+    pub fn wake_now(&mut self) {
+        if let Some(rest) = self.0.take() {
+            rest.wake_all();
+        }
     }
 }
 
@@ -1157,6 +1173,24 @@ mod tests {
                 .unwrap();
         }
         assert_eq!(lock(&order).len(), 8);
+    }
+
+    #[tokio::test]
+    async fn wake_now_wakes_what_the_runtime_has_not_yet() {
+        let (slots, consumers, order) = waiting_consumers(8);
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        let mut deferred = feed(&slots).defer();
+        // The next batch's turn comes before this worker ran its deferred
+        // list: everyone is queued now, ahead of our yield.
+        deferred.wake_now();
+        tokio::task::yield_now().await;
+        assert_eq!(lock(&order).len(), 8);
+        deferred.wake_now(); // nothing left: a no-op
+        for consumer in consumers {
+            consumer.await.unwrap();
+        }
     }
 
     #[tokio::test]

@@ -35,7 +35,7 @@ use self::held::Held;
 use super::config::{MuxConfig, PeerTerms};
 use super::message::{MessageSink, OutboundMessage};
 use super::protocol::Epoch;
-use super::slot::{Inlet, PeerControl, Registry, SlotReceiver, SlotSender};
+use super::slot::{Deferred, Inlet, PeerControl, Registry, SlotReceiver, SlotSender};
 use super::stats::{Counters, Stats};
 use super::surface::{AsMux, DropReason, MuxError, MuxTransport, PeerId, StreamKey};
 use crate::link::{EpochEnd, Link, LinkError, LinkFault};
@@ -588,6 +588,8 @@ async fn serve_epoch<L: Link>(
     let received = link.recv();
     let timer = sleep_until(core.poll_timeout());
     tokio::pin!(shutdown, wake, arrived, received, timer);
+    // The last batch's consumers that the runtime has not woken yet.
+    let mut deferred = Deferred::default();
     loop {
         if let Some(fresh) = lock(&entry.messages).take() {
             *messages = Some(fresh);
@@ -662,11 +664,14 @@ async fn serve_epoch<L: Link>(
                 match batch {
                     Ok(batch) => {
                         stages::mark(Stage::Decoding);
+                        // What the runtime has not woken of the last batch
+                        // goes first (a busy worker runs its deferred list late).
+                        deferred.wake_now();
                         let (handled, woken) = core.handle_batch_unwoken(&batch, Instant::now());
                         if let Err(violation) = handled {
                             break EpochEnd::Violation(violation);
                         }
-                        woken.defer();
+                        deferred = woken.defer();
                         // The consumers this batch woke run before its
                         // buffer is re-posted (docs/design.md § "The
                         // consumer runs before the receive buffer is re-posted").
