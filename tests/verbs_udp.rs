@@ -448,6 +448,32 @@ async fn a_qp_dropped_as_its_last_receive_completes_still_acknowledges_it() {
     assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::Success);
 }
 
+/// The same with the responder holding its ACKs to coalesce them
+/// (`SoftConfig::ack_delay`, 120 s: capped at a quarter of a 550 s local
+/// ACK timeout, longer than the harness's 60 s failsafe): dropping the QP
+/// lets the held ACK go before the flush.
+#[tokio::test]
+async fn a_qp_dropped_with_an_ack_held_to_coalesce_still_sends_it() {
+    use qpmux::verbs::CompletionQueue as _;
+    let mut config = UdpConfig::default();
+    config.soft.ack_delay = Duration::from_secs(120);
+    let mut h = UdpHarness { config };
+    let params = verbs_suite::Params {
+        timeout: 27,
+        ..verbs_suite::Params::default()
+    };
+    let (mut a, mut b) = verbs_suite::connect(&mut h, params).await;
+    b.post_recv(1, 0, 64);
+    a.post_send(1, 0, 8, None, true).expect("send");
+    assert!(verbs_suite::wait_wcs(&mut h, &mut b, 0, 1).await);
+    tokio::task::yield_now().await;
+    let mut wc = [verbs_suite::blank_wc()];
+    assert_eq!(a.send_cq.poll(&mut wc).expect("poll"), 0, "the ACK is held");
+    drop(b);
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
+    assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::Success);
+}
+
 /// After each receive completes, the driver reads ahead the receive buffer
 /// next in line (it was last touched a whole receive queue ago), once per
 /// completion; with no receive left posted there is nothing to read.

@@ -456,6 +456,11 @@ impl QpEngine {
         Ok(())
     }
 
+    /// Lets a held ACK go now (the QP is about to be destroyed).
+    pub fn release_held_ack(&mut self) {
+        self.timers.stop(Timer::AckCoalesce);
+    }
+
     // ---- outputs --------------------------------------------------------
 
     pub fn poll_completion(&mut self) -> Option<(CqSide, WorkCompletion)> {
@@ -783,11 +788,16 @@ impl QpEngine {
     /// ACKs every PSN through `psn`. Unless `now_due`, the ACK may be held
     /// up to the coalescing delay to cover what arrives meanwhile (the
     /// spec lets one ACK answer many requests); it goes at once when it
-    /// covers [`ACK_COALESCE_PSNS`].
+    /// covers [`ACK_COALESCE_PSNS`] or merges into an ACK already due.
     fn respond_ack(&mut self, now: Instant, psn: Psn, now_due: bool) {
+        let due_ack_queued = self.timers.get(Timer::AckCoalesce).is_none()
+            && self
+                .responses
+                .back()
+                .is_some_and(|r| matches!(r.aeth.kind, AethKind::Ack { .. }));
         self.respond(psn, AethKind::Ack { credit: 0x1f });
         let hold = self.ack_hold();
-        if now_due || hold.is_zero() || self.psns_since_ack >= ACK_COALESCE_PSNS {
+        if now_due || due_ack_queued || hold.is_zero() || self.psns_since_ack >= ACK_COALESCE_PSNS {
             self.timers.stop(Timer::AckCoalesce);
         } else if self.timers.get(Timer::AckCoalesce).is_none() {
             self.timers.set(Timer::AckCoalesce, now + hold);

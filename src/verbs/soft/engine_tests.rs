@@ -683,3 +683,15 @@ proptest::proptest! {
         proptest::prop_assert!(done <= posted);
     }
 }
+
+#[test]
+fn an_ack_merged_into_one_already_due_is_not_held_again() {
+    let (mut p, pkts) = held_pair(14, 2);
+    p.deliver_b(&pkts[..1]);
+    p.now = p.now + HOLD;
+    p.b.qp.handle_timeout(p.now);
+    // Due, not yet on the wire, when the next request arrives.
+    p.deliver_b(&pkts[1..]);
+    assert_eq!(kinds(&p.transmit_b()), [(ACK, parse(&pkts[1]).bth.psn)]);
+    assert_eq!(p.b.qp.poll_timeout(), None);
+}

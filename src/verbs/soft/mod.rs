@@ -202,9 +202,11 @@ impl fmt::Debug for SoftQp {
 impl Drop for SoftQp {
     fn drop(&mut self) {
         let mut core = self.dev.core();
-        // What the core already owes the wire leaves first: the driver
-        // sends a receive turn's ACKs after the receivers ran, so a peer's
-        // last message may be completed here and its ACK still unsent.
+        // What the core already owes the wire leaves first, an ACK held
+        // to coalesce included: the driver sends a receive turn's ACKs
+        // after the receivers ran, so a peer's last message may be
+        // completed here and its ACK still unsent.
+        core.with_qp(self.qpn, |e| e.release_held_ack());
         let kick = match self.dev.port.get() {
             Some(port) => udp::transmit_inline(port, &mut core),
             None => false,
