@@ -265,6 +265,9 @@ pub struct Verdict {
     pub ratio: f64,
     /// The ratio in each round that measured both of its cells.
     pub rounds: Vec<f64>,
+    /// How many of `rounds` would hold on their own: a verdict carried by
+    /// 6 of 10 rounds is at the edge, one carried by 10 is not.
+    pub rounds_holding: usize,
     /// What the ratio is.
     pub measure: String,
     /// Whether the criterion holds (the design survives / the target is
@@ -783,7 +786,12 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         };
         let spread = if v.rounds.len() > 1 {
             let each: Vec<String> = v.rounds.iter().map(|r| format!("{r:.2}")).collect();
-            format!(", median of rounds {}", each.join(" "))
+            format!(
+                ", median of rounds {}; {} of {} hold",
+                each.join(" "),
+                v.rounds_holding,
+                v.rounds.len()
+            )
         } else {
             String::new()
         };
@@ -876,6 +884,7 @@ fn verdicts(cells: &[Cell], rounds: u32) -> Vec<Verdict> {
             ratio,
             measure,
             holds: (!ratios.is_empty()).then(|| holds(ratio)),
+            rounds_holding: ratios.iter().filter(|&&r| holds(r)).count(),
             rounds: ratios,
         });
     };
@@ -1099,6 +1108,7 @@ mod tests {
         assert_eq!(cpu.rounds.len(), 3);
         assert!((cpu.ratio - 0.45).abs() < 1e-9, "{cpu:?}");
         assert_eq!(cpu.holds, Some(true));
+        assert_eq!(cpu.rounds_holding, 2, "0.4 and 0.45 hold, 0.9 does not");
         // A verdict none of whose rounds has both cells is unknown.
         let saturate = verdicts
             .iter()
