@@ -31,7 +31,7 @@ pub struct Workload {
     pub passes: u64,
     /// Bytes per record (at least 16: the stamp).
     pub record_size: usize,
-    /// Pause between passes (`None`: back to back).
+    /// One pass starts every `pace` ([`Pacer`]; `None`: back to back).
     pub pace: Option<Duration>,
     /// Of each target's streams, how many have a slow consumer (fewer than
     /// `streams`); their records are neither counted nor timed.
@@ -148,6 +148,52 @@ impl Report {
     /// Threads put on a CPU per record.
     pub fn runs_per_record(&self) -> f64 {
         self.cpu_runs as f64 / self.records.max(1) as f64
+    }
+}
+
+/// Starts forward passes at a fixed rate: one every `pace`, on a grid from
+/// the first. After a pass that overran its period the next waits for the
+/// grid's next point, so passes never burst to catch up.
+///
+/// The next pass's deadline is armed as a pass starts: registered once the
+/// pass is done, it is earlier than the deadline a parked worker sleeps
+/// towards, and tokio wakes that worker to re-arm (docs/benchmarks.md §
+/// "The pacer").
+pub struct Pacer {
+    pace: Option<Duration>,
+    next: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl Pacer {
+    /// A pacer whose first pass starts at once; `None` or zero: back to back.
+    pub fn new(pace: Option<Duration>) -> Self {
+        Pacer {
+            pace: pace.filter(|p| !p.is_zero()),
+            next: Box::pin(tokio::time::sleep(Duration::ZERO)),
+        }
+    }
+
+    /// Waits for the next pass's start and arms the one after it.
+    pub async fn start_pass(&mut self) {
+        let Some(pace) = self.pace else { return };
+        if self.next.deadline() + pace <= tokio::time::Instant::now() {
+            let back_on_grid = self.grid_point_after(pace, tokio::time::Instant::now());
+            self.next.as_mut().reset(back_on_grid);
+        }
+        self.next.as_mut().await;
+        let after_this = self.grid_point_after(pace, tokio::time::Instant::now());
+        self.next.as_mut().reset(after_this);
+    }
+
+    /// The first point of the grid after the armed deadline that is later
+    /// than `now`.
+    fn grid_point_after(&self, pace: Duration, now: tokio::time::Instant) -> tokio::time::Instant {
+        let mut due = self.next.deadline() + pace;
+        if due <= now {
+            let missed = (now - due).as_nanos() / pace.as_nanos() + 1;
+            due += pace * u32::try_from(missed).unwrap_or(u32::MAX);
+        }
+        due
     }
 }
 
@@ -320,7 +366,9 @@ pub async fn run<L: Link>(
     let producer = {
         let (sender, peers) = (sender.clone(), peers.clone());
         tokio::spawn(async move {
+            let mut pacer = Pacer::new(workload.pace);
             for _ in 0..workload.passes {
+                pacer.start_pass().await;
                 for tx in &mut senders {
                     let stamp = origin.elapsed().as_nanos() as u64;
                     stages::mark(Stage::Stamped);
@@ -330,9 +378,6 @@ pub async fn run<L: Link>(
                         .expect("send");
                 }
                 flush_all(&sender, &peers, workload.flush_each_pass);
-                if let Some(pace) = workload.pace {
-                    tokio::time::sleep(pace).await;
-                }
             }
             senders
         })
@@ -409,6 +454,35 @@ mod tests {
     use super::*;
     use crate::link::mem::{MemConfig, MemFabric};
     use crate::mux::MuxConfig;
+
+    #[tokio::test(start_paused = true)]
+    async fn passes_start_on_a_fixed_grid_and_an_overrun_skips_to_its_next_point() {
+        let pace = Duration::from_millis(5);
+        let origin = tokio::time::Instant::now();
+        let mut pacer = Pacer::new(Some(pace));
+        let mut starts = Vec::new();
+        for pass in 0..6 {
+            pacer.start_pass().await;
+            starts.push((tokio::time::Instant::now() - origin).as_micros());
+            // Each pass works 1 ms, the third 13.5 ms: it misses the starts at
+            // 15 and 20 ms.
+            let work = if pass == 2 { 13_500 } else { 1_000 };
+            tokio::time::sleep(Duration::from_micros(work)).await;
+        }
+        assert_eq!(starts, [0, 5_000, 10_000, 25_000, 30_000, 35_000]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_a_pace_passes_run_back_to_back() {
+        let origin = tokio::time::Instant::now();
+        for pace in [None, Some(Duration::ZERO)] {
+            let mut pacer = Pacer::new(pace);
+            for _ in 0..3 {
+                pacer.start_pass().await;
+            }
+        }
+        assert_eq!(tokio::time::Instant::now(), origin);
+    }
 
     #[test]
     fn the_slowest_percent_is_the_records_delivered_last() {

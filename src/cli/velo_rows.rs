@@ -26,8 +26,8 @@ use velo::streaming::StreamFrame;
 use velo::transports::tcp::TcpTransportBuilder;
 
 use crate::demo::{
-    Report, StreamWall, Workload, open_fds, peak_rss, percentiles, process_cpu, process_runs,
-    reset_peak_rss,
+    Pacer, Report, StreamWall, Workload, open_fds, peak_rss, percentiles, process_cpu,
+    process_runs, reset_peak_rss,
 };
 
 /// How long a run may go without a record arriving before it is declared
@@ -209,12 +209,11 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
     let start = Instant::now();
     // A runtime task, as in `demo::run` (the qpmux rows).
     let producer = tokio::spawn(async move {
+        let mut pacer = Pacer::new(workload.pace);
         for _ in 0..workload.passes {
+            pacer.start_pass().await;
             for tx in &senders {
                 tx.send(record(workload.record_size, origin, false)).await?;
-            }
-            if let Some(pace) = workload.pace {
-                tokio::time::sleep(pace).await;
             }
         }
         anyhow::Ok(senders)
