@@ -151,14 +151,22 @@ impl Report {
     }
 }
 
+/// The shortest pace [`Pacer`] holds on a grid: two of tokio's timer ticks.
+pub const SHORTEST_GRID: Duration = Duration::from_millis(2);
+
 /// Starts forward passes at a fixed rate: one every `pace`, on a grid from
 /// the first. After a pass that overran its period the next waits for the
 /// grid's next point, so passes never burst to catch up.
 ///
-/// The next pass's deadline is armed as a pass starts: registered once the
-/// pass is done, it is earlier than the deadline a parked worker sleeps
-/// towards, and tokio wakes that worker to re-arm (docs/benchmarks.md §
-/// "The pacer").
+/// tokio's timer has millisecond ticks and wakes up to a tick late, so a
+/// grid finer than [`SHORTEST_GRID`] loses a varying share of its points,
+/// and the rate would differ between the paths compared. A shorter pace
+/// starts each pass `pace` after the last one started, as the timer allows
+/// (one pass per ms runs about every 2 ms).
+///
+/// Either way the next start is armed as a pass starts: armed once the pass
+/// is done, it is earlier than the deadline a parked worker sleeps towards,
+/// and tokio wakes that worker to re-arm (docs/benchmarks.md § "The pacer").
 pub struct Pacer {
     pace: Option<Duration>,
     next: std::pin::Pin<Box<tokio::time::Sleep>>,
@@ -176,6 +184,12 @@ impl Pacer {
     /// Waits for the next pass's start and arms the one after it.
     pub async fn start_pass(&mut self) {
         let Some(pace) = self.pace else { return };
+        if pace < SHORTEST_GRID {
+            self.next.as_mut().await;
+            let after_this = tokio::time::Instant::now() + pace;
+            self.next.as_mut().reset(after_this);
+            return;
+        }
         if self.next.deadline() + pace <= tokio::time::Instant::now() {
             let back_on_grid = self.grid_point_after(pace, tokio::time::Instant::now());
             self.next.as_mut().reset(back_on_grid);
@@ -470,6 +484,24 @@ mod tests {
             tokio::time::sleep(Duration::from_micros(work)).await;
         }
         assert_eq!(starts, [0, 5_000, 10_000, 25_000, 30_000, 35_000]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pace_finer_than_the_grid_starts_each_pass_a_pace_after_the_last_start() {
+        let pace = Duration::from_millis(1);
+        let origin = tokio::time::Instant::now();
+        let mut pacer = Pacer::new(Some(pace));
+        let mut starts = Vec::new();
+        for pass in 0..4 {
+            pacer.start_pass().await;
+            starts.push((tokio::time::Instant::now() - origin).as_micros());
+            // The second pass overruns by a period: the third starts as it
+            // ends, and the grid it missed does not bring the fourth forward.
+            if pass == 1 {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        assert_eq!(starts, [0, 1_000, 3_000, 4_000]);
     }
 
     #[tokio::test(start_paused = true)]
