@@ -155,8 +155,9 @@ impl Report {
 pub const SHORTEST_GRID: Duration = Duration::from_millis(2);
 
 /// Starts forward passes at a fixed rate: one every `pace`, on a grid from
-/// the first. After a pass that overran its period the next waits for the
-/// grid's next point, so passes never burst to catch up.
+/// the first. A pass that ends late starts the next at once, and one that
+/// ends later than the start after that skips to the grid's next point, so
+/// passes never burst to catch up.
 ///
 /// tokio's timer has millisecond ticks and wakes up to a tick late, so a
 /// grid finer than [`SHORTEST_GRID`] loses a varying share of its points,
