@@ -167,7 +167,9 @@ pub const SHORTEST_GRID: Duration = Duration::from_millis(2);
 ///
 /// Either way the next start is armed as a pass starts: armed once the pass
 /// is done, it is earlier than the deadline a parked worker sleeps towards,
-/// and tokio wakes that worker to re-arm (docs/benchmarks.md § "The pacer").
+/// and tokio wakes that worker to re-arm. (It still does when the other
+/// worker took the I/O driver before the pass began: docs/benchmarks.md §
+/// "The pacer".)
 pub struct Pacer {
     pace: Option<Duration>,
     next: std::pin::Pin<Box<tokio::time::Sleep>>,
