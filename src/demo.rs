@@ -167,12 +167,15 @@ pub const SHORTEST_GRID: Duration = Duration::from_millis(2);
 ///
 /// Either way the next start is armed as a pass starts: armed once the pass
 /// is done, it is earlier than the deadline a parked worker sleeps towards,
-/// and tokio wakes that worker to re-arm. (It still does when the other
-/// worker took the I/O driver before the pass began: docs/benchmarks.md §
-/// "The pacer".)
+/// and tokio wakes that worker to re-arm. On the grid the start after that
+/// is armed too, so a worker that parked in the I/O driver as the pass began
+/// sleeps towards the next start, and the one armed now is later still
+/// (docs/benchmarks.md § "The pacer").
 pub struct Pacer {
     pace: Option<Duration>,
     next: std::pin::Pin<Box<tokio::time::Sleep>>,
+    /// On the grid: the start after `next`, a pace later.
+    after: std::pin::Pin<Box<tokio::time::Sleep>>,
 }
 
 impl Pacer {
@@ -181,6 +184,7 @@ impl Pacer {
         Pacer {
             pace: pace.filter(|p| !p.is_zero()),
             next: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            after: Box::pin(tokio::time::sleep(Duration::ZERO)),
         }
     }
 
@@ -199,7 +203,12 @@ impl Pacer {
         }
         self.next.as_mut().await;
         let after_this = self.grid_point_after(pace, tokio::time::Instant::now());
-        self.next.as_mut().reset(after_this);
+        // `after` is already there unless this is the first pass or one skipped.
+        if self.after.deadline() != after_this {
+            self.after.as_mut().reset(after_this);
+        }
+        std::mem::swap(&mut self.next, &mut self.after);
+        self.after.as_mut().reset(after_this + pace);
     }
 
     /// The first point of the grid after the armed deadline that is later

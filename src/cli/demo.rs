@@ -193,8 +193,10 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "qpmux demo: {} streams to one peer, forward passes every {} µs, {} B records",
-        args.streams, args.pace_us, args.record_size
+        "qpmux demo: {} streams to one peer, {} B records, forward passes {}",
+        args.streams,
+        args.record_size,
+        pass_schedule(&args, &rows)
     );
     println!("(qpmux-rdma: the soft RoCEv2 provider, user space over loopback UDP, against");
     println!(" kernel TCP on loopback; mem: the mux with no wire; velo-tcp-mux: velo's own");
@@ -213,12 +215,18 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
             continue;
         }
         let rnr = r.rnr_naks.map_or("–".to_string(), |n| n.to_string());
+        // velo's rows do not count batches.
+        let per_batch = if r.records_per_batch.is_finite() {
+            format!("{:.1}", r.records_per_batch)
+        } else {
+            "–".to_string()
+        };
         println!(
-            "{:<15} {:>12.0} {:>14.2} {:>10.1} {:>10.1} {:>10.1} {:>6} {:>9}",
+            "{:<15} {:>12.0} {:>14.2} {:>10} {:>10.1} {:>10.1} {:>6} {:>9}",
             r.path,
             r.records_per_sec,
             r.cpu_us_per_record,
-            r.records_per_batch,
+            per_batch,
             r.p50_us,
             r.p99_us,
             r.fds,
@@ -228,6 +236,25 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
     println!("(fds: the whole process's descriptors at the end of the row; RNR NAKs: sent");
     println!(" by either soft device, none expected: link credit is receive posts)");
     Ok(())
+}
+
+/// The pace asked for and, when it is not back to back, the mean period the
+/// rows ran at: under [`demo::SHORTEST_GRID`] tokio's millisecond timer
+/// stretches it (one pass per ms runs about every 2 ms).
+fn pass_schedule(args: &DemoArgs, rows: &[Row]) -> String {
+    if args.pace_us == 0 {
+        return "back to back".to_string();
+    }
+    let periods: Vec<f64> = rows
+        .iter()
+        .filter(|r| r.error.is_none() && r.records_per_sec > 0.0)
+        .map(|r| args.streams as f64 / r.records_per_sec * 1e6)
+        .collect();
+    if periods.is_empty() {
+        return format!("paced at {} µs", args.pace_us);
+    }
+    let mean = periods.iter().sum::<f64>() / periods.len() as f64;
+    format!("paced at {} µs (ran one every {mean:.0} µs)", args.pace_us)
 }
 
 #[cfg(test)]

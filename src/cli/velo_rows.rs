@@ -241,7 +241,7 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
         elapsed,
         cpu,
         cpu_runs,
-        // velo does not expose its batches; NaN prints as such.
+        // velo does not expose its batches: NaN, printed as "–".
         records_per_batch: f64::NAN,
         p50,
         p99,
