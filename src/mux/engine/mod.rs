@@ -493,6 +493,33 @@ fn post_goodbye<L: Link>(link: &L, core: &mut PeerCore, mut buf: L::SendBuf) {
     }
 }
 
+/// `link.reserve()` if it is ready at once (a free buffer and a link
+/// credit); `None` leaves the wait to the `select!` (`reserve` is cancel-safe).
+async fn reserve_now<L: Link>(link: &L) -> Option<Result<L::SendBuf, LinkError>> {
+    let mut reserve = std::pin::pin!(link.reserve());
+    std::future::poll_fn(|cx| match reserve.as_mut().poll(cx) {
+        std::task::Poll::Ready(reserved) => std::task::Poll::Ready(Some(reserved)),
+        std::task::Poll::Pending => std::task::Poll::Ready(None),
+    })
+    .await
+}
+
+/// Encodes what the core has to send into `buf` and posts it.
+fn write_batch<L: Link>(
+    link: &L,
+    core: &mut PeerCore,
+    mut buf: L::SendBuf,
+) -> Result<(), EpochEnd> {
+    let len = core.poll_batch(&mut buf, Instant::now());
+    if len > 0 {
+        stages::mark(Stage::Encoded);
+        link.post(buf, len).map_err(end_of)?;
+        stages::mark(Stage::Posted);
+        core.batch_posted();
+    }
+    Ok(())
+}
+
 fn end_of(err: LinkError) -> EpochEnd {
     match err {
         LinkError::Ended { reason, .. } => reason,
@@ -686,7 +713,22 @@ async fn serve_epoch<L: Link>(
             () = &mut wake => {
                 stages::mark(Stage::Woken);
                 wake.set(entry.control.wake.notified());
-                core.handle_control(Instant::now());
+                let now = Instant::now();
+                core.handle_control(now);
+                // What a wake-up brought usually goes out now: with a buffer
+                // free, write it in this turn instead of the next turn's
+                // `reserve` (docs/design.md § "A wake-up writes in its own turn").
+                if ending.is_none() && core.wants_write(now) {
+                    match reserve_now(link).await {
+                        Some(Ok(buf)) => {
+                            if let Err(end) = write_batch(link, core, buf) {
+                                break end;
+                            }
+                        }
+                        Some(Err(err)) => break end_of(err),
+                        None => {}
+                    }
+                }
             },
             // The permit may predate this link (stored while we were waiting).
             () = &mut arrived => {
@@ -696,19 +738,13 @@ async fn serve_epoch<L: Link>(
                 }
             },
             reserved = link.reserve(), if write => match reserved {
-                Ok(mut buf) => {
+                Ok(buf) => {
                     if let Some((end, _)) = ending {
                         post_goodbye(link, core, buf);
                         break end;
                     }
-                    let len = core.poll_batch(&mut buf, Instant::now());
-                    if len > 0 {
-                        stages::mark(Stage::Encoded);
-                        if let Err(err) = link.post(buf, len) {
-                            break end_of(err);
-                        }
-                        stages::mark(Stage::Posted);
-                        core.batch_posted();
+                    if let Err(end) = write_batch(link, core, buf) {
+                        break end;
                     }
                 }
                 Err(err) => break end_of(err),
