@@ -6,7 +6,8 @@
 //!  Mux::attach(peer, link) ──► PeerEntry.incoming ──────────────┤
 //!                                                               ▼
 //!                     peer task: loop { wait for a link; run_epoch(link); fail_all }
-//!                     run_epoch:  select { recv → handle_batch | wake → handle_control
+//!                     run_epoch:  select { recv → handle_batch
+//!                                          | wake → handle_control (→ poll_batch → post, room permitting)
 //!                                          | reserve (if the gate says) → poll_batch → post
 //!                                          | timer → handle_timeout | newer link → Replaced }
 //! ```
