@@ -278,4 +278,40 @@ mod tests {
         let tcp = Row::new("qpmux-tcp", 8, &(tcp, None));
         assert_eq!(tcp.rnr_naks, None);
     }
+
+    /// The header says what schedule the rows ran: the pace asked for and
+    /// the mean period of the rows that ran, a failed row left out.
+    #[test]
+    fn the_header_reports_the_period_the_rows_ran() {
+        let args = DemoArgs::default();
+        let ran = |records_per_sec: f64| Row {
+            records_per_sec,
+            ..Row::failed("qpmux-tcp", args.streams, &anyhow::anyhow!("x"))
+        };
+        let mut rows = vec![
+            Row {
+                error: None,
+                ..ran(32_000.0)
+            },
+            Row {
+                error: None,
+                ..ran(32_000.0 / 1.5)
+            },
+        ];
+        assert_eq!(
+            pass_schedule(&args, &rows),
+            "paced at 1000 µs (ran one every 2500 µs)"
+        );
+        rows.push(ran(f64::NAN));
+        assert_eq!(
+            pass_schedule(&args, &rows),
+            "paced at 1000 µs (ran one every 2500 µs)"
+        );
+        assert_eq!(pass_schedule(&args, &rows[2..]), "paced at 1000 µs");
+        let back_to_back = DemoArgs {
+            pace_us: 0,
+            ..DemoArgs::default()
+        };
+        assert_eq!(pass_schedule(&back_to_back, &rows), "back to back");
+    }
 }
