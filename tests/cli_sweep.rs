@@ -1,0 +1,76 @@
+//! `qpmux bench sweep` end to end, as a user runs it: the binary measures a
+//! few cells, writes them to `sweep.json` and draws the plots (SVG, and PNG
+//! where `rsvg-convert` is installed; CI installs it).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fresh_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("qpmux-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn has_rsvg_convert() -> bool {
+    Command::new("rsvg-convert")
+        .arg("--version")
+        .output()
+        .is_ok()
+}
+
+fn read(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn a_sweep_writes_its_cells_as_json_and_draws_the_plots() {
+    let out = fresh_dir("sweep");
+    let run = Command::new(env!("CARGO_BIN_EXE_qpmux"))
+        .args(["bench", "sweep", "--rounds", "1", "--no-criteria"])
+        .args(["--cells", "qpmux-rdma:grid:8:1,qpmux-tcp:grid:8:1", "--out"])
+        .arg(&out)
+        .output()
+        .expect("qpmux runs");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "qpmux bench sweep failed: {stderr}");
+
+    let doc: serde_json::Value =
+        serde_json::from_slice(&read(&out.join("sweep.json"))).expect("sweep.json is JSON");
+    let cells = doc["cells"].as_array().expect("a list of cells");
+    assert_eq!(cells.len(), 2, "{doc}");
+    for path in ["qpmux-rdma", "qpmux-tcp"] {
+        let cell = cells
+            .iter()
+            .find(|c| c["path"] == path)
+            .unwrap_or_else(|| panic!("no {path} cell in {doc}"));
+        assert_eq!((cell["x"].as_u64(), cell["y"].as_u64()), (Some(8), Some(1)));
+        // Eight streams, a pass every 5 ms: records share batches.
+        let per_batch = cell["records_per_batch"]
+            .as_f64()
+            .expect("records per batch");
+        assert!(per_batch > 1.0 && per_batch <= 8.0 * 200.0, "{cell}");
+        for field in ["cpu_us_per_record", "p50_us", "p99_us", "records_per_sec"] {
+            assert!(
+                cell[field].as_f64().is_some_and(|v| v > 0.0),
+                "{field}: {cell}"
+            );
+        }
+    }
+
+    let png = has_rsvg_convert();
+    if !png {
+        eprintln!("rsvg-convert is not installed: SVG plots only");
+    }
+    for plot in ["cpu_per_record", "p50_latency", "p99_latency"] {
+        let svg = String::from_utf8(read(&out.join(format!("{plot}.svg")))).expect("UTF-8 SVG");
+        assert!(svg.contains("<svg"), "{plot}.svg is not an SVG");
+        for path in ["qpmux-rdma", "qpmux-tcp"] {
+            assert!(svg.contains(path), "{plot}.svg has no {path} line");
+        }
+        if png {
+            let bytes = read(&out.join(format!("{plot}.png")));
+            assert!(bytes.starts_with(b"\x89PNG"), "{plot}.png is not a PNG");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
