@@ -1,6 +1,7 @@
-//! `qpmux bench sweep` end to end, as a user runs it: the binary measures a
-//! few cells, writes them to `sweep.json` and draws the plots (SVG, and PNG
-//! where `rsvg-convert` is installed; CI installs it).
+//! The `qpmux` binary end to end, as a user runs it: the demo that
+//! `cargo run --release` shows, and a sweep that measures a few cells,
+//! writes them to `sweep.json` and draws the plots (SVG, and PNG where
+//! `rsvg-convert` is installed; CI installs it).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,6 +21,42 @@ fn has_rsvg_convert() -> bool {
 
 fn read(path: &Path) -> Vec<u8> {
     std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The README's main command, shortened: every path's row, each record
+/// delivered, none failed, the mux rows batching, no RNR NAK on the RDMA row.
+#[test]
+fn the_demo_prints_a_row_per_path() {
+    let run = Command::new(env!("CARGO_BIN_EXE_qpmux"))
+        .args(["demo", "--passes", "20", "--json"])
+        .output()
+        .expect("qpmux runs");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "qpmux demo failed: {stderr}");
+    let rows: serde_json::Value = serde_json::from_slice(&run.stdout).expect("JSON rows");
+    let rows = rows.as_array().expect("a list of rows");
+    let paths: Vec<&str> = rows.iter().filter_map(|r| r["path"].as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "qpmux-rdma",
+            "qpmux-tcp",
+            "mem",
+            "velo-tcp-mux",
+            "velo-tcp-stream"
+        ]
+    );
+    for row in rows {
+        assert!(row["error"].is_null(), "{row}");
+        assert_eq!(row["records"].as_u64(), Some(64 * 20), "{row}");
+    }
+    for row in &rows[..3] {
+        let per_batch = row["records_per_batch"]
+            .as_f64()
+            .expect("records per batch");
+        assert!(per_batch > 1.0, "{row}");
+    }
+    assert_eq!(rows[0]["rnr_naks"].as_u64(), Some(0), "{}", rows[0]);
 }
 
 #[test]
