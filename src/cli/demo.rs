@@ -215,18 +215,12 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
             continue;
         }
         let rnr = r.rnr_naks.map_or("–".to_string(), |n| n.to_string());
-        // velo's rows do not count batches.
-        let per_batch = if r.records_per_batch.is_finite() {
-            format!("{:.1}", r.records_per_batch)
-        } else {
-            "–".to_string()
-        };
         println!(
             "{:<15} {:>12.0} {:>14.2} {:>10} {:>10.1} {:>10.1} {:>6} {:>9}",
             r.path,
             r.records_per_sec,
             r.cpu_us_per_record,
-            per_batch,
+            super::records_per_batch_column(r.records_per_batch),
             r.p50_us,
             r.p99_us,
             r.fds,

@@ -134,3 +134,22 @@ pub fn main() -> anyhow::Result<()> {
         }
     })
 }
+
+/// Records per batch for a table: one decimal, or "–" where the path does
+/// not count its batches (velo's rows carry NaN).
+fn records_per_batch_column(per_batch: f64) -> String {
+    if per_batch.is_finite() {
+        format!("{per_batch:.1}")
+    } else {
+        "–".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn records_per_batch_prints_a_dash_where_a_path_does_not_count_batches() {
+        assert_eq!(super::records_per_batch_column(64.0), "64.0");
+        assert_eq!(super::records_per_batch_column(f64::NAN), "–");
+    }
+}

@@ -760,7 +760,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
             continue;
         }
         println!(
-            "{}{:<15} {:<12} {:>5} {:>3} {:>10.0} {:>9.2} {:>7.2} {:>8.1} {:>9.1} {:>9.1} {:>8.1} {:>5}",
+            "{}{:<15} {:<12} {:>5} {:>3} {:>10.0} {:>9.2} {:>7.2} {:>8} {:>9.1} {:>9.1} {:>8.1} {:>5}",
             round_column(&(c.round + 1).to_string()),
             c.path,
             c.mode,
@@ -769,7 +769,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
             c.records_per_sec,
             c.cpu_us_per_record,
             c.runs_per_record,
-            c.records_per_batch,
+            super::records_per_batch_column(c.records_per_batch),
             c.p50_us,
             c.p99_us,
             c.peak_rss_mib,
