@@ -1,10 +1,12 @@
 //! The `qpmux` binary end to end, as a user runs it: the demo that
-//! `cargo run --release` shows, and a sweep that measures a few cells,
+//! `cargo run --release` shows, a sweep that measures a few cells,
 //! writes them to `sweep.json` and draws the plots (SVG, and PNG where
-//! `rsvg-convert` is installed; CI installs it).
+//! `rsvg-convert` is installed; CI installs it), and pingpong in one process
+//! and across two.
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 fn fresh_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("qpmux-{name}-{}", std::process::id()));
@@ -105,4 +107,107 @@ fn a_sweep_writes_its_cells_as_json_and_draws_the_plots() {
         }
     }
     let _ = std::fs::remove_dir_all(&out);
+}
+
+fn qpmux_json(args: &[&str]) -> serde_json::Value {
+    let run = Command::new(env!("CARGO_BIN_EXE_qpmux"))
+        .args(args)
+        .arg("--json")
+        .output()
+        .expect("qpmux runs");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "qpmux {args:?} failed: {stderr}");
+    serde_json::from_slice(&run.stdout).unwrap_or_else(|e| {
+        panic!(
+            "qpmux {args:?}: not JSON ({e}): {}",
+            String::from_utf8_lossy(&run.stdout)
+        )
+    })
+}
+
+/// A latency table's rows: one per size, every iteration measured, the
+/// quantiles in order.
+fn assert_latency_rows(rows: &serde_json::Value, sizes: &[u64], iters: u64) {
+    let rows = rows.as_array().expect("a list of rows");
+    assert_eq!(rows.len(), sizes.len(), "{rows:?}");
+    for (row, &size) in rows.iter().zip(sizes) {
+        assert_eq!(row["bytes"].as_u64(), Some(size), "{row}");
+        assert_eq!(row["iterations"].as_u64(), Some(iters), "{row}");
+        let t = |k: &str| row[k].as_f64().unwrap_or_else(|| panic!("{k}: {row}"));
+        assert!(t("t_min_us") > 0.0, "{row}");
+        assert!(t("t_min_us") <= t("t_typ_us"), "{row}");
+        assert!(t("t_typ_us") <= t("t_99_us"), "{row}");
+        assert!(t("t_99_us") <= t("t_max_us"), "{row}");
+        assert!(
+            t("t_min_us") <= t("t_avg_us") && t("t_avg_us") <= t("t_max_us"),
+            "{row}"
+        );
+    }
+}
+
+#[test]
+fn pingpong_measures_latency_and_bandwidth_in_one_process() {
+    let lat = qpmux_json(&["pingpong", "--iters", "200", "--size", "64,4096"]);
+    assert_latency_rows(&lat, &[64, 4096], 200);
+
+    for transport in ["rdma", "tcp"] {
+        let bw = qpmux_json(&[
+            "pingpong",
+            "--transport",
+            transport,
+            "--test",
+            "bw",
+            "--iters",
+            "3000",
+            "--size",
+            "64",
+        ]);
+        let rows = bw.as_array().expect("a list of rows");
+        assert_eq!(rows.len(), 1, "{bw}");
+        let row = &rows[0];
+        assert_eq!(row["bytes"].as_u64(), Some(64), "{row}");
+        assert_eq!(row["iterations"].as_u64(), Some(3000), "{row}");
+        let bw_mib = row["bw_mib_s"].as_f64().expect("bandwidth");
+        let rate = row["msg_rate_mpps"].as_f64().expect("message rate");
+        assert!(bw_mib > 0.0 && rate > 0.0, "{row}");
+        // One consistent pair: 64 B a message.
+        let implied = rate * 1e6 * 64.0 / f64::from(1 << 20);
+        assert!((implied - bw_mib).abs() <= 1e-6 * bw_mib.max(1.0), "{row}");
+    }
+}
+
+/// A server in its own process on an ephemeral port, a client reaching it by
+/// the address blob the server prints.
+#[test]
+fn pingpong_runs_between_two_processes() {
+    /// The server serves until killed, also when the test fails.
+    struct Server(std::process::Child);
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut server = Server(
+        Command::new(env!("CARGO_BIN_EXE_qpmux"))
+            .args(["pingpong", "--server", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("qpmux server starts"),
+    );
+    let mut first = String::new();
+    BufReader::new(server.0.stdout.take().expect("piped"))
+        .read_line(&mut first)
+        .expect("the server prints its address");
+    let blob = first
+        .trim()
+        .strip_prefix("pingpong server; address: ")
+        .unwrap_or_else(|| panic!("unexpected first line: {first:?}"))
+        .to_string();
+    let lat = qpmux_json(&[
+        "pingpong", "--client", &blob, "--iters", "200", "--size", "64",
+    ]);
+    drop(server);
+    assert_latency_rows(&lat, &[64], 200);
 }

@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use clap::Args as ClapArgs;
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::demo::{self, Report, Workload};
@@ -143,17 +142,7 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
     if cfg!(feature = "velo") {
         paths.extend(["velo-tcp-mux", "velo-tcp-stream"]);
     }
-    let bar = if json {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(paths.len() as u64)
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {msg}")
-            .expect("static template")
-            .progress_chars("=> "),
-    );
-    bar.enable_steady_tick(Duration::from_millis(100));
+    let bar = super::progress_bar(paths.len() as u64, json);
     let mut rows = Vec::new();
     for path in paths.iter().copied() {
         bar.set_message(format!(

@@ -24,6 +24,7 @@ use std::io::IsTerminal;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::link::rdma::{RdmaNodeConfig, RdmaTransport};
 use crate::mux::{MuxConfig, PeerId};
@@ -133,6 +134,24 @@ pub fn main() -> anyhow::Result<()> {
             }
         }
     })
+}
+
+/// A progress bar on stderr over `len` steps; hidden under `--json`, and by
+/// indicatif when stderr is not a terminal (then no ticker thread runs).
+fn progress_bar(len: u64, json: bool) -> ProgressBar {
+    if json {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {elapsed} {msg}")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    if !bar.is_hidden() {
+        bar.enable_steady_tick(Duration::from_millis(200));
+    }
+    bar
 }
 
 /// Records per batch for a table: one decimal, or "–" where the path does

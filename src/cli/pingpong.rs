@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::{Args as ClapArgs, ValueEnum};
+use indicatif::ProgressBar;
 use serde::Serialize;
 
 use crate::link::Node;
@@ -32,6 +33,9 @@ const PONG_ANCHOR: u64 = 0x504f_4e47; // "PONG"
 /// The server's node id; a client started with `--connect` assumes it.
 const SERVER_ID: u64 = 1;
 const CLIENT_ID: u64 = 2;
+/// Iterations between progress-bar updates (an update reads the clock; the
+/// bandwidth loop's records take about a microsecond each).
+const PROGRESS_STEP: u64 = 1024;
 
 /// Which transport carries the test.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -196,6 +200,7 @@ async fn client<N: Node>(
     test: Test,
     size: usize,
     iters: u64,
+    bar: &ProgressBar,
 ) -> anyhow::Result<(Vec<Duration>, Duration)> {
     let mut rx = node.mux().bind(StreamKey::new(PONG_ANCHOR, session))?;
     let mut tx = node
@@ -213,7 +218,7 @@ async fn client<N: Node>(
     let start = Instant::now();
     match test {
         Test::Lat => {
-            for _ in 0..iters {
+            for i in 1..=iters {
                 let sent = Instant::now();
                 tx.send(record.clone()).await?;
                 match next_reply(node, dropped_before, &mut rx).await? {
@@ -221,12 +226,14 @@ async fn client<N: Node>(
                     other => anyhow::bail!("bad echo: {other:?}"),
                 }
                 one_way.push(sent.elapsed() / 2);
+                step(bar, i);
             }
             tx.finish(Terminal::Finalized)?;
         }
         Test::Bw => {
-            for _ in 0..iters {
+            for i in 1..=iters {
                 tx.send(record.clone()).await?;
+                step(bar, i);
             }
             tx.finish(Terminal::Finalized)?;
             match next_reply(node, dropped_before, &mut rx).await? {
@@ -236,8 +243,16 @@ async fn client<N: Node>(
         }
     }
     let elapsed = start.elapsed();
+    bar.inc(iters % PROGRESS_STEP);
     while rx.recv().await.is_some() {}
     Ok((one_way, elapsed))
+}
+
+/// Moves the bar on after every [`PROGRESS_STEP`]th iteration `i` (from 1).
+fn step(bar: &ProgressBar, i: u64) {
+    if i % PROGRESS_STEP == 0 {
+        bar.inc(PROGRESS_STEP);
+    }
 }
 
 /// The server's next reply. Fails once the mux drops a slot: an epoch ended
@@ -462,10 +477,13 @@ async fn run_client<N: Node>(
             served
         })
     });
-    client(&client_node, server_peer, 0, Test::Lat, 1, 1).await?;
+    let warm_up = ProgressBar::hidden();
+    client(&client_node, server_peer, 0, Test::Lat, 1, 1, &warm_up).await?;
+    let bar = super::progress_bar(args.size.len() as u64 * args.iters, json);
     let mut lat_rows = Vec::new();
     let mut bw_rows = Vec::new();
     for (session, &size) in (1u64..).zip(&args.size) {
+        bar.set_message(format!("{size} B"));
         let (samples, elapsed) = client(
             &client_node,
             server_peer,
@@ -473,6 +491,7 @@ async fn run_client<N: Node>(
             args.test,
             size,
             args.iters,
+            &bar,
         )
         .await?;
         match args.test {
@@ -488,6 +507,7 @@ async fn run_client<N: Node>(
             }
         }
     }
+    bar.finish_and_clear();
     if let Some(task) = server_task {
         task.await??;
     }

@@ -16,7 +16,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args as ClapArgs;
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use super::plot;
@@ -643,17 +642,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
             }
         );
     }
-    let bar = if json {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(grid.len() as u64 * u64::from(args.rounds))
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {elapsed} {msg}")
-            .expect("static template")
-            .progress_chars("=> "),
-    );
-    bar.enable_steady_tick(Duration::from_millis(200));
+    let bar = super::progress_bar(grid.len() as u64 * u64::from(args.rounds), json);
     let mut cells = Vec::new();
     let ack_delay = Duration::from_micros(args.soft_ack_delay_us);
     for round in 0..args.rounds {
