@@ -176,26 +176,34 @@ fn pingpong_measures_latency_and_bandwidth_in_one_process() {
     }
 }
 
-/// A server in its own process on an ephemeral port, a client reaching it by
-/// the address blob the server prints.
-#[test]
-fn pingpong_runs_between_two_processes() {
-    /// The server serves until killed, also when the test fails.
-    struct Server(std::process::Child);
-    impl Drop for Server {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
+/// Kills a child process however the test ends.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
-    let mut server = Server(
+}
+
+fn spawn_qpmux(args: &[&str], stdout: Stdio) -> Child {
+    Child(
         Command::new(env!("CARGO_BIN_EXE_qpmux"))
-            .args(["pingpong", "--server", "127.0.0.1:0"])
-            .stdout(Stdio::piped())
+            .args(args)
+            .stdout(stdout)
             .stderr(Stdio::null())
             .spawn()
-            .expect("qpmux server starts"),
-    );
+            .expect("qpmux starts"),
+    )
+}
+
+/// A server in its own process on an ephemeral port, clients reaching it by
+/// the address blob it prints: two runs one after the other, a second client
+/// refused (with a reason) while a run is on, and, once that run's client
+/// is killed mid-session, the next run served.
+#[test]
+fn pingpong_serves_runs_between_processes_one_at_a_time() {
+    let mut server = spawn_qpmux(&["pingpong", "--server", "127.0.0.1:0"], Stdio::piped());
     let mut first = String::new();
     BufReader::new(server.0.stdout.take().expect("piped"))
         .read_line(&mut first)
@@ -205,9 +213,73 @@ fn pingpong_runs_between_two_processes() {
         .strip_prefix("pingpong server; address: ")
         .unwrap_or_else(|| panic!("unexpected first line: {first:?}"))
         .to_string();
-    let lat = qpmux_json(&[
+    let lat_run = [
         "pingpong", "--client", &blob, "--iters", "200", "--size", "64",
-    ]);
+    ];
+    for _ in 0..2 {
+        assert_latency_rows(&qpmux_json(&lat_run), &[64], 200);
+    }
+
+    // A long bandwidth run holds the server.
+    let long_run_args = [
+        "pingpong",
+        "--client",
+        &blob,
+        "--test",
+        "bw",
+        "--iters",
+        "1000000000",
+        "--size",
+        "64",
+    ];
+    let mut long_run = spawn_qpmux(&long_run_args, Stdio::null());
+    // A short run that gets in first is served and the long one refused:
+    // then the long one starts again.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let stderr = loop {
+        if long_run.0.try_wait().expect("waitable").is_some() {
+            long_run = spawn_qpmux(&long_run_args, Stdio::null());
+        }
+        let run = Command::new(env!("CARGO_BIN_EXE_qpmux"))
+            .args(lat_run)
+            .output()
+            .expect("qpmux runs");
+        if !run.status.success() {
+            break String::from_utf8_lossy(&run.stderr).into_owned();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no client was refused while the long run was on"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert!(stderr.contains("one client at a time"), "{stderr}");
+    assert!(
+        long_run.0.try_wait().expect("waitable").is_none(),
+        "the long run ended"
+    );
+
+    // Killed mid-session: the server hears its link go and serves the next
+    // run (which it may refuse until then).
+    drop(long_run);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let served = loop {
+        let run = Command::new(env!("CARGO_BIN_EXE_qpmux"))
+            .args(lat_run)
+            .arg("--json")
+            .output()
+            .expect("qpmux runs");
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        if run.status.success() {
+            break serde_json::from_slice(&run.stdout).expect("JSON rows");
+        }
+        assert!(stderr.contains("one client at a time"), "{stderr}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the killed run's client was never forgotten"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_latency_rows(&served, &[64], 200);
     drop(server);
-    assert_latency_rows(&lat, &[64], 200);
 }

@@ -2,13 +2,19 @@
 //! perftest's `ib_send_lat` / `ib_send_bw` tables.
 //!
 //! ```text
-//!  client ─ slot (PING, n) ─► server: first record = client's address blob
-//!  server ─ slot (PONG, n) ─► client: echoes every record (lat) or one ack (bw)
+//!  client ─ slot (HELO, 0) ─► server: address blob, (run, sessions); open until the run ends
+//!  server ─ slot (PONG, run) ─► client: "ok" (the warm-up round trip)
+//!  per size n = 1..=sessions:
+//!    client ─ slot (PING, run | n) ─► server: mode ("lat" | "bw"), then records
+//!    server ─ slot (PONG, run | n) ─► client: echoes every record (lat) or one count (bw)
 //! ```
 //!
 //! Both ends in one process by default; `--server` and `--client` (the
 //! server's hex address blob) or `--connect` (its bootstrap address) run them
-//! in two. `--provider` picks the verbs provider under `--transport rdma`.
+//! in two. A server serves one client run at a time, as many runs as come
+//! (a second client while one runs is refused); a client that leaves
+//! mid-run is forgotten and the next is served. `--provider` picks the verbs
+//! provider under `--transport rdma`.
 
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -22,17 +28,30 @@ use serde::Serialize;
 use crate::link::Node;
 use crate::link::rdma::{RdmaNodeConfig, RdmaTransport};
 use crate::link::tcp::{TcpNodeConfig, TcpTransport};
-use crate::mux::{Frame, MuxConfig, MuxTransport, PeerId, SlotReceiver, StreamKey, Terminal};
+use crate::mux::{
+    Frame, MuxConfig, MuxError, MuxTransport, PeerId, SendError, SlotReceiver, SlotSender,
+    StreamKey, Terminal,
+};
 use crate::verbs::Device;
 use crate::verbs::soft::SoftDevice;
 use crate::verbs::soft::udp::UdpConfig;
 
+const HELLO_ANCHOR: u64 = 0x4845_4c4f; // "HELO"
 const PING_ANCHOR: u64 = 0x5049_4e47; // "PING"
 const PONG_ANCHOR: u64 = 0x504f_4e47; // "PONG"
+/// A run's sessions are `run | n`: the run id keeps these bits clear.
+const SESSION_BITS: u64 = 0xffff;
+/// How long a server waits for a client to say its run is over once the
+/// last session's reply is out.
+const CLIENT_LINGER: Duration = Duration::from_secs(10);
 
 /// The server's node id; a client started with `--connect` assumes it.
 const SERVER_ID: u64 = 1;
-const CLIENT_ID: u64 = 2;
+
+/// A client's node id: random, so that a server tells its runs apart.
+fn client_id() -> u64 {
+    rand::random::<u64>().max(SERVER_ID + 1)
+}
 /// Iterations between progress-bar updates (an update reads the clock; the
 /// bandwidth loop's records take about a microsecond each).
 const PROGRESS_STEP: u64 = 1024;
@@ -155,41 +174,132 @@ async fn tcp_node(id: u64, bind: SocketAddr, handshake: Duration) -> anyhow::Res
     Ok(TcpTransport::bind(config, bind, MuxConfig::default()).await?)
 }
 
-/// Serves pingpong sessions forever (or, in one process, until dropped).
-async fn serve<N: Node>(node: &N, sessions: u64) -> anyhow::Result<()> {
-    for session in 0..sessions {
-        let mut rx = node.mux().bind(StreamKey::new(PING_ANCHOR, session))?;
-        let Some(Frame::Data(hello)) = next_data(&mut rx).await else {
-            anyhow::bail!("pingpong client sent no address");
-        };
-        let peer = node.register(&hello)?;
-        let Some(Frame::Data(mode)) = next_data(&mut rx).await else {
-            anyhow::bail!("pingpong client sent no mode");
-        };
-        let mut tx = node
-            .mux()
-            .open(peer, StreamKey::new(PONG_ANCHOR, session))?;
-        let echo = mode.as_ref() == b"lat";
-        let mut received = 0u64;
-        while let Some(frame) = rx.recv().await {
-            match frame {
-                Frame::Data(record) => {
-                    received += 1;
-                    if echo {
-                        tx.send(record).await?;
-                    }
-                }
-                Frame::Heartbeat => {}
-                Frame::Finalized => break,
-                other => anyhow::bail!("pingpong stream ended: {other:?}"),
+/// Serves client runs one after another: `clients` of them, or forever.
+/// With no bound, a client that misbehaves or leaves is logged and the next
+/// is served.
+async fn serve<N: Node>(node: &N, clients: Option<u64>) -> anyhow::Result<()> {
+    let mut served = 0;
+    while clients.is_none_or(|n| served < n) {
+        let hello = bind_hello(node).await?;
+        match serve_client(node, hello).await {
+            Ok(()) => {}
+            Err(err) if clients.is_none() => {
+                tracing::warn!("pingpong client abandoned: {err:#}");
             }
+            Err(err) => return Err(err),
         }
-        if !echo {
-            tx.send(Bytes::copy_from_slice(&received.to_be_bytes()))
-                .await?;
-        }
-        tx.finish(Terminal::Finalized)?;
+        served += 1;
     }
+    Ok(())
+}
+
+/// Binds the hello key. An abandoned client's hello stays bound until its
+/// peer task closes it, a moment after the peer is forgotten.
+async fn bind_hello<N: Node>(node: &N) -> anyhow::Result<SlotReceiver> {
+    let key = StreamKey::new(HELLO_ANCHOR, 0);
+    let deadline = tokio::time::Instant::now() + CLIENT_LINGER;
+    loop {
+        match node.mux().bind(key) {
+            Err(MuxError::AlreadyBound(_)) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            bound => return Ok(bound?),
+        }
+    }
+}
+
+/// Forgets a served client's peer however its run ended.
+struct Forget<'a, N: Node>(&'a N, PeerId);
+
+impl<N: Node> Drop for Forget<'_, N> {
+    fn drop(&mut self) {
+        self.0.unregister(self.1);
+    }
+}
+
+/// One client's run: its sessions in order, while its hello stream stays
+/// open; over when the client finishes that stream.
+async fn serve_client<N: Node>(node: &N, mut hello: SlotReceiver) -> anyhow::Result<()> {
+    let Some(Frame::Data(address)) = next_data(&mut hello).await else {
+        anyhow::bail!("pingpong client sent no address");
+    };
+    let peer = node.register(&address)?;
+    let _forget = Forget(node, peer);
+    let Some(Frame::Data(plan)) = next_data(&mut hello).await else {
+        anyhow::bail!("pingpong client sent no plan");
+    };
+    let (run, sessions) = parse_plan(&plan)?;
+    let mut welcome = node.mux().open(peer, StreamKey::new(PONG_ANCHOR, run))?;
+    welcome.send(Bytes::from_static(WELCOME)).await?;
+    welcome.finish(Terminal::Finalized)?;
+    for n in 1..=sessions {
+        tokio::select! {
+            served = serve_session(node, peer, run | n) => served?,
+            early = next_data(&mut hello) => anyhow::bail!("client left in session {n}: {early:?}"),
+        }
+    }
+    match tokio::time::timeout(CLIENT_LINGER, next_data(&mut hello)).await {
+        Ok(Some(Frame::Finalized)) => Ok(()),
+        Ok(other) => anyhow::bail!("client's run ended with {other:?}"),
+        Err(_) => anyhow::bail!("client did not end its run within {CLIENT_LINGER:?}"),
+    }
+}
+
+const WELCOME: &[u8] = b"ok";
+
+/// The client's plan: its run id and how many sessions follow (16 bytes).
+fn encode_plan(run: u64, sessions: u64) -> Bytes {
+    let mut plan = Vec::with_capacity(16);
+    plan.extend_from_slice(&run.to_be_bytes());
+    plan.extend_from_slice(&sessions.to_be_bytes());
+    Bytes::from(plan)
+}
+
+fn parse_plan(plan: &[u8]) -> anyhow::Result<(u64, u64)> {
+    anyhow::ensure!(
+        plan.len() == 16,
+        "pingpong plan of {} bytes, not 16",
+        plan.len()
+    );
+    let (run, sessions) = plan.split_at(8);
+    let run = u64::from_be_bytes(run.try_into().expect("8 bytes"));
+    let sessions = u64::from_be_bytes(sessions.try_into().expect("8 bytes"));
+    anyhow::ensure!(
+        run & SESSION_BITS == 0 && (1..=SESSION_BITS).contains(&sessions),
+        "pingpong plan out of range: run {run:#x}, {sessions} sessions"
+    );
+    Ok((run, sessions))
+}
+
+/// One session: the mode, then echoes (lat) or a count at the end (bw).
+async fn serve_session<N: Node>(node: &N, peer: PeerId, session: u64) -> anyhow::Result<()> {
+    let mut rx = node.mux().bind(StreamKey::new(PING_ANCHOR, session))?;
+    let Some(Frame::Data(mode)) = next_data(&mut rx).await else {
+        anyhow::bail!("pingpong client sent no mode");
+    };
+    let mut tx = node
+        .mux()
+        .open(peer, StreamKey::new(PONG_ANCHOR, session))?;
+    let echo = mode.as_ref() == b"lat";
+    let mut received = 0u64;
+    while let Some(frame) = rx.recv().await {
+        match frame {
+            Frame::Data(record) => {
+                received += 1;
+                if echo {
+                    tx.send(record).await?;
+                }
+            }
+            Frame::Heartbeat => {}
+            Frame::Finalized => break,
+            other => anyhow::bail!("pingpong stream ended: {other:?}"),
+        }
+    }
+    if !echo {
+        tx.send(Bytes::copy_from_slice(&received.to_be_bytes()))
+            .await?;
+    }
+    tx.finish(Terminal::Finalized)?;
     Ok(())
 }
 
@@ -206,7 +316,6 @@ async fn client<N: Node>(
     let mut tx = node
         .mux()
         .open(server, StreamKey::new(PING_ANCHOR, session))?;
-    tx.send(Bytes::from(node.address())).await?;
     let mode: &'static [u8] = match test {
         Test::Lat => b"lat",
         Test::Bw => b"bw",
@@ -214,7 +323,9 @@ async fn client<N: Node>(
     tx.send(Bytes::from_static(mode)).await?;
     let record = Bytes::from(vec![0xa5u8; size]);
     let dropped_before = node.mux().stats().slots_dropped;
-    let mut one_way = Vec::with_capacity(iters as usize);
+    // Only the latency test keeps a sample per iteration.
+    let samples = if test == Test::Lat { iters as usize } else { 0 };
+    let mut one_way = Vec::with_capacity(samples);
     let start = Instant::now();
     match test {
         Test::Lat => {
@@ -356,7 +467,7 @@ pub async fn run(args: PingpongArgs, json: bool) -> anyhow::Result<()> {
             if let Some(bind) = args.server {
                 return serve_forever(tcp_node(SERVER_ID, bind, handshake).await?).await;
             }
-            let client = tcp_node(CLIENT_ID, local, handshake).await?;
+            let client = tcp_node(client_id(), local, handshake).await?;
             let remote = args.client.is_some() || plan.server.is_some();
             let server = if remote {
                 None
@@ -420,7 +531,7 @@ where
         return serve_forever(node).await;
     }
     let local = SocketAddr::new(plan.local, 0);
-    let client = rdma_node(open(plan.local).await?, CLIENT_ID, local, handshake).await?;
+    let client = rdma_node(open(plan.local).await?, client_id(), local, handshake).await?;
     let remote = args.client.is_some() || plan.server.is_some();
     let server = if remote {
         None
@@ -446,7 +557,34 @@ async fn rdma_node<D: Device + 'static>(
 
 async fn serve_forever<N: Node>(node: N) -> anyhow::Result<()> {
     println!("pingpong server; address: {}", hex(&node.address()));
-    serve(&node, u64::MAX).await
+    serve(&node, None).await
+}
+
+/// Says hello (address, run id, session count) and waits for the welcome;
+/// returns the hello stream, to be finished when the run is over.
+async fn start_run<N: Node>(
+    node: &N,
+    server: PeerId,
+    run: u64,
+    sessions: u64,
+) -> anyhow::Result<SlotSender> {
+    let mut welcome = node.mux().bind(StreamKey::new(PONG_ANCHOR, run))?;
+    let mut hello = node.mux().open(server, StreamKey::new(HELLO_ANCHOR, 0))?;
+    hello.send(Bytes::from(node.address())).await?;
+    hello.send(encode_plan(run, sessions)).await?;
+    let dropped_before = node.mux().stats().slots_dropped;
+    tokio::select! {
+        reply = next_reply(node, dropped_before, &mut welcome) => match reply? {
+            Some(Frame::Data(ok)) if ok.as_ref() == WELCOME => Ok(hello),
+            other => anyhow::bail!("no welcome from the pingpong server: {other:?}"),
+        },
+        closed = hello.closed() => match closed {
+            SendError::PeerClosed(_) => anyhow::bail!(
+                "the pingpong server refused this run ({closed}): it serves one client at a time"
+            ),
+            other => anyhow::bail!("the link to the pingpong server ended before its welcome: {other}"),
+        },
+    }
 }
 
 async fn run_client<N: Node>(
@@ -467,33 +605,39 @@ async fn run_client<N: Node>(
         Some(_) => format!("both ends in this process on {}", plan.local),
         None => format!("client {} to a remote server", plan.local),
     };
-    // Session 0 is a one-record warm-up: it pays for the link (bootstrap
-    // handshake, QP setup) so no measured row does.
-    let sessions = args.size.len() as u64 + 1;
+    anyhow::ensure!(
+        (1..=SESSION_BITS as usize).contains(&args.size.len()),
+        "between 1 and {SESSION_BITS} sizes"
+    );
     let server_task = local_server.map(|server| {
         tokio::spawn(async move {
-            let served = serve(&server, sessions).await;
+            let served = serve(&server, Some(1)).await;
             server.shutdown();
             served
         })
     });
-    let warm_up = ProgressBar::hidden();
-    client(&client_node, server_peer, 0, Test::Lat, 1, 1, &warm_up).await?;
+    // The hello and its welcome pay for the link (bootstrap handshake, QP
+    // setup), so no measured row does.
+    let run = rand::random::<u64>() & !SESSION_BITS;
+    let hello = start_run(&client_node, server_peer, run, args.size.len() as u64).await?;
     let bar = super::progress_bar(args.size.len() as u64 * args.iters, json);
     let mut lat_rows = Vec::new();
     let mut bw_rows = Vec::new();
-    for (session, &size) in (1u64..).zip(&args.size) {
+    for (n, &size) in (1u64..).zip(&args.size) {
         bar.set_message(format!("{size} B"));
-        let (samples, elapsed) = client(
+        let measured = client(
             &client_node,
             server_peer,
-            session,
+            run | n,
             args.test,
             size,
             args.iters,
             &bar,
-        )
-        .await?;
+        );
+        let (samples, elapsed) = tokio::select! {
+            measured = measured => measured?,
+            closed = hello.closed() => anyhow::bail!("the server ended the run: {closed}"),
+        };
         match args.test {
             Test::Lat => lat_rows.push(lat_row(size, samples)),
             Test::Bw => {
@@ -508,6 +652,7 @@ async fn run_client<N: Node>(
         }
     }
     bar.finish_and_clear();
+    hello.finish(Terminal::Finalized)?;
     if let Some(task) = server_task {
         task.await??;
     }
@@ -557,4 +702,30 @@ async fn run_client<N: Node>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_round_trips() {
+        let run = 0x1234_5678_9abc_0000;
+        assert_eq!(parse_plan(&encode_plan(run, 3)).unwrap(), (run, 3));
+        assert_eq!(
+            parse_plan(&encode_plan(run, SESSION_BITS)).unwrap(),
+            (run, SESSION_BITS)
+        );
+    }
+
+    #[test]
+    fn a_client_s_plan_is_checked_before_the_server_serves_it() {
+        // Wrong length.
+        assert!(parse_plan(&[0; 15]).is_err());
+        assert!(parse_plan(&[0; 17]).is_err());
+        // A run id that overlaps the session numbers, no sessions, too many.
+        assert!(parse_plan(&encode_plan(0x1_0001, 1)).is_err());
+        assert!(parse_plan(&encode_plan(0x1_0000, 0)).is_err());
+        assert!(parse_plan(&encode_plan(0x1_0000, SESSION_BITS + 1)).is_err());
+    }
 }

@@ -91,6 +91,8 @@ if [ -x /mnt/share/in/qpmux ]; then
         SERVER=$!
         echo "\$ qpmux $PP --connect 127.0.0.1:7000"
         timeout 300 $Q $PP --connect 127.0.0.1:7000 || PRC=1
+        echo "\$ qpmux pingpong --provider ibverbs --ibv-device rxe0 --handshake-timeout 60 --iters ${PINGPONG_ITERS:-100} --size 64 --connect 127.0.0.1:7000"
+        timeout 300 $Q pingpong --provider ibverbs --ibv-device rxe0 --handshake-timeout 60 --iters ${PINGPONG_ITERS:-100} --size 64 --connect 127.0.0.1:7000 || PRC=1
         kill $SERVER 2>/dev/null
         sed 's/^/server: /' /tmp/server.log
         echo "pingpong rc=$PRC"
