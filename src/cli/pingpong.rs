@@ -3,7 +3,8 @@
 //!
 //! ```text
 //!  client ─ slot (HELO, 0) ─► server: address blob, (run, sessions); open until the run ends
-//!  server ─ slot (PONG, run) ─► client: "ok" (the warm-up round trip)
+//!  server ─ slot (PONG, run) ─► client: "ok" (the warm-up round trip); finished
+//!                                        once the client has finished its hello
 //!  per size n = 1..=sessions:
 //!    client ─ slot (PING, run | n) ─► server: mode ("lat" | "bw"), then records
 //!    server ─ slot (PONG, run | n) ─► client: echoes every record (lat) or one count (bw)
@@ -231,7 +232,6 @@ async fn serve_client<N: Node>(node: &N, mut hello: SlotReceiver) -> anyhow::Res
     let (run, sessions) = parse_plan(&plan)?;
     let mut welcome = node.mux().open(peer, StreamKey::new(PONG_ANCHOR, run))?;
     welcome.send(Bytes::from_static(WELCOME)).await?;
-    welcome.finish(Terminal::Finalized)?;
     for n in 1..=sessions {
         tokio::select! {
             served = serve_session(node, peer, run | n) => served?,
@@ -239,7 +239,8 @@ async fn serve_client<N: Node>(node: &N, mut hello: SlotReceiver) -> anyhow::Res
         }
     }
     match tokio::time::timeout(CLIENT_LINGER, next_data(&mut hello)).await {
-        Ok(Some(Frame::Finalized)) => Ok(()),
+        // The client waits for this before it goes.
+        Ok(Some(Frame::Finalized)) => Ok(welcome.finish(Terminal::Finalized)?),
         Ok(other) => anyhow::bail!("client's run ended with {other:?}"),
         Err(_) => anyhow::bail!("client did not end its run within {CLIENT_LINGER:?}"),
     }
@@ -561,13 +562,14 @@ async fn serve_forever<N: Node>(node: N) -> anyhow::Result<()> {
 }
 
 /// Says hello (address, run id, session count) and waits for the welcome;
-/// returns the hello stream, to be finished when the run is over.
+/// returns the hello stream, to be finished when the run is over, and the
+/// welcome stream, which the server then finishes.
 async fn start_run<N: Node>(
     node: &N,
     server: PeerId,
     run: u64,
     sessions: u64,
-) -> anyhow::Result<SlotSender> {
+) -> anyhow::Result<(SlotSender, SlotReceiver)> {
     let mut welcome = node.mux().bind(StreamKey::new(PONG_ANCHOR, run))?;
     let mut hello = node.mux().open(server, StreamKey::new(HELLO_ANCHOR, 0))?;
     hello.send(Bytes::from(node.address())).await?;
@@ -575,7 +577,7 @@ async fn start_run<N: Node>(
     let dropped_before = node.mux().stats().slots_dropped;
     tokio::select! {
         reply = next_reply(node, dropped_before, &mut welcome) => match reply? {
-            Some(Frame::Data(ok)) if ok.as_ref() == WELCOME => Ok(hello),
+            Some(Frame::Data(ok)) if ok.as_ref() == WELCOME => Ok((hello, welcome)),
             other => anyhow::bail!("no welcome from the pingpong server: {other:?}"),
         },
         closed = hello.closed() => match closed {
@@ -619,7 +621,8 @@ async fn run_client<N: Node>(
     // The hello and its welcome pay for the link (bootstrap handshake, QP
     // setup), so no measured row does.
     let run = rand::random::<u64>() & !SESSION_BITS;
-    let hello = start_run(&client_node, server_peer, run, args.size.len() as u64).await?;
+    let (hello, mut welcome) =
+        start_run(&client_node, server_peer, run, args.size.len() as u64).await?;
     let bar = super::progress_bar(args.size.len() as u64 * args.iters, json);
     let mut lat_rows = Vec::new();
     let mut bw_rows = Vec::new();
@@ -653,6 +656,11 @@ async fn run_client<N: Node>(
     }
     bar.finish_and_clear();
     hello.finish(Terminal::Finalized)?;
+    // Going before the server heard the end would leave it a dropped run.
+    match tokio::time::timeout(CLIENT_LINGER, next_data(&mut welcome)).await {
+        Ok(Some(Frame::Finalized)) => {}
+        other => tracing::warn!("the pingpong server did not confirm the run's end: {other:?}"),
+    }
     if let Some(task) = server_task {
         task.await??;
     }
