@@ -186,12 +186,13 @@ impl Drop for Child {
     }
 }
 
-fn spawn_qpmux(args: &[&str], stdout: Stdio) -> Child {
+fn spawn_qpmux(args: &[&str], stdout: Stdio, stderr: Stdio) -> Child {
     Child(
         Command::new(env!("CARGO_BIN_EXE_qpmux"))
             .args(args)
+            .env("RUST_LOG", "warn")
             .stdout(stdout)
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .expect("qpmux starts"),
     )
@@ -203,7 +204,14 @@ fn spawn_qpmux(args: &[&str], stdout: Stdio) -> Child {
 /// is killed mid-session, the next run served.
 #[test]
 fn pingpong_serves_runs_between_processes_one_at_a_time() {
-    let mut server = spawn_qpmux(&["pingpong", "--server", "127.0.0.1:0"], Stdio::piped());
+    let log_dir = fresh_dir("pingpong-server");
+    std::fs::create_dir_all(&log_dir).expect("log dir");
+    let log = log_dir.join("stderr");
+    let mut server = spawn_qpmux(
+        &["pingpong", "--server", "127.0.0.1:0"],
+        Stdio::piped(),
+        std::fs::File::create(&log).expect("log file").into(),
+    );
     let mut first = String::new();
     BufReader::new(server.0.stdout.take().expect("piped"))
         .read_line(&mut first)
@@ -232,13 +240,13 @@ fn pingpong_serves_runs_between_processes_one_at_a_time() {
         "--size",
         "64",
     ];
-    let mut long_run = spawn_qpmux(&long_run_args, Stdio::null());
+    let mut long_run = spawn_qpmux(&long_run_args, Stdio::null(), Stdio::null());
     // A short run that gets in first is served and the long one refused:
     // then the long one starts again.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let stderr = loop {
         if long_run.0.try_wait().expect("waitable").is_some() {
-            long_run = spawn_qpmux(&long_run_args, Stdio::null());
+            long_run = spawn_qpmux(&long_run_args, Stdio::null(), Stdio::null());
         }
         let run = Command::new(env!("CARGO_BIN_EXE_qpmux"))
             .args(lat_run)
@@ -282,4 +290,9 @@ fn pingpong_serves_runs_between_processes_one_at_a_time() {
     };
     assert_latency_rows(&served, &[64], 200);
     drop(server);
+    // Finished runs end cleanly at the server too: only the killed one was
+    // abandoned.
+    let log = String::from_utf8_lossy(&read(&log)).into_owned();
+    assert_eq!(log.matches("pingpong client abandoned").count(), 1, "{log}");
+    let _ = std::fs::remove_dir_all(&log_dir);
 }

@@ -239,14 +239,27 @@ async fn serve_client<N: Node>(node: &N, mut hello: SlotReceiver) -> anyhow::Res
         }
     }
     match tokio::time::timeout(CLIENT_LINGER, next_data(&mut hello)).await {
-        // The client waits for this before it goes.
-        Ok(Some(Frame::Finalized)) => Ok(welcome.finish(Terminal::Finalized)?),
+        Ok(Some(Frame::Finalized)) => {
+            // The client goes once it has this; forgetting it sooner could
+            // cut the link under it.
+            welcome.finish(Terminal::Finalized)?;
+            client_gone(node, peer).await;
+            Ok(())
+        }
         Ok(other) => anyhow::bail!("client's run ended with {other:?}"),
         Err(_) => anyhow::bail!("client did not end its run within {CLIENT_LINGER:?}"),
     }
 }
 
 const WELCOME: &[u8] = b"ok";
+
+/// Waits until `peer` has no link (the client left), at most [`CLIENT_LINGER`].
+async fn client_gone<N: Node>(node: &N, peer: PeerId) {
+    let deadline = tokio::time::Instant::now() + CLIENT_LINGER;
+    while node.mux().epoch(peer).is_some() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
 
 /// The client's plan: its run id and how many sessions follow (16 bytes).
 fn encode_plan(run: u64, sessions: u64) -> Bytes {
@@ -661,10 +674,11 @@ async fn run_client<N: Node>(
         Ok(Some(Frame::Finalized)) => {}
         other => tracing::warn!("the pingpong server did not confirm the run's end: {other:?}"),
     }
+    // The server forgets this client once its link has gone.
+    client_node.shutdown();
     if let Some(task) = server_task {
         task.await??;
     }
-    client_node.shutdown();
     if json {
         match args.test {
             Test::Lat => println!("{}", serde_json::to_string_pretty(&lat_rows)?),
