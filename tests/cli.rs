@@ -109,12 +109,15 @@ fn a_sweep_writes_its_cells_as_json_and_draws_the_plots() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
-fn qpmux_json(args: &[&str]) -> serde_json::Value {
-    let run = Command::new(env!("CARGO_BIN_EXE_qpmux"))
+fn run_qpmux(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_qpmux"))
         .args(args)
-        .arg("--json")
         .output()
-        .expect("qpmux runs");
+        .expect("qpmux runs")
+}
+
+fn qpmux_json(args: &[&str]) -> serde_json::Value {
+    let run = run_qpmux(&[args, &["--json"]].concat());
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "qpmux {args:?} failed: {stderr}");
     serde_json::from_slice(&run.stdout).unwrap_or_else(|e| {
@@ -248,10 +251,7 @@ fn pingpong_serves_runs_between_processes_one_at_a_time() {
         if long_run.0.try_wait().expect("waitable").is_some() {
             long_run = spawn_qpmux(&long_run_args, Stdio::null(), Stdio::null());
         }
-        let run = Command::new(env!("CARGO_BIN_EXE_qpmux"))
-            .args(lat_run)
-            .output()
-            .expect("qpmux runs");
+        let run = run_qpmux(&lat_run);
         if !run.status.success() {
             break String::from_utf8_lossy(&run.stderr).into_owned();
         }
@@ -272,11 +272,7 @@ fn pingpong_serves_runs_between_processes_one_at_a_time() {
     drop(long_run);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let served = loop {
-        let run = Command::new(env!("CARGO_BIN_EXE_qpmux"))
-            .args(lat_run)
-            .arg("--json")
-            .output()
-            .expect("qpmux runs");
+        let run = run_qpmux(&[&lat_run[..], &["--json"]].concat());
         let stderr = String::from_utf8_lossy(&run.stderr);
         if run.status.success() {
             break serde_json::from_slice(&run.stdout).expect("JSON rows");
