@@ -667,3 +667,43 @@ async fn an_rdma_sender_sends_within_its_receivers_smaller_windows() {
     })
     .await;
 }
+
+fn registered_bytes(t: &Transport) -> u64 {
+    t.metrics()
+        .into_iter()
+        .find(|(name, _)| *name == "qpmux_registered_bytes")
+        .expect("gauge")
+        .1
+}
+
+/// `unregister` forgets a peer for good (what a server that serves many
+/// short-lived clients relies on): its link ends and is released, its
+/// receive ring leaving the registered-memory gauge, and a slot opened to it
+/// afterwards gets no dial, so a peer that has gone is not dialled forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unregistered_peer_is_released_and_not_dialled_again() {
+    bounded(async {
+        let a = transport(A, None).await;
+        let b = transport(B, None).await;
+        mesh(&[&a, &b]);
+        let idle = registered_bytes(&a);
+        stream(a.mux(), B, b.mux(), 7, 2).await;
+        assert!(registered_bytes(&a) > idle, "a link end holds its ring");
+        // The peer goes away; then it is forgotten.
+        b.shutdown();
+        drop(b);
+        until(|| a.mux().epoch(B).is_none()).await;
+        a.unregister(B);
+        until(|| registered_bytes(&a) == idle).await;
+        let dials = |t: &Transport| {
+            let s = t.node().stats();
+            s.established + s.dial_failures
+        };
+        let before = dials(&a);
+        let tx = a.mux().open(B, StreamKey::new(8, 0));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(dials(&a), before, "dialled a forgotten peer");
+        drop(tx);
+    })
+    .await;
+}

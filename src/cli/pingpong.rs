@@ -30,8 +30,8 @@ use crate::link::Node;
 use crate::link::rdma::{RdmaNodeConfig, RdmaTransport};
 use crate::link::tcp::{TcpNodeConfig, TcpTransport};
 use crate::mux::{
-    Frame, MuxConfig, MuxError, MuxTransport, PeerId, SendError, SlotReceiver, SlotSender,
-    StreamKey, Terminal,
+    CloseReason, Frame, MuxConfig, MuxError, MuxTransport, PeerId, SendError, SlotReceiver,
+    SlotSender, StreamKey, Terminal,
 };
 use crate::verbs::Device;
 use crate::verbs::soft::SoftDevice;
@@ -43,8 +43,12 @@ const PONG_ANCHOR: u64 = 0x504f_4e47; // "PONG"
 /// A run's sessions are `run | n`: the run id keeps these bits clear.
 const SESSION_BITS: u64 = 0xffff;
 /// How long a server waits for a client to say its run is over once the
-/// last session's reply is out.
+/// last session's reply is out, and for its link to go after that.
 const CLIENT_LINGER: Duration = Duration::from_secs(10);
+/// A client silent this long mid-run (no record, no heartbeat: an idle
+/// slot's comes every 5 s) is abandoned, so a frozen one cannot hold the
+/// server.
+const CLIENT_SILENCE: Duration = Duration::from_secs(15);
 
 /// The server's node id; a client started with `--connect` assumes it.
 const SERVER_ID: u64 = 1;
@@ -195,16 +199,33 @@ async fn serve<N: Node>(node: &N, clients: Option<u64>) -> anyhow::Result<()> {
 }
 
 /// Binds the hello key. An abandoned client's hello stays bound until its
-/// peer task closes it, a moment after the peer is forgotten.
+/// peer task closes it, a moment after the peer is forgotten; only a mux
+/// that is shut down ends the server.
 async fn bind_hello<N: Node>(node: &N) -> anyhow::Result<SlotReceiver> {
     let key = StreamKey::new(HELLO_ANCHOR, 0);
-    let deadline = tokio::time::Instant::now() + CLIENT_LINGER;
+    let mut warn_at = tokio::time::Instant::now() + CLIENT_LINGER;
     loop {
         match node.mux().bind(key) {
-            Err(MuxError::AlreadyBound(_)) if tokio::time::Instant::now() < deadline => {
+            Err(MuxError::AlreadyBound(_)) => {
+                if tokio::time::Instant::now() >= warn_at {
+                    tracing::warn!("the last pingpong client's hello is still bound; waiting");
+                    warn_at += CLIENT_LINGER;
+                }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             bound => return Ok(bound?),
+        }
+    }
+}
+
+/// The next frame other than a heartbeat, within [`CLIENT_SILENCE`] of the
+/// last frame of any kind.
+async fn next_from_client(rx: &mut SlotReceiver) -> anyhow::Result<Option<Frame>> {
+    loop {
+        match tokio::time::timeout(CLIENT_SILENCE, rx.recv()).await {
+            Ok(Some(Frame::Heartbeat)) => continue,
+            Ok(frame) => return Ok(frame),
+            Err(_) => anyhow::bail!("client silent for {CLIENT_SILENCE:?}"),
         }
     }
 }
@@ -221,15 +242,21 @@ impl<N: Node> Drop for Forget<'_, N> {
 /// One client's run: its sessions in order, while its hello stream stays
 /// open; over when the client finishes that stream.
 async fn serve_client<N: Node>(node: &N, mut hello: SlotReceiver) -> anyhow::Result<()> {
-    let Some(Frame::Data(address)) = next_data(&mut hello).await else {
+    let Some(Frame::Data(address)) = next_from_client(&mut hello).await? else {
         anyhow::bail!("pingpong client sent no address");
     };
     let peer = node.register(&address)?;
     let _forget = Forget(node, peer);
-    let Some(Frame::Data(plan)) = next_data(&mut hello).await else {
+    let Some(Frame::Data(plan)) = next_from_client(&mut hello).await? else {
         anyhow::bail!("pingpong client sent no plan");
     };
     let (run, sessions) = parse_plan(&plan)?;
+    // A client that dialled in has a link; an address it does not answer
+    // at (it left while queued, or named another node) is not dialled.
+    anyhow::ensure!(
+        node.mux().epoch(peer).is_some(),
+        "no link to the client its address names"
+    );
     let mut welcome = node.mux().open(peer, StreamKey::new(PONG_ANCHOR, run))?;
     welcome.send(Bytes::from_static(WELCOME)).await?;
     for n in 1..=sessions {
@@ -288,7 +315,7 @@ fn parse_plan(plan: &[u8]) -> anyhow::Result<(u64, u64)> {
 /// One session: the mode, then echoes (lat) or a count at the end (bw).
 async fn serve_session<N: Node>(node: &N, peer: PeerId, session: u64) -> anyhow::Result<()> {
     let mut rx = node.mux().bind(StreamKey::new(PING_ANCHOR, session))?;
-    let Some(Frame::Data(mode)) = next_data(&mut rx).await else {
+    let Some(Frame::Data(mode)) = next_from_client(&mut rx).await? else {
         anyhow::bail!("pingpong client sent no mode");
     };
     let mut tx = node
@@ -296,7 +323,7 @@ async fn serve_session<N: Node>(node: &N, peer: PeerId, session: u64) -> anyhow:
         .open(peer, StreamKey::new(PONG_ANCHOR, session))?;
     let echo = mode.as_ref() == b"lat";
     let mut received = 0u64;
-    while let Some(frame) = rx.recv().await {
+    while let Some(frame) = next_from_client(&mut rx).await? {
         match frame {
             Frame::Data(record) => {
                 received += 1;
@@ -304,7 +331,6 @@ async fn serve_session<N: Node>(node: &N, peer: PeerId, session: u64) -> anyhow:
                     tx.send(record).await?;
                 }
             }
-            Frame::Heartbeat => {}
             Frame::Finalized => break,
             other => anyhow::bail!("pingpong stream ended: {other:?}"),
         }
@@ -582,6 +608,7 @@ async fn start_run<N: Node>(
     server: PeerId,
     run: u64,
     sessions: u64,
+    wait: Duration,
 ) -> anyhow::Result<(SlotSender, SlotReceiver)> {
     let mut welcome = node.mux().bind(StreamKey::new(PONG_ANCHOR, run))?;
     let mut hello = node.mux().open(server, StreamKey::new(HELLO_ANCHOR, 0))?;
@@ -594,11 +621,12 @@ async fn start_run<N: Node>(
             other => anyhow::bail!("no welcome from the pingpong server: {other:?}"),
         },
         closed = hello.closed() => match closed {
-            SendError::PeerClosed(_) => anyhow::bail!(
+            SendError::PeerClosed(CloseReason::Refused | CloseReason::UnknownSlot) => anyhow::bail!(
                 "the pingpong server refused this run ({closed}): it serves one client at a time"
             ),
-            other => anyhow::bail!("the link to the pingpong server ended before its welcome: {other}"),
+            other => anyhow::bail!("the pingpong server ended the run before its welcome: {other}"),
         },
+        () = tokio::time::sleep(wait) => anyhow::bail!("no welcome from the pingpong server within {wait:?}"),
     }
 }
 
@@ -634,8 +662,16 @@ async fn run_client<N: Node>(
     // The hello and its welcome pay for the link (bootstrap handshake, QP
     // setup), so no measured row does.
     let run = rand::random::<u64>() & !SESSION_BITS;
-    let (hello, mut welcome) =
-        start_run(&client_node, server_peer, run, args.size.len() as u64).await?;
+    // Dialling, the handshake, and a server finishing the run before.
+    let welcome_wait = Duration::from_secs(args.handshake_timeout) + 2 * CLIENT_LINGER;
+    let (hello, mut welcome) = start_run(
+        &client_node,
+        server_peer,
+        run,
+        args.size.len() as u64,
+        welcome_wait,
+    )
+    .await?;
     let bar = super::progress_bar(args.size.len() as u64 * args.iters, json);
     let mut lat_rows = Vec::new();
     let mut bw_rows = Vec::new();

@@ -182,7 +182,9 @@ pub trait Node: Send + Sync + 'static {
     /// returns the id the mux knows it by. Idempotent.
     fn register(&self, address: &[u8]) -> Result<PeerId, RegisterError>;
 
-    /// Forgets `peer`: its link is torn down and nothing of it is kept.
+    /// Forgets `peer`: its link is torn down and released, and nothing dials
+    /// it again until it is registered again (only what keeps its epochs
+    /// increasing is kept).
     fn unregister(&self, peer: PeerId);
 
     /// Stops accepting, ends every epoch, and stops the mux. Does not wait.

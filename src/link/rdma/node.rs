@@ -546,7 +546,7 @@ impl<D: Device + 'static> Node for RdmaTransport<D> {
     }
 
     fn unregister(&self, peer: PeerId) {
-        self.node.close_link(peer);
+        self.node.forget(peer);
     }
 
     fn shutdown(&self) {

@@ -664,6 +664,24 @@ impl<E: EpochMaker> Connector<E> {
         Ok(peer)
     }
 
+    /// Forgets `peer` (what a transport's `Node::unregister` does): ends its
+    /// current link and lets go of it, so the link's resources (a QP, its
+    /// receive ring) go once the mux has too, and drops its address, so
+    /// nothing dials it again until it is registered again. Its last epoch
+    /// and incarnation stay (a few bytes): a later link with it still starts
+    /// a newer epoch.
+    pub fn forget(&self, peer: PeerId) {
+        let link = self.inner.peers().get_mut(&peer).and_then(|state| {
+            state.addr = None;
+            state.backoff = Duration::ZERO;
+            state.retry_at = None;
+            state.current.take()
+        });
+        if let Some(link) = link {
+            link.fail(EpochEnd::Closed);
+        }
+    }
+
     /// Ends the current link to `peer` gracefully, if there is one.
     pub fn close_link(&self, peer: PeerId) {
         if let Some(link) = self.link(peer) {

@@ -46,7 +46,7 @@ impl Node for TcpTransport {
     }
 
     fn unregister(&self, peer: PeerId) {
-        self.node.close_link(peer);
+        self.node.forget(peer);
     }
 
     fn shutdown(&self) {
