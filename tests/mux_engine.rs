@@ -8,8 +8,8 @@ use qpmux::link::mem::{MemConfig, MemFabric, MemLink, pair};
 use qpmux::link::{EpochEnd, Link, LinkFault};
 use qpmux::mux::protocol::{BatchEncoder, BatchView, FrameSeq, Lane, RecordBody, SlotId};
 use qpmux::mux::{
-    DropReason, Epoch, FlushPolicy, Frame, Mux, MuxConfig, MuxTransport, PeerId, SendError,
-    StreamKey, Terminal,
+    CloseReason, DropReason, Epoch, FlushPolicy, Frame, Mux, MuxConfig, MuxTransport, PeerId,
+    SendError, StreamKey, Terminal,
 };
 use rand::{Rng, SeedableRng};
 
@@ -1119,4 +1119,30 @@ async fn a_record_past_the_peer_window() {
     assert_eq!((a.epoch(B), b.epoch(A)), (Some(Epoch(1)), Some(Epoch(1))));
     // The peer and its other streams go on.
     slots::late_consumer_stream(&a, A, &b, B, 11).await;
+}
+
+/// A refused open reaches its sender as refused, even when the records sent
+/// behind it in the same batch arrive for a slot the receiver never made
+/// (their "unknown slot" used to overwrite the refusal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_open_reaches_its_sender_as_refused() {
+    let config = MuxConfig {
+        flush: FlushPolicy::Manual {
+            reply_linger: Duration::from_millis(1),
+        },
+        // Every open for a key nobody bound is refused.
+        max_unbound_per_peer: 0,
+        ..MuxConfig::default()
+    };
+    let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+    let a = &muxes[0];
+    let mut tx = a.open(B, StreamKey::new(9, 0)).expect("open");
+    for n in 0..4 {
+        tx.send(record(0, n, 100)).await.expect("queued");
+    }
+    a.flush(B).expect("flush");
+    let closed = tokio::time::timeout(Duration::from_secs(10), tx.closed())
+        .await
+        .expect("the refusal arrives");
+    assert_eq!(closed, SendError::PeerClosed(CloseReason::Refused));
 }

@@ -1013,6 +1013,16 @@ impl PeerCore {
     }
 
     fn owe_close(&mut self, slot: SlotId, reason: CloseReason, now: Instant) {
+        // The first reason owed for a slot stands: a refused open's records,
+        // behind it in the same batch, find no slot, and the sender must
+        // still hear "refused".
+        if self
+            .closes_owed
+            .get(&slot.index())
+            .is_some_and(|&(owed, _)| owed == slot)
+        {
+            return;
+        }
         // Bounded by the slot limit: a peer spraying unknown slots is told
         // about as many as could exist, the rest are only counted.
         if self.closes_owed.len() < self.config.max_slots_per_peer as usize {
