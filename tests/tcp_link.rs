@@ -863,3 +863,36 @@ async fn a_listener_giving_up_after_the_dialers_ready_costs_one_relink() {
     assert!(a.stats().slots_carried >= 1);
     assert_eq!(b_node.stats().established, 1, "B installed only the second");
 }
+
+/// A forgotten peer (`Node::unregister`) is not dialled again, also when the
+/// forgetting comes while a dial waits out its backoff, and a slot to it
+/// still wants a link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forgotten_peer_is_not_dialled_again_even_by_a_waiting_dial() {
+    bounded(async {
+        let wait = Duration::from_millis(200);
+        let (a_node, a) = TcpNode::start(
+            TcpNodeConfig {
+                backoff_min: wait,
+                backoff_max: wait,
+                ..config(A, None)
+            },
+            any_port(),
+            MuxConfig::default(),
+        )
+        .await
+        .expect("bind");
+        a_node.register(B, dead_addr().await);
+        let mut tx = a.open(B, StreamKey::new(43, 1)).expect("open");
+        tx.send(record(1, 0, 64)).await.expect("queued");
+        until(|| a_node.stats().dial_failures == 1).await;
+        // The mux asks again while the backoff runs: a dial now waits.
+        a_node.dialer().want_link(B);
+        a_node.forget(B);
+        tokio::time::sleep(wait * 5).await;
+        assert_eq!(a_node.stats().dial_failures, 1, "dialled a forgotten peer");
+        assert_eq!(a_node.backoff(B), Duration::ZERO);
+        drop(tx);
+    })
+    .await;
+}

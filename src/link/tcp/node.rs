@@ -826,12 +826,22 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
             state.dial = Dial::Idle;
             return;
         }
+        if state.addr.is_none() {
+            // Forgotten while waiting.
+            state.dial = Dial::Idle;
+            return;
+        }
         state.dial = Dial::Connecting;
     }
     let result = dial_once(&inner, peer).await;
     let mut peers = inner.peers();
     let state = peers.entry(peer).or_default();
     state.dial = Dial::Idle;
+    if result.is_err() && state.addr.is_none() {
+        // Forgotten mid-dial: nothing to back off from or warn about.
+        tracing::debug!(?peer, "dial to a forgotten peer abandoned");
+        return;
+    }
     match result {
         Ok(epoch) => tracing::debug!(?peer, %epoch, "dialed"),
         Err(err) if err.is_benign() => {
@@ -906,7 +916,19 @@ async fn dial_once<E: EpochMaker>(
     let (stream, established, prefix, armed) = timeout(inner.config.handshake_timeout, attempt)
         .await
         .map_err(|_| ConnectError::Timeout)??;
-    install(inner, peer, established, armed, stream, prefix, granted)
+    debug_assert_eq!(
+        established.peer.node, peer,
+        "the dialer's handshake checks it"
+    );
+    install(
+        inner,
+        Side::Dialed,
+        established,
+        armed,
+        stream,
+        prefix,
+        granted,
+    )
 }
 
 /// Runs `hs` over `stream` to the end. `on_hello` answers a listener's
@@ -970,22 +992,34 @@ async fn drive(
     }
 }
 
+/// Which end of the bootstrap connection this node was.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Dialed,
+    Accepted,
+}
+
 /// Installs an established epoch: a new link, attached to the mux.
 fn install<E: EpochMaker>(
     inner: &NodeInner<E>,
-    peer: PeerId,
+    side: Side,
     established: Established,
     armed: E::Armed,
     stream: TcpStream,
     prefix: Vec<u8>,
     granted: u32,
 ) -> Result<Epoch, ConnectError> {
+    let peer = established.peer.node;
     let mux = inner.mux.get().ok_or(ConnectError::NotServing)?;
     let mut peers = inner.peers();
     if inner.shutdown.load(Ordering::Acquire) {
         return Err(ConnectError::NotServing);
     }
     let state = peers.entry(peer).or_default();
+    if side == Side::Dialed && state.addr.is_none() {
+        // Forgotten while the dial was under way.
+        return Err(ConnectError::UnknownPeer(peer));
+    }
     if established.epoch <= state.last_epoch {
         return Err(ConnectError::Superseded(state.last_epoch));
     }
@@ -1151,7 +1185,7 @@ async fn accept_once<E: EpochMaker>(
     let armed = armed.ok_or(BootstrapError::OutOfOrder)?;
     let epoch = install(
         inner,
-        established.peer.node,
+        Side::Accepted,
         established,
         armed,
         stream,
