@@ -46,6 +46,18 @@ async fn node(id: PeerId, key: Option<&[u8]>) -> (TcpNode, Mux<TcpLink>) {
         .expect("bind")
 }
 
+/// A node whose failed dials always wait `backoff` before the next.
+async fn node_backing_off(id: PeerId, backoff: Duration) -> (TcpNode, Mux<TcpLink>) {
+    let config = TcpNodeConfig {
+        backoff_min: backoff,
+        backoff_max: backoff,
+        ..config(id, None)
+    };
+    TcpNode::start(config, any_port(), MuxConfig::default())
+        .await
+        .expect("bind")
+}
+
 /// Registers every node with every other.
 fn mesh(nodes: &[&TcpNode]) {
     for a in nodes {
@@ -652,17 +664,7 @@ async fn one_stream(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_waiting_out_its_backoff_accepts_the_peers_dial() {
     let long_wait = Duration::from_secs(60);
-    let (a_node, a) = TcpNode::start(
-        TcpNodeConfig {
-            backoff_min: long_wait,
-            backoff_max: long_wait,
-            ..config(A, None)
-        },
-        any_port(),
-        MuxConfig::default(),
-    )
-    .await
-    .expect("bind");
+    let (a_node, a) = node_backing_off(A, long_wait).await;
     let b_config = config(B, None);
     let b_bound = b_config.backoff_max + b_config.handshake_timeout;
     let (b_node, b) = TcpNode::start(b_config, any_port(), MuxConfig::default())
@@ -699,17 +701,7 @@ async fn a_node_waiting_out_its_backoff_accepts_the_peers_dial() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_dial_does_not_replace_a_link_the_peer_brought_up() {
     let wait = Duration::from_millis(1500);
-    let (a_node, a) = TcpNode::start(
-        TcpNodeConfig {
-            backoff_min: wait,
-            backoff_max: wait,
-            ..config(A, None)
-        },
-        any_port(),
-        MuxConfig::default(),
-    )
-    .await
-    .expect("bind");
+    let (a_node, a) = node_backing_off(A, wait).await;
     let (b_node, b) = node(B, None).await;
     a_node.register(B, dead_addr().await);
     b_node.register(A, a_node.local_addr());
@@ -871,17 +863,7 @@ async fn a_listener_giving_up_after_the_dialers_ready_costs_one_relink() {
 async fn a_forgotten_peer_is_not_dialled_again_even_by_a_waiting_dial() {
     bounded(async {
         let wait = Duration::from_millis(200);
-        let (a_node, a) = TcpNode::start(
-            TcpNodeConfig {
-                backoff_min: wait,
-                backoff_max: wait,
-                ..config(A, None)
-            },
-            any_port(),
-            MuxConfig::default(),
-        )
-        .await
-        .expect("bind");
+        let (a_node, a) = node_backing_off(A, wait).await;
         a_node.register(B, dead_addr().await);
         let mut tx = a.open(B, StreamKey::new(43, 1)).expect("open");
         tx.send(record(1, 0, 64)).await.expect("queued");
