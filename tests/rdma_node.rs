@@ -707,3 +707,31 @@ async fn an_unregistered_peer_is_released_and_not_dialled_again() {
     })
     .await;
 }
+
+/// A peer that only ever dialled in (never registered here, so never
+/// unregistered either) is let go when its link ends: a server that many
+/// short-lived clients dial gets its receive rings back without a call per
+/// client, and its connection table does not keep one entry per client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_only_dialled_in_is_released_when_its_link_ends() {
+    bounded(async {
+        let a = transport(A, None).await;
+        let idle = registered_bytes(&a);
+        for (round, id) in [B, C, D].into_iter().enumerate() {
+            let client = transport(id, None).await;
+            assert_eq!(client.register(&a.address()), Ok(A));
+            stream(client.mux(), A, a.mux(), 10 + round as u64, 2).await;
+            assert!(registered_bytes(&a) > idle, "a link end holds its ring");
+            client.shutdown();
+            drop(client);
+            until(|| a.mux().epoch(id).is_none()).await;
+            until(|| registered_bytes(&a) == idle).await;
+            assert_eq!(
+                a.node().stats().peers_known,
+                0,
+                "an entry stayed for {id:?}"
+            );
+        }
+    })
+    .await;
+}

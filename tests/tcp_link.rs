@@ -878,3 +878,38 @@ async fn a_forgotten_peer_is_not_dialled_again_even_by_a_waiting_dial() {
     })
     .await;
 }
+
+/// A forgotten peer leaves the connection table once nothing is under way
+/// for it, and a link with it after it returns (a fresh process proposing
+/// epoch 0) still starts an epoch newer than any it had here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forgotten_peer_that_returns_starts_a_newer_epoch() {
+    bounded(async {
+        let (a_node, a) = node(A, None).await;
+        let (b_node, b) = node(B, None).await;
+        mesh(&[&a_node, &b_node]);
+        stream(&a, B, &b, 1, 2).await;
+        assert_eq!(a.epoch(B), Some(Epoch(1)));
+        assert_eq!(a_node.stats().peers_known, 1);
+        let addr = b_node.local_addr();
+        b.shutdown();
+        b_node.shutdown();
+        drop(b);
+        drop(b_node);
+        until(|| a.epoch(B).is_none()).await;
+        a_node.forget(B);
+        until(|| a_node.stats().peers_known == 0).await;
+        let (_b2_node, b2) = loop {
+            match TcpNode::start(config(B, None), addr, MuxConfig::default()).await {
+                Ok(started) => break started,
+                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        };
+        a_node.register(B, addr);
+        stream(&a, B, &b2, 2, 2).await;
+        assert_eq!(a.epoch(B), Some(Epoch(2)), "above the forgotten epoch 1");
+        assert_eq!(b2.epoch(A), Some(Epoch(2)));
+        assert_eq!(a_node.stats().peers_known, 1);
+    })
+    .await;
+}

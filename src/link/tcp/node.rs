@@ -14,7 +14,9 @@
 //!
 //! One table (`peers`, one mutex) says per peer: address, where our dial
 //! stands, handshakes being accepted, last epoch, incarnation, current link,
-//! backoff. Crossed dials settle on the connection dialed by the lower node
+//! backoff. A peer neither registered, linked, dialing nor being accepted
+//! leaves it (its ended link with it); the newest epoch of those gone is a
+//! floor under every peer's next. Crossed dials settle on the connection dialed by the lower node
 //! id: a listener declines a higher-id dialer while it is connecting to that
 //! peer itself (not while it only waits out a backoff), and declines any dial
 //! proposing an epoch older than the running one (it predates it). Declines
@@ -235,6 +237,9 @@ pub struct NodeStats {
     /// under way, or `max_pending_per_source` from their source IP (also
     /// counted in `refused`).
     pub handshakes_shed: u64,
+    /// Peers the connection table holds now: registered, linked, dialing or
+    /// being accepted. A peer that is none of these any more is let go.
+    pub peers_known: u64,
 }
 
 #[derive(Default)]
@@ -416,6 +421,10 @@ struct NodeInner<E: EpochMaker> {
     incarnation: u64,
     local_addr: SocketAddr,
     peers: Mutex<Peers<E>>,
+    /// The newest epoch of any peer whose entry was let go; changed only
+    /// under the `peers` lock. Every entry's epochs start above it, so a
+    /// link with a peer that comes back still starts a newer epoch.
+    epoch_floor: AtomicU64,
     mux: OnceLock<Mux<E::Link>>,
     counters: Counters,
     last_refusal: Mutex<Option<ConnectError>>,
@@ -481,6 +490,31 @@ impl<E: EpochMaker> NodeInner<E> {
 
     fn live(state: &PeerState<E::Link>) -> bool {
         state.current.as_ref().is_some_and(|l| !E::is_ended(l))
+    }
+
+    /// The last epoch with `state`'s peer, or the floor of let-go peers'.
+    fn last_epoch(&self, state: &PeerState<E::Link>) -> Epoch {
+        state
+            .last_epoch
+            .max(Epoch(self.epoch_floor.load(Ordering::Relaxed)))
+    }
+
+    /// Takes `peer`'s entry out of the table if nothing is left in it: not
+    /// registered, no live link, no dial, no handshake under way. Its last
+    /// epoch raises the floor. The caller drops what is returned (an ended
+    /// link, whose resources may go with it) after unlocking.
+    fn let_go(&self, peers: &mut Peers<E>, peer: PeerId) -> Option<PeerState<E::Link>> {
+        let state = peers.get(&peer)?;
+        if state.addr.is_some()
+            || Self::live(state)
+            || state.dial != Dial::Idle
+            || state.accepting > 0
+        {
+            return None;
+        }
+        let floor = self.last_epoch(state);
+        self.epoch_floor.store(floor.0, Ordering::Relaxed);
+        peers.remove(&peer)
     }
 
     /// True if taking `peer` on would exceed `max_peers`: a peer already
@@ -595,6 +629,7 @@ impl<E: EpochMaker> Connector<E> {
             incarnation: rand::random(),
             local_addr,
             peers: Mutex::new(HashMap::new()),
+            epoch_floor: AtomicU64::new(0),
             mux: OnceLock::new(),
             counters: Counters::default(),
             last_refusal: Mutex::new(None),
@@ -667,19 +702,25 @@ impl<E: EpochMaker> Connector<E> {
     /// Forgets `peer` (what a transport's `Node::unregister` does): ends its
     /// current link and lets go of it, so the link's resources (a QP, its
     /// receive ring) go once the mux has too, and drops its address, so
-    /// nothing dials it again until it is registered again. Its last epoch
-    /// and incarnation stay (a few bytes): a later link with it still starts
-    /// a newer epoch.
+    /// nothing dials it again until it is registered again. Its entry goes
+    /// once no dial or handshake for it is under way; a later link with it
+    /// still starts a newer epoch (the table keeps the newest epoch of any
+    /// peer it let go), but a restart of the peer meanwhile is not counted.
     pub fn forget(&self, peer: PeerId) {
-        let link = self.inner.peers().get_mut(&peer).and_then(|state| {
-            state.addr = None;
-            state.backoff = Duration::ZERO;
-            state.retry_at = None;
-            state.current.take()
-        });
+        let (link, entry) = {
+            let mut peers = self.inner.peers();
+            let link = peers.get_mut(&peer).and_then(|state| {
+                state.addr = None;
+                state.backoff = Duration::ZERO;
+                state.retry_at = None;
+                state.current.take()
+            });
+            (link, self.inner.let_go(&mut peers, peer))
+        };
         if let Some(link) = link {
             link.fail(EpochEnd::Closed);
         }
+        drop(entry);
     }
 
     /// Ends the current link to `peer` gracefully, if there is one.
@@ -711,6 +752,7 @@ impl<E: EpochMaker> Connector<E> {
             restarts_seen: c.restarts_seen.load(Ordering::Relaxed),
             peer_limit_refusals: c.peer_limit_refusals.load(Ordering::Relaxed),
             handshakes_shed: c.handshakes_shed.load(Ordering::Relaxed),
+            peers_known: self.inner.peers().len() as u64,
         }
     }
 
@@ -813,6 +855,15 @@ impl<E: EpochMaker> Dialer for NodeDialer<E> {
         drop(peers);
         tokio::spawn(dial_task(inner, peer, wait));
     }
+
+    fn link_released(&self, peer: PeerId) {
+        // A peer that only dialled in is let go with its last link; one
+        // registered here stays until it is unregistered.
+        if let Some(inner) = self.node.upgrade() {
+            let entry = inner.let_go(&mut inner.peers(), peer);
+            drop(entry);
+        }
+    }
 }
 
 async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: Option<Instant>) {
@@ -829,6 +880,9 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
         if state.addr.is_none() {
             // Forgotten while waiting.
             state.dial = Dial::Idle;
+            let entry = inner.let_go(&mut peers, peer);
+            drop(peers);
+            drop(entry);
             return;
         }
         state.dial = Dial::Connecting;
@@ -840,6 +894,9 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     if result.is_err() && state.addr.is_none() {
         // Forgotten mid-dial: nothing to back off from or warn about.
         tracing::debug!(?peer, "dial to a forgotten peer abandoned");
+        let entry = inner.let_go(&mut peers, peer);
+        drop(peers);
+        drop(entry);
         return;
     }
     match result {
@@ -874,13 +931,14 @@ async fn dial_once<E: EpochMaker>(
         let peers = inner.peers();
         let state = peers.get(&peer).ok_or(ConnectError::UnknownPeer(peer))?;
         let addr = state.addr.ok_or(ConnectError::UnknownPeer(peer))?;
+        let proposed = inner.last_epoch(state);
         if inner.at_peer_limit(&peers, peer) {
             bump(&inner.counters.peer_limit_refusals);
             return Err(ConnectError::TooManyPeers {
                 limit: inner.config.max_peers,
             });
         }
-        (addr, state.last_epoch)
+        (addr, proposed)
     };
     // The credit our hello gives the peer, for the mux at install.
     let mut granted = 0;
@@ -1020,8 +1078,9 @@ fn install<E: EpochMaker>(
         // Forgotten while the dial was under way.
         return Err(ConnectError::UnknownPeer(peer));
     }
-    if established.epoch <= state.last_epoch {
-        return Err(ConnectError::Superseded(state.last_epoch));
+    let last_epoch = inner.last_epoch(state);
+    if established.epoch <= last_epoch {
+        return Err(ConnectError::Superseded(last_epoch));
     }
     let link = inner
         .epochs
@@ -1112,9 +1171,13 @@ struct Accepting<'a, E: EpochMaker> {
 impl<E: EpochMaker> Drop for Accepting<'_, E> {
     fn drop(&mut self) {
         if let Some(peer) = self.peer {
-            if let Some(state) = self.inner.peers().get_mut(&peer) {
+            let mut peers = self.inner.peers();
+            if let Some(state) = peers.get_mut(&peer) {
                 state.accepting = state.accepting.saturating_sub(1);
             }
+            let entry = self.inner.let_go(&mut peers, peer);
+            drop(peers);
+            drop(entry);
         }
     }
 }
@@ -1225,5 +1288,5 @@ fn decide<E: EpochMaker>(
         return Err((DeclineReason::StaleDial, None));
     }
     state.accepting += 1;
-    Ok(state.last_epoch)
+    Ok(inner.last_epoch(state))
 }

@@ -52,6 +52,13 @@ pub trait Dialer: Send + Sync + 'static {
     /// The mux has work for `peer` and no link; connect and then call
     /// [`Mux::attach`]. Called again while no link arrives; must be idempotent.
     fn want_link(&self, peer: PeerId);
+
+    /// The mux has let go of `peer`'s link: its epoch ended and the mux holds
+    /// no handle to it any more. A connector may let go of what it keeps for
+    /// the peer too. Default: nothing.
+    fn link_released(&self, peer: PeerId) {
+        let _ = peer;
+    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -368,6 +375,7 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
             .instrument(span)
             .await;
         tracing::debug!(?peer, %epoch, %end, "epoch ended");
+        shared.dialer.link_released(peer);
         if !matches!(end, EpochEnd::Closed | EpochEnd::Shutdown) {
             died = Some(Instant::now());
         }
