@@ -2,7 +2,7 @@
 //! `cargo run --release` shows, a sweep that measures a few cells,
 //! writes them to `sweep.json` and draws the plots (SVG, and PNG where
 //! `rsvg-convert` is installed; CI installs it), and pingpong in one process
-//! and across two.
+//! and across several (a server outliving a killed client and a frozen one).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -201,19 +201,13 @@ fn spawn_qpmux(args: &[&str], stdout: Stdio, stderr: Stdio) -> Child {
     )
 }
 
-/// A server in its own process on an ephemeral port, clients reaching it by
-/// the address blob it prints: two runs one after the other, a second client
-/// refused (with a reason) while a run is on, and, once that run's client
-/// is killed mid-session, the next run served.
-#[test]
-fn pingpong_serves_runs_between_processes_one_at_a_time() {
-    let log_dir = fresh_dir("pingpong-server");
-    std::fs::create_dir_all(&log_dir).expect("log dir");
-    let log = log_dir.join("stderr");
+/// Starts `qpmux pingpong --server` on an ephemeral port (with `extra`
+/// flags, its stderr into `log`); returns it and the address blob it printed.
+fn pingpong_server(extra: &[&str], log: &Path) -> (Child, String) {
     let mut server = spawn_qpmux(
-        &["pingpong", "--server", "127.0.0.1:0"],
+        &[&["pingpong", "--server", "127.0.0.1:0"], extra].concat(),
         Stdio::piped(),
-        std::fs::File::create(&log).expect("log file").into(),
+        std::fs::File::create(log).expect("log file").into(),
     );
     let mut first = String::new();
     BufReader::new(server.0.stdout.take().expect("piped"))
@@ -224,34 +218,36 @@ fn pingpong_serves_runs_between_processes_one_at_a_time() {
         .strip_prefix("pingpong server; address: ")
         .unwrap_or_else(|| panic!("unexpected first line: {first:?}"))
         .to_string();
-    let lat_run = [
-        "pingpong", "--client", &blob, "--iters", "200", "--size", "64",
-    ];
-    for _ in 0..2 {
-        assert_latency_rows(&qpmux_json(&lat_run), &[64], 200);
-    }
+    (server, blob)
+}
 
-    // A long bandwidth run holds the server.
+/// Starts a bandwidth run long enough to hold the server at `blob` and
+/// returns it once a latency run (`lat_run`) was refused, with its reason,
+/// while it ran. A latency run that gets in first is served and the long
+/// one refused: then the long one starts again.
+fn hold_the_server(blob: &str, extra: &[&str], lat_run: &[&str]) -> Child {
     let long_run_args = [
-        "pingpong",
-        "--client",
-        &blob,
-        "--test",
-        "bw",
-        "--iters",
-        "1000000000",
-        "--size",
-        "64",
-    ];
+        &[
+            "pingpong",
+            "--client",
+            blob,
+            "--test",
+            "bw",
+            "--iters",
+            "1000000000",
+            "--size",
+            "64",
+        ],
+        extra,
+    ]
+    .concat();
     let mut long_run = spawn_qpmux(&long_run_args, Stdio::null(), Stdio::null());
-    // A short run that gets in first is served and the long one refused:
-    // then the long one starts again.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let stderr = loop {
         if long_run.0.try_wait().expect("waitable").is_some() {
             long_run = spawn_qpmux(&long_run_args, Stdio::null(), Stdio::null());
         }
-        let run = run_qpmux(&lat_run);
+        let run = run_qpmux(lat_run);
         if !run.status.success() {
             break String::from_utf8_lossy(&run.stderr).into_owned();
         }
@@ -266,29 +262,96 @@ fn pingpong_serves_runs_between_processes_one_at_a_time() {
         long_run.0.try_wait().expect("waitable").is_none(),
         "the long run ended"
     );
+    long_run
+}
 
-    // Killed mid-session: the server hears its link go and serves the next
-    // run (which it may refuse until then).
-    drop(long_run);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    let served = loop {
-        let run = run_qpmux(&[&lat_run[..], &["--json"]].concat());
+/// Runs `lat_run` until the server serves it (it refuses while it still
+/// holds an earlier client), within `patience`; returns its JSON rows.
+fn served_after(lat_run: &[&str], patience: std::time::Duration, why: &str) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + patience;
+    loop {
+        let run = run_qpmux(&[lat_run, &["--json"]].concat());
         let stderr = String::from_utf8_lossy(&run.stderr);
         if run.status.success() {
             break serde_json::from_slice(&run.stdout).expect("JSON rows");
         }
         assert!(stderr.contains("one client at a time"), "{stderr}");
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the killed run's client was never forgotten"
-        );
+        assert!(std::time::Instant::now() < deadline, "{why}");
         std::thread::sleep(std::time::Duration::from_millis(100));
-    };
+    }
+}
+
+/// A server in its own process on an ephemeral port, clients reaching it by
+/// the address blob it prints: two runs one after the other, a second client
+/// refused (with a reason) while a run is on, and, once that run's client
+/// is killed mid-session, the next run served.
+#[test]
+fn pingpong_serves_runs_between_processes_one_at_a_time() {
+    let log_dir = fresh_dir("pingpong-server");
+    std::fs::create_dir_all(&log_dir).expect("log dir");
+    let log = log_dir.join("stderr");
+    let (server, blob) = pingpong_server(&[], &log);
+    let lat_run = [
+        "pingpong", "--client", &blob, "--iters", "200", "--size", "64",
+    ];
+    for _ in 0..2 {
+        assert_latency_rows(&qpmux_json(&lat_run), &[64], 200);
+    }
+    let long_run = hold_the_server(&blob, &[], &lat_run);
+    // Killed mid-session: the server hears its link go and serves the next
+    // run (which it may refuse until then).
+    drop(long_run);
+    let served = served_after(
+        &lat_run,
+        std::time::Duration::from_secs(30),
+        "the killed run's client was never forgotten",
+    );
     assert_latency_rows(&served, &[64], 200);
     drop(server);
     // Finished runs end cleanly at the server too: only the killed one was
     // abandoned.
     let log = String::from_utf8_lossy(&read(&log)).into_owned();
     assert_eq!(log.matches("pingpong client abandoned").count(), 1, "{log}");
+    let _ = std::fs::remove_dir_all(&log_dir);
+}
+
+/// A client frozen mid-run (SIGSTOP) over the TCP transport keeps its
+/// connection up and says nothing: the server gives up on it after its
+/// silence bound and serves the next run.
+#[test]
+fn pingpong_server_abandons_a_frozen_client() {
+    let log_dir = fresh_dir("pingpong-frozen");
+    std::fs::create_dir_all(&log_dir).expect("log dir");
+    let log = log_dir.join("stderr");
+    let tcp = ["--transport", "tcp"];
+    let (server, blob) = pingpong_server(&tcp, &log);
+    let lat_run = [
+        "pingpong",
+        "--client",
+        &blob,
+        "--iters",
+        "200",
+        "--size",
+        "64",
+        "--transport",
+        "tcp",
+    ];
+    let frozen = hold_the_server(&blob, &tcp, &lat_run);
+    let stopped = Command::new("kill")
+        .args(["-STOP", &frozen.0.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(stopped.success());
+    let served = served_after(
+        &lat_run,
+        std::time::Duration::from_secs(45),
+        "a frozen client held the server",
+    );
+    assert_latency_rows(&served, &[64], 200);
+    drop(frozen);
+    drop(server);
+    let log = String::from_utf8_lossy(&read(&log)).into_owned();
+    assert_eq!(log.matches("pingpong client abandoned").count(), 1, "{log}");
+    assert!(log.contains("silent"), "{log}");
     let _ = std::fs::remove_dir_all(&log_dir);
 }
