@@ -78,9 +78,17 @@ async fn tcp_node(
     shape: impl FnOnce(TcpNodeConfig) -> TcpNodeConfig,
 ) -> (TcpNode, Mux<TcpLink>) {
     let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
-    TcpNode::start(shape(TcpNodeConfig::new(id)), addr, MuxConfig::default())
+    TcpNode::start(shape(TcpNodeConfig::new(id)), addr, quick_retire())
         .await
         .expect("bind")
+}
+
+/// A peer task with nothing held retires 100 ms after its last link.
+fn quick_retire() -> MuxConfig {
+    MuxConfig {
+        idle_retire: Duration::from_millis(100),
+        ..MuxConfig::default()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,11 +125,55 @@ async fn a_node_at_max_peers_refuses_a_new_peer_by_name_both_ways() {
         assert!(l.epoch(A).is_some());
         let again = a_node.connect(L).await.expect("reconnect");
         until(|| l.epoch(A) == Some(again)).await;
-        // Once A's link is gone, B fits.
+        // Once A's link is gone and its task retired, B fits.
         l_node.close_link(A);
-        until(|| l.epoch(A).is_none()).await;
+        until(|| l.peer_count() == 0).await;
         assert!(b_node.connect(L).await.is_ok());
         assert_eq!(l_node.stats().peer_limit_refusals, 2);
+    })
+    .await;
+}
+
+/// A peer that left bytes here in a stream nobody has bound still counts
+/// against `max_peers` after its link is gone: peers that come and go under
+/// fresh ids cannot pile up memory. Once its stream is read (and its task
+/// retires), a new peer fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_gone_with_unread_bytes_here_still_counts_against_max_peers() {
+    bounded(async {
+        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig { max_peers: 1, ..c }).await;
+        let (a_node, a) = tcp_node(A, |c| c).await;
+        let (b_node, b) = tcp_node(B, |c| c).await;
+        for dialer in [&a_node, &b_node] {
+            dialer.register(L, l_node.local_addr());
+        }
+        let unread = StreamKey::new(A.0, 1);
+        let mut tx = a.open(L, unread).expect("open");
+        tx.send(bytes::Bytes::from_static(b"left for later"))
+            .await
+            .expect("send");
+        tx.finish(Terminal::Finalized).expect("finish");
+        let held = b"left for later".len() as u64;
+        until(|| l.stats().peer_held_bytes == held).await;
+        a.shutdown();
+        a_node.shutdown();
+        until(|| l.epoch(A).is_none()).await;
+        // A is gone, its record held: B is refused.
+        assert_eq!(
+            b_node.connect(L).await,
+            Err(ConnectError::DeclinedByPeer(DeclineReason::Unavailable))
+        );
+        assert_eq!(l_node.stats().peer_limit_refusals, 1);
+        // Read: A's task retires, and B fits.
+        let mut rx = l.bind(unread).expect("bind");
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(bytes::Bytes::from_static(b"left for later")))
+        );
+        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        until(|| l.peer_count() == 0).await;
+        assert!(b_node.connect(L).await.is_ok());
+        drop(b);
     })
     .await;
 }

@@ -22,7 +22,7 @@
 //! proposing an epoch older than the running one (it predates it). Declines
 //! are not errors. Backoff rule: docs/design.md § "Redial backoff".
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -65,8 +65,10 @@ pub struct TcpNodeConfig {
     /// closed at once, so one host's silent dialers cannot fill the pool.
     /// Default 32.
     pub max_pending_per_source: usize,
-    /// Peers with a live link or a handshake under way; a new peer beyond
-    /// this is refused ([`ConnectError::TooManyPeers`]). Default 1024.
+    /// Peers with a live link, a dial or handshake under way, or a mux task
+    /// (which stays while the peer's unread bytes are held here, and an idle
+    /// while after); a new peer beyond this is refused
+    /// ([`ConnectError::TooManyPeers`]). Default 1024.
     pub max_peers: usize,
 }
 
@@ -87,8 +89,8 @@ pub struct ConnectorConfig {
     pub max_pending_handshakes: usize,
     /// Handshakes from one source IP at once; more are closed at once.
     pub max_pending_per_source: usize,
-    /// Peers with a live link or a handshake under way; a new peer beyond
-    /// this is refused ([`ConnectError::TooManyPeers`]).
+    /// Peers with a live link, a dial or handshake under way, or a mux
+    /// task; a new peer beyond this is refused ([`ConnectError::TooManyPeers`]).
     pub max_peers: usize,
 }
 
@@ -518,18 +520,24 @@ impl<E: EpochMaker> NodeInner<E> {
     }
 
     /// True if taking `peer` on would exceed `max_peers`: a peer already
-    /// live is never new; others count while live, dialing or accepting.
+    /// live is never new; others count while live, dialing or accepting,
+    /// and while the mux keeps a task for them (a peer gone whose streams
+    /// still hold its bytes here counts until they are read, so peers
+    /// coming and going under fresh ids cannot pile up memory).
     fn at_peer_limit(&self, peers: &Peers<E>, peer: PeerId) -> bool {
         if peers.get(&peer).is_some_and(Self::live) {
             return false;
         }
-        let in_use = peers
+        let mut in_use: HashSet<PeerId> = peers
             .iter()
-            .filter(|(id, s)| {
-                **id != peer && (Self::live(s) || s.dial != Dial::Idle || s.accepting > 0)
-            })
-            .count();
-        in_use >= self.config.max_peers
+            .filter(|(_, s)| Self::live(s) || s.dial != Dial::Idle || s.accepting > 0)
+            .map(|(id, _)| *id)
+            .collect();
+        if let Some(mux) = self.mux.get() {
+            in_use.extend(mux.peers());
+        }
+        in_use.remove(&peer);
+        in_use.len() >= self.config.max_peers
     }
 
     /// One more failed attempt: the wait doubles, within the configured bounds.

@@ -263,6 +263,13 @@ impl<L: Link> Mux<L> {
         lock(&self.shared.peers).len()
     }
 
+    /// The peers with a running task: linked, waiting for a link, or
+    /// holding what their closed streams left here (a peer task retires
+    /// only once that is read and the peer has been idle a while).
+    pub fn peers(&self) -> Vec<PeerId> {
+        lock(&self.shared.peers).keys().copied().collect()
+    }
+
     fn entry(&self, peer: PeerId) -> Arc<PeerEntry<L>> {
         let mut peers = lock(&self.shared.peers);
         if let Some(entry) = peers.get(&peer) {
