@@ -16,11 +16,13 @@
 //! stands, handshakes being accepted, last epoch, incarnation, current link,
 //! backoff. A peer neither registered, linked, dialing nor being accepted
 //! leaves it (its ended link with it); the newest epoch of those gone is a
-//! floor under every peer's next. Crossed dials settle on the connection dialed by the lower node
-//! id: a listener declines a higher-id dialer while it is connecting to that
-//! peer itself (not while it only waits out a backoff), and declines any dial
-//! proposing an epoch older than the running one (it predates it). Declines
-//! are not errors. Backoff rule: docs/design.md § "Redial backoff".
+//! floor under every peer's next. Crossed dials settle on the connection
+//! dialed by the lower node id: a listener declines a higher-id dialer while
+//! it is connecting to that peer itself (not while it only waits out a
+//! backoff), and declines any dial proposing an epoch older than the running
+//! one (it predates it). Declines are not errors. Backoff rule:
+//! docs/design.md § "Redial backoff"; the table's bounds: § "A peer counts
+//! against `max_peers` while anything of it is kept".
 
 use std::collections::{HashMap, HashSet};
 use std::io;
