@@ -7,7 +7,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use qpmux::link::mem::{MemConfig, MemFabric, MemLink};
 use qpmux::link::{EpochEnd, LinkFault};
-use qpmux::mux::{MessageSink, Mux, MuxConfig, MuxTransport, OutboundMessage, PeerId};
+use qpmux::mux::{
+    DropReason, Epoch, Frame, MessageSink, Mux, MuxConfig, MuxTransport, OutboundMessage, PeerId,
+    SendError, StreamKey,
+};
 
 const A: PeerId = PeerId(1);
 const B: PeerId = PeerId(2);
@@ -183,4 +186,75 @@ async fn queued_messages_are_reported_exactly_once_on_epoch_death() {
         "none lost silently"
     );
     assert!(reported <= total, "none reported twice");
+}
+
+/// A sink that panics on its first message, then collects.
+#[derive(Default)]
+struct PanicsOnce {
+    panicked: AtomicBool,
+    got: Collect,
+}
+
+impl MessageSink for PanicsOnce {
+    fn deliver(&self, peer: PeerId, message: Bytes) {
+        if !self.panicked.swap(true, Ordering::AcqRel) {
+            panic!("a message sink's bug");
+        }
+        self.got.deliver(peer, message);
+    }
+}
+
+/// A panic in the receiving peer task (here the message sink's) ends that
+/// epoch like a fault: each live slot on both sides hears `Dropped` once,
+/// the panic is counted, and the next epoch carries new slots and messages.
+/// Before, the task died with the panic and both muxes stayed in epoch 1
+/// with every slot waiting for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_the_peer_task_ends_its_epoch_not_the_peer() {
+    let served = tokio::time::timeout(Duration::from_secs(20), async {
+        let sink = Arc::new(PanicsOnce::default());
+        let (_fabric, a, b) = nodes_with(sink.clone());
+        let key = StreamKey::new(5, 1);
+        let mut rx = b.bind(key).expect("bind");
+        let mut tx = a.open(B, key).expect("open");
+        tx.send(Bytes::from_static(b"before")).await.expect("send");
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(Bytes::from_static(b"before")))
+        );
+        let (messages, rx_messages) = flume::bounded(8);
+        a.install_messages(B, rx_messages);
+        messages
+            .send_async(OutboundMessage::new(Bytes::from_static(b"boom")))
+            .await
+            .expect("open");
+        let ended = Some(Frame::Dropped(DropReason::EpochEnded { epoch: Epoch(1) }));
+        assert_eq!(rx.recv().await, ended);
+        assert_eq!(rx.recv().await, None);
+        assert_eq!(
+            tx.closed().await,
+            SendError::Dropped(DropReason::EpochEnded { epoch: Epoch(1) })
+        );
+        assert_eq!(b.stats().peer_task_panics, 1);
+        // The next epoch serves.
+        let key = StreamKey::new(5, 2);
+        let mut rx = b.bind(key).expect("bind");
+        let mut tx = a.open(B, key).expect("open");
+        tx.send(Bytes::from_static(b"after")).await.expect("send");
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(Bytes::from_static(b"after")))
+        );
+        let (messages, rx_messages) = flume::bounded(8);
+        a.install_messages(B, rx_messages);
+        messages
+            .send_async(OutboundMessage::new(Bytes::from_static(b"again")))
+            .await
+            .expect("open");
+        until(|| sink.got.len() == 1).await;
+        assert_eq!(b.epoch(A), Some(Epoch(2)));
+        assert_eq!(b.stats().epoch_deaths, 1);
+    })
+    .await;
+    served.expect("a panicked task left its slots waiting");
 }

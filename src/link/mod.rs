@@ -52,6 +52,10 @@ pub enum EpochEnd {
     /// A newer connection to the same peer replaced this one.
     #[error("replaced by a newer connection")]
     Replaced,
+    /// This node's peer task panicked (a bug here, or in the message sink it
+    /// called); the mux ended the epoch and goes on with the next.
+    #[error("the peer task panicked")]
+    Internal,
     /// The transport is shutting down.
     #[error("transport shutdown")]
     Shutdown,

@@ -59,7 +59,8 @@ impl std::fmt::Debug for OutboundMessage {
     }
 }
 
-/// Receives inbound messages. Called from the peer task: must not block.
+/// Receives inbound messages. Called from the peer task: must not block. A
+/// panic in it ends the peer's epoch (counted as `peer_task_panics`).
 pub trait MessageSink: Send + Sync {
     /// A whole message from `peer`, in the order the peer sent them.
     fn deliver(&self, peer: PeerId, message: Bytes);

@@ -88,6 +88,9 @@ pub struct Stats {
     pub slots_carried: u64,
     /// Protocol violations by peers (each also ends an epoch).
     pub protocol_violations: u64,
+    /// Panics caught in a peer task (a bug here, or in the message sink it
+    /// called); each ended its epoch ([`crate::link::EpochEnd::Internal`]).
+    pub peer_task_panics: u64,
     /// OpenSlot records refused: the peer's slot limit was reached, or the
     /// stream is already fed, ended, or the node's registry is full.
     pub opens_refused: u64,
@@ -130,6 +133,7 @@ impl Stats {
             ("qpmux_slots_dropped_total", self.slots_dropped),
             ("qpmux_slots_carried_total", self.slots_carried),
             ("qpmux_protocol_violations_total", self.protocol_violations),
+            ("qpmux_peer_task_panics_total", self.peer_task_panics),
             ("qpmux_drops_unknown_slot_total", self.drops.unknown_slot),
             (
                 "qpmux_drops_stale_generation_total",
@@ -188,6 +192,7 @@ pub(crate) struct Counters {
     pub slots_dropped: AtomicU64,
     pub slots_carried: AtomicU64,
     pub protocol_violations: AtomicU64,
+    pub peer_task_panics: AtomicU64,
     pub opens_refused: AtomicU64,
     pub unknown_slot: AtomicU64,
     pub stale_generation: AtomicU64,
@@ -237,6 +242,7 @@ impl Counters {
             slots_dropped: get(&self.slots_dropped),
             slots_carried: get(&self.slots_carried),
             protocol_violations: get(&self.protocol_violations),
+            peer_task_panics: get(&self.peer_task_panics),
             opens_refused: get(&self.opens_refused),
             drops: DropCounts {
                 unknown_slot: get(&self.unknown_slot),

@@ -883,7 +883,8 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
             | EpochEnd::PeerLost
             | EpochEnd::Fault(_)
             | EpochEnd::Violation(_)
-            | EpochEnd::Replaced => self.shared().end(reason),
+            | EpochEnd::Replaced
+            | EpochEnd::Internal => self.shared().end(reason),
         }
     }
 

@@ -158,7 +158,8 @@ fn graceful(reason: EpochEnd) -> bool {
         | EpochEnd::PeerLost
         | EpochEnd::Fault(_)
         | EpochEnd::Violation(_)
-        | EpochEnd::Replaced => false,
+        | EpochEnd::Replaced
+        | EpochEnd::Internal => false,
     }
 }
 

@@ -22,8 +22,12 @@ pub mod fuzzing;
 mod held;
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -543,6 +547,33 @@ fn end_of(err: LinkError) -> EpochEnd {
     }
 }
 
+/// Polls a future inside `catch_unwind`, so a panic in one peer's turn
+/// ends that peer's epoch instead of its task (which would leave every slot
+/// of the peer waiting for good, and the peer thinking the epoch is live).
+struct CatchPanic<F>(Pin<Box<F>>);
+
+impl<F: Future> Future for CatchPanic<F> {
+    type Output = std::thread::Result<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = self.get_mut().0.as_mut();
+        match std::panic::catch_unwind(AssertUnwindSafe(|| inner.poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(out)) => Poll::Ready(Ok(out)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+}
+
+/// The message a panic was raised with, where it is text.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(not text)")
+}
+
 /// One epoch on `link`; returns how it ended and what the peer's closed
 /// streams still hold for the next.
 async fn run_epoch<L: Link>(
@@ -566,27 +597,41 @@ async fn run_epoch<L: Link>(
     core.set_sink(shared.sink.get().cloned());
     core.handle_control(Instant::now());
     let mut messages: Option<flume::Receiver<OutboundMessage>> = lock(&entry.messages).take();
-    let end = serve_epoch(shared, entry, &link, &mut core, &mut messages).await;
-    if let EpochEnd::Violation(violation) = end {
-        Counters::add(&shared.counters.protocol_violations, 1);
-        tracing::warn!(peer = ?entry.control.peer, epoch = %core.epoch(), %violation,
-            "peer violated the mux protocol; ending the epoch");
-    }
-    link.fail(end);
-    // Every batch the link completed is delivered before any Dropped; not
-    // after a violation, since the peer is no longer trusted.
-    if !matches!(end, EpochEnd::Violation(_)) {
-        while let Ok(batch) = link.recv().await {
-            if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
-                // E.g. records after a Goodbye: the epoch is over already,
-                // but the offence is still the peer's and is counted.
-                Counters::add(&shared.counters.protocol_violations, 1);
-                tracing::warn!(peer = ?entry.control.peer, epoch = %core.epoch(), %violation,
-                    "peer violated the mux protocol while its epoch ended");
-                break;
+    let served = CatchPanic(Box::pin(async {
+        let end = serve_epoch(shared, entry, &link, &mut core, &mut messages).await;
+        if let EpochEnd::Violation(violation) = end {
+            Counters::add(&shared.counters.protocol_violations, 1);
+            tracing::warn!(peer = ?entry.control.peer, epoch = %core.epoch(), %violation,
+                "peer violated the mux protocol; ending the epoch");
+        }
+        link.fail(end);
+        // Every batch the link completed is delivered before any Dropped; not
+        // after a violation, since the peer is no longer trusted.
+        if !matches!(end, EpochEnd::Violation(_)) {
+            while let Ok(batch) = link.recv().await {
+                if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
+                    // E.g. records after a Goodbye: the epoch is over already,
+                    // but the offence is still the peer's and is counted.
+                    Counters::add(&shared.counters.protocol_violations, 1);
+                    tracing::warn!(peer = ?entry.control.peer, epoch = %core.epoch(), %violation,
+                        "peer violated the mux protocol while its epoch ended");
+                    break;
+                }
             }
         }
-    }
+        end
+    }))
+    .await;
+    let end = served.unwrap_or_else(|panic| {
+        // A bug here or in the sink: the task and the node go on, the epoch
+        // does not (its state may be half-updated), and every live slot
+        // still hears once.
+        Counters::add(&shared.counters.peer_task_panics, 1);
+        tracing::error!(peer = ?entry.control.peer, epoch = %link.epoch(),
+            panic = panic_message(&*panic), "mux peer task panicked; ending the epoch");
+        link.fail(EpochEnd::Internal);
+        EpochEnd::Internal
+    });
     let reason = match end {
         EpochEnd::Shutdown => DropReason::Shutdown,
         EpochEnd::Closed
@@ -594,7 +639,8 @@ async fn run_epoch<L: Link>(
         | EpochEnd::PeerLost
         | EpochEnd::Fault(_)
         | EpochEnd::Violation(_)
-        | EpochEnd::Replaced => DropReason::EpochEnded {
+        | EpochEnd::Replaced
+        | EpochEnd::Internal => DropReason::EpochEnded {
             epoch: core.epoch(),
         },
     };
