@@ -78,17 +78,9 @@ async fn tcp_node(
     shape: impl FnOnce(TcpNodeConfig) -> TcpNodeConfig,
 ) -> (TcpNode, Mux<TcpLink>) {
     let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
-    TcpNode::start(shape(TcpNodeConfig::new(id)), addr, quick_retire())
+    TcpNode::start(shape(TcpNodeConfig::new(id)), addr, MuxConfig::default())
         .await
         .expect("bind")
-}
-
-/// A peer task with nothing held retires 100 ms after its last link.
-fn quick_retire() -> MuxConfig {
-    MuxConfig {
-        idle_retire: Duration::from_millis(100),
-        ..MuxConfig::default()
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -125,9 +117,9 @@ async fn a_node_at_max_peers_refuses_a_new_peer_by_name_both_ways() {
         assert!(l.epoch(A).is_some());
         let again = a_node.connect(L).await.expect("reconnect");
         until(|| l.epoch(A) == Some(again)).await;
-        // Once A's link is gone and its task retired, B fits.
+        // Once A's link is gone, B fits.
         l_node.close_link(A);
-        until(|| l.peer_count() == 0).await;
+        until(|| l.epoch(A).is_none()).await;
         assert!(b_node.connect(L).await.is_ok());
         assert_eq!(l_node.stats().peer_limit_refusals, 2);
     })
@@ -136,8 +128,8 @@ async fn a_node_at_max_peers_refuses_a_new_peer_by_name_both_ways() {
 
 /// A peer that left bytes here in a stream nobody has bound still counts
 /// against `max_peers` after its link is gone: peers that come and go under
-/// fresh ids cannot pile up memory. Once its stream is read (and its task
-/// retires), a new peer fits.
+/// fresh ids cannot pile up memory. Once its stream is read, a new peer
+/// fits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_gone_with_unread_bytes_here_still_counts_against_max_peers() {
     bounded(async {
@@ -171,7 +163,7 @@ async fn a_peer_gone_with_unread_bytes_here_still_counts_against_max_peers() {
             Some(Frame::Data(bytes::Bytes::from_static(b"left for later")))
         );
         assert_eq!(rx.recv().await, Some(Frame::Finalized));
-        until(|| l.peer_count() == 0).await;
+        until(|| l.stats().peer_held_bytes == 0).await;
         assert!(b_node.connect(L).await.is_ok());
         drop(b);
     })

@@ -24,7 +24,7 @@
 //! docs/design.md § "Redial backoff"; the table's bounds: § "A peer counts
 //! against `max_peers` while anything of it is kept".
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -67,10 +67,9 @@ pub struct TcpNodeConfig {
     /// closed at once, so one host's silent dialers cannot fill the pool.
     /// Default 32.
     pub max_pending_per_source: usize,
-    /// Peers with a live link, a dial or handshake under way, or a mux task
-    /// (which stays while the peer's unread bytes are held here, and an idle
-    /// while after); a new peer beyond this is refused
-    /// ([`ConnectError::TooManyPeers`]). Default 1024.
+    /// Peers with a live link or a dial or handshake under way, and peers
+    /// gone whose bytes are still held here unread; a new peer beyond this
+    /// is refused ([`ConnectError::TooManyPeers`]). Default 1024.
     pub max_peers: usize,
 }
 
@@ -91,8 +90,9 @@ pub struct ConnectorConfig {
     pub max_pending_handshakes: usize,
     /// Handshakes from one source IP at once; more are closed at once.
     pub max_pending_per_source: usize,
-    /// Peers with a live link, a dial or handshake under way, or a mux
-    /// task; a new peer beyond this is refused ([`ConnectError::TooManyPeers`]).
+    /// Peers with a live link or a dial or handshake under way, and peers
+    /// gone whose bytes are held here; a new peer beyond this is refused
+    /// ([`ConnectError::TooManyPeers`]).
     pub max_peers: usize,
 }
 
@@ -496,11 +496,15 @@ impl<E: EpochMaker> NodeInner<E> {
         state.current.as_ref().is_some_and(|l| !E::is_ended(l))
     }
 
-    /// The last epoch with `state`'s peer, or the floor of let-go peers'.
-    fn last_epoch(&self, state: &PeerState<E::Link>) -> Epoch {
-        state
-            .last_epoch
-            .max(Epoch(self.epoch_floor.load(Ordering::Relaxed)))
+    /// `peer`'s entry, made if there is none. A new entry's epochs start
+    /// above the floor of let-go peers', read once here: an epoch agreed
+    /// for it stays valid when another peer is let go meanwhile.
+    fn entry<'a>(&self, peers: &'a mut Peers<E>, peer: PeerId) -> &'a mut PeerState<E::Link> {
+        let floor = Epoch(self.epoch_floor.load(Ordering::Relaxed));
+        peers.entry(peer).or_insert_with(|| PeerState {
+            last_epoch: floor,
+            ..PeerState::default()
+        })
     }
 
     /// Takes `peer`'s entry out of the table if nothing is left in it: not
@@ -516,30 +520,33 @@ impl<E: EpochMaker> NodeInner<E> {
         {
             return None;
         }
-        let floor = self.last_epoch(state);
-        self.epoch_floor.store(floor.0, Ordering::Relaxed);
+        self.epoch_floor
+            .fetch_max(state.last_epoch.0, Ordering::Relaxed);
         peers.remove(&peer)
     }
 
     /// True if taking `peer` on would exceed `max_peers`: a peer already
     /// live is never new; others count while live, dialing or accepting,
-    /// and while the mux keeps a task for them (a peer gone whose streams
-    /// still hold its bytes here counts until they are read, so peers
-    /// coming and going under fresh ids cannot pile up memory).
+    /// and a peer gone from the table while the mux still holds bytes it
+    /// sent (so peers coming and going under fresh ids cannot pile up
+    /// memory: each counts until what it left is read).
     fn at_peer_limit(&self, peers: &Peers<E>, peer: PeerId) -> bool {
         if peers.get(&peer).is_some_and(Self::live) {
             return false;
         }
-        let mut in_use: HashSet<PeerId> = peers
+        let in_table = peers
             .iter()
-            .filter(|(_, s)| Self::live(s) || s.dial != Dial::Idle || s.accepting > 0)
-            .map(|(id, _)| *id)
-            .collect();
-        if let Some(mux) = self.mux.get() {
-            in_use.extend(mux.peers());
-        }
-        in_use.remove(&peer);
-        in_use.len() >= self.config.max_peers
+            .filter(|(id, s)| {
+                **id != peer && (Self::live(s) || s.dial != Dial::Idle || s.accepting > 0)
+            })
+            .count();
+        let gone_holding = self.mux.get().map_or(0, |mux| {
+            mux.peers_holding()
+                .into_iter()
+                .filter(|id| *id != peer && !peers.contains_key(id))
+                .count()
+        });
+        in_table + gone_holding >= self.config.max_peers
     }
 
     /// One more failed attempt: the wait doubles, within the configured bounds.
@@ -686,7 +693,8 @@ impl<E: EpochMaker> Connector<E> {
 
     /// Tells the node where `peer` listens.
     pub fn register(&self, peer: PeerId, addr: SocketAddr) {
-        self.inner.peers().entry(peer).or_default().addr = Some(addr);
+        let mut peers = self.inner.peers();
+        self.inner.entry(&mut peers, peer).addr = Some(addr);
     }
 
     /// The current link to `peer`, if any (ended or not): a test hook to fail it.
@@ -786,7 +794,7 @@ impl<E: EpochMaker> Connector<E> {
     pub async fn connect(&self, peer: PeerId) -> Result<Epoch, ConnectError> {
         let owned = {
             let mut peers = self.inner.peers();
-            let state = peers.entry(peer).or_default();
+            let state = self.inner.entry(&mut peers, peer);
             let idle = state.dial == Dial::Idle;
             if idle {
                 state.dial = Dial::Connecting;
@@ -795,9 +803,14 @@ impl<E: EpochMaker> Connector<E> {
         };
         let result = dial_once(&self.inner, peer).await;
         if owned {
-            if let Some(state) = self.inner.peers().get_mut(&peer) {
+            let mut peers = self.inner.peers();
+            if let Some(state) = peers.get_mut(&peer) {
                 state.dial = Dial::Idle;
             }
+            // A peer connected without being registered leaves with its link.
+            let entry = self.inner.let_go(&mut peers, peer);
+            drop(peers);
+            drop(entry);
         }
         if let Err(ConnectError::DeclinedByPeer(_)) = result {
             bump(&self.inner.counters.declined);
@@ -880,7 +893,7 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     if let Some(at) = wait {
         sleep_until(at).await;
         let mut peers = inner.peers();
-        let state = peers.entry(peer).or_default();
+        let state = inner.entry(&mut peers, peer);
         if NodeInner::<E>::live(state) || state.accepting > 0 {
             // The peer's dial got (or is getting) there first: replacing its
             // link would end a working epoch. The mux asks again if it dies.
@@ -899,7 +912,7 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     }
     let result = dial_once(&inner, peer).await;
     let mut peers = inner.peers();
-    let state = peers.entry(peer).or_default();
+    let state = inner.entry(&mut peers, peer);
     state.dial = Dial::Idle;
     if result.is_err() && state.addr.is_none() {
         // Forgotten mid-dial: nothing to back off from or warn about.
@@ -928,6 +941,11 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
             tracing::warn!(?peer, %err, backoff = ?state.backoff, "dial failed");
         }
     }
+    // Forgotten after the install, its link already released: nothing else
+    // would let it go.
+    let entry = inner.let_go(&mut peers, peer);
+    drop(peers);
+    drop(entry);
 }
 
 async fn dial_once<E: EpochMaker>(
@@ -941,7 +959,7 @@ async fn dial_once<E: EpochMaker>(
         let peers = inner.peers();
         let state = peers.get(&peer).ok_or(ConnectError::UnknownPeer(peer))?;
         let addr = state.addr.ok_or(ConnectError::UnknownPeer(peer))?;
-        let proposed = inner.last_epoch(state);
+        let proposed = state.last_epoch;
         if inner.at_peer_limit(&peers, peer) {
             bump(&inner.counters.peer_limit_refusals);
             return Err(ConnectError::TooManyPeers {
@@ -1083,14 +1101,16 @@ fn install<E: EpochMaker>(
     if inner.shutdown.load(Ordering::Acquire) {
         return Err(ConnectError::NotServing);
     }
-    let state = peers.entry(peer).or_default();
-    if side == Side::Dialed && state.addr.is_none() {
-        // Forgotten while the dial was under way.
-        return Err(ConnectError::UnknownPeer(peer));
-    }
-    let last_epoch = inner.last_epoch(state);
-    if established.epoch <= last_epoch {
-        return Err(ConnectError::Superseded(last_epoch));
+    let state = match side {
+        Side::Accepted => inner.entry(&mut peers, peer),
+        // Forgotten while the dial was under way: no address, or no entry.
+        Side::Dialed => match peers.get_mut(&peer) {
+            Some(state) if state.addr.is_some() => state,
+            _ => return Err(ConnectError::UnknownPeer(peer)),
+        },
+    };
+    if established.epoch <= state.last_epoch {
+        return Err(ConnectError::Superseded(state.last_epoch));
     }
     let link = inner
         .epochs
@@ -1287,7 +1307,7 @@ fn decide<E: EpochMaker>(
             Some(ConnectError::TooManyPeers { limit }),
         ));
     }
-    let state = peers.entry(hello.node).or_default();
+    let state = inner.entry(&mut peers, hello.node);
     if state.dial == Dial::Connecting && hello.node > inner.config.id {
         return Err((DeclineReason::CrossedDial, None));
     }
@@ -1298,5 +1318,5 @@ fn decide<E: EpochMaker>(
         return Err((DeclineReason::StaleDial, None));
     }
     state.accepting += 1;
-    Ok(inner.last_epoch(state))
+    Ok(state.last_epoch)
 }

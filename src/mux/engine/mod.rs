@@ -26,7 +26,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -267,11 +267,15 @@ impl<L: Link> Mux<L> {
         lock(&self.shared.peers).len()
     }
 
-    /// The peers with a running task: linked, waiting for a link, or
-    /// holding what their closed streams left here (a peer task retires
-    /// only once that is read and the peer has been idle a while).
-    pub fn peers(&self) -> Vec<PeerId> {
-        lock(&self.shared.peers).keys().copied().collect()
+    /// The peers whose bytes this node holds unread (in streams not read
+    /// or not bound yet), linked or not: a peer task does not retire while
+    /// it holds any, so a peer gone keeps this memory until it is read.
+    pub fn peers_holding(&self) -> Vec<PeerId> {
+        lock(&self.shared.peers)
+            .iter()
+            .filter(|(_, entry)| entry.control.peer_held.load(Ordering::Acquire) > 0)
+            .map(|(peer, _)| *peer)
+            .collect()
     }
 
     fn entry(&self, peer: PeerId) -> Arc<PeerEntry<L>> {
@@ -294,9 +298,26 @@ impl<L: Link> Mux<L> {
         drop(peers);
         let shared = self.shared.clone();
         let task_entry = entry.clone();
-        self.shared
-            .runtime
-            .spawn(async move { run_peer(shared, task_entry).await });
+        self.shared.runtime.spawn(async move {
+            let ran = CatchPanic(Box::pin(run_peer(shared.clone(), task_entry.clone()))).await;
+            if ran.is_err() {
+                // Outside an epoch's turns, or again while one ended: this
+                // task is gone, so its entry goes too and the next use of
+                // the peer starts a fresh one. Its slots may not hear.
+                Counters::add(&shared.counters.peer_task_panics, 1);
+                tracing::error!(
+                    ?peer,
+                    "mux peer task panicked outside an epoch; replaced on next use"
+                );
+                let mut peers = shared.peers.lock().unwrap_or_else(PoisonError::into_inner);
+                if peers
+                    .get(&peer)
+                    .is_some_and(|e| Arc::ptr_eq(e, &task_entry))
+                {
+                    peers.remove(&peer);
+                }
+            }
+        });
         entry
     }
 }
