@@ -204,6 +204,31 @@ impl MessageSink for PanicsOnce {
     }
 }
 
+/// Opens stream `session` from `a` to `b`, sees one record through it, then
+/// sends `message` to `b` on a fresh message channel; returns the stream.
+async fn slot_and_message(
+    a: &Mux<MemLink>,
+    b: &Mux<MemLink>,
+    session: u64,
+    message: &'static [u8],
+) -> (qpmux::mux::SlotSender, qpmux::mux::SlotReceiver) {
+    let key = StreamKey::new(5, session);
+    let mut rx = b.bind(key).expect("bind");
+    let mut tx = a.open(B, key).expect("open");
+    tx.send(Bytes::from_static(b"record")).await.expect("send");
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Data(Bytes::from_static(b"record")))
+    );
+    let (messages, rx_messages) = flume::bounded(8);
+    a.install_messages(B, rx_messages);
+    messages
+        .send_async(OutboundMessage::new(Bytes::from_static(message)))
+        .await
+        .expect("open");
+    (tx, rx)
+}
+
 /// A panic in the receiving peer task (here the message sink's) ends that
 /// epoch like a fault: each live slot on both sides hears `Dropped` once,
 /// the panic is counted, and the next epoch carries new slots and messages.
@@ -214,20 +239,7 @@ async fn a_panic_in_the_peer_task_ends_its_epoch_not_the_peer() {
     let served = tokio::time::timeout(Duration::from_secs(20), async {
         let sink = Arc::new(PanicsOnce::default());
         let (_fabric, a, b) = nodes_with(sink.clone());
-        let key = StreamKey::new(5, 1);
-        let mut rx = b.bind(key).expect("bind");
-        let mut tx = a.open(B, key).expect("open");
-        tx.send(Bytes::from_static(b"before")).await.expect("send");
-        assert_eq!(
-            rx.recv().await,
-            Some(Frame::Data(Bytes::from_static(b"before")))
-        );
-        let (messages, rx_messages) = flume::bounded(8);
-        a.install_messages(B, rx_messages);
-        messages
-            .send_async(OutboundMessage::new(Bytes::from_static(b"boom")))
-            .await
-            .expect("open");
+        let (tx, mut rx) = slot_and_message(&a, &b, 1, b"boom").await;
         let ended = Some(Frame::Dropped(DropReason::EpochEnded { epoch: Epoch(1) }));
         assert_eq!(rx.recv().await, ended);
         assert_eq!(rx.recv().await, None);
@@ -237,20 +249,7 @@ async fn a_panic_in_the_peer_task_ends_its_epoch_not_the_peer() {
         );
         assert_eq!(b.stats().peer_task_panics, 1);
         // The next epoch serves.
-        let key = StreamKey::new(5, 2);
-        let mut rx = b.bind(key).expect("bind");
-        let mut tx = a.open(B, key).expect("open");
-        tx.send(Bytes::from_static(b"after")).await.expect("send");
-        assert_eq!(
-            rx.recv().await,
-            Some(Frame::Data(Bytes::from_static(b"after")))
-        );
-        let (messages, rx_messages) = flume::bounded(8);
-        a.install_messages(B, rx_messages);
-        messages
-            .send_async(OutboundMessage::new(Bytes::from_static(b"again")))
-            .await
-            .expect("open");
+        let _next = slot_and_message(&a, &b, 2, b"again").await;
         until(|| sink.got.len() == 1).await;
         assert_eq!(b.epoch(A), Some(Epoch(2)));
         assert_eq!(b.stats().epoch_deaths, 1);

@@ -253,6 +253,16 @@ async fn a_wrong_key_is_refused_while_a_correct_peer_connects() {
     .await;
 }
 
+/// Starts node `id` again on `addr`, once the port is free.
+async fn restart_on(id: PeerId, addr: SocketAddr) -> (TcpNode, Mux<TcpLink>) {
+    loop {
+        match TcpNode::start(config(id, None), addr, MuxConfig::default()).await {
+            Ok(started) => break started,
+            Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_peer_on_the_same_address_gets_a_new_epoch() {
     bounded(async {
@@ -270,12 +280,7 @@ async fn a_restarted_peer_on_the_same_address_gets_a_new_epoch() {
         // Wait until A's mux saw the old epoch end, so new slots open in the next one.
         until(|| a_node.link(B).is_some_and(|l| l.is_ended()) && a.epoch(B).is_none()).await;
         // The same node id restarts on the same address (once the port is free).
-        let (b2_node, b2) = loop {
-            match TcpNode::start(config(B, None), addr, MuxConfig::default()).await {
-                Ok(started) => break started,
-                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
-            }
-        };
+        let (b2_node, b2) = restart_on(B, addr).await;
         assert_ne!(b2_node.incarnation(), old_incarnation);
         stream(&a, B, &b2, 2, 4).await;
         assert_eq!(a.epoch(B), Some(Epoch(2)), "max(1, 0) + 1");
@@ -899,12 +904,7 @@ async fn a_forgotten_peer_that_returns_starts_a_newer_epoch() {
         until(|| a.epoch(B).is_none()).await;
         a_node.forget(B);
         until(|| a_node.stats().peers_known == 0).await;
-        let (_b2_node, b2) = loop {
-            match TcpNode::start(config(B, None), addr, MuxConfig::default()).await {
-                Ok(started) => break started,
-                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
-            }
-        };
+        let (_b2_node, b2) = restart_on(B, addr).await;
         a_node.register(B, addr);
         stream(&a, B, &b2, 2, 2).await;
         assert_eq!(a.epoch(B), Some(Epoch(2)), "above the forgotten epoch 1");
