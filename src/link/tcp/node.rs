@@ -959,14 +959,13 @@ async fn dial_once<E: EpochMaker>(
         let peers = inner.peers();
         let state = peers.get(&peer).ok_or(ConnectError::UnknownPeer(peer))?;
         let addr = state.addr.ok_or(ConnectError::UnknownPeer(peer))?;
-        let proposed = state.last_epoch;
         if inner.at_peer_limit(&peers, peer) {
             bump(&inner.counters.peer_limit_refusals);
             return Err(ConnectError::TooManyPeers {
                 limit: inner.config.max_peers,
             });
         }
-        (addr, proposed)
+        (addr, state.last_epoch)
     };
     // The credit our hello gives the peer, for the mux at install.
     let mut granted = 0;
