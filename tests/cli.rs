@@ -201,6 +201,21 @@ fn spawn_qpmux(args: &[&str], stdout: Stdio, stderr: Stdio) -> Child {
     )
 }
 
+/// A fresh directory for a server's stderr, and the file in it.
+fn server_log_path(name: &str) -> (PathBuf, PathBuf) {
+    let dir = fresh_dir(name);
+    std::fs::create_dir_all(&dir).expect("log dir");
+    let log = dir.join("stderr");
+    (dir, log)
+}
+
+/// The server's log, which must say exactly one client was abandoned.
+fn abandoned_once(log: &Path) -> String {
+    let log = String::from_utf8_lossy(&read(log)).into_owned();
+    assert_eq!(log.matches("pingpong client abandoned").count(), 1, "{log}");
+    log
+}
+
 /// Starts `qpmux pingpong --server` on an ephemeral port (with `extra`
 /// flags, its stderr into `log`); returns it and the address blob it printed.
 fn pingpong_server(extra: &[&str], log: &Path) -> (Child, String) {
@@ -287,9 +302,7 @@ fn served_after(lat_run: &[&str], patience: std::time::Duration, why: &str) -> s
 /// is killed mid-session, the next run served.
 #[test]
 fn pingpong_serves_runs_between_processes_one_at_a_time() {
-    let log_dir = fresh_dir("pingpong-server");
-    std::fs::create_dir_all(&log_dir).expect("log dir");
-    let log = log_dir.join("stderr");
+    let (log_dir, log) = server_log_path("pingpong-server");
     let (server, blob) = pingpong_server(&[], &log);
     let lat_run = [
         "pingpong", "--client", &blob, "--iters", "200", "--size", "64",
@@ -310,8 +323,7 @@ fn pingpong_serves_runs_between_processes_one_at_a_time() {
     drop(server);
     // Finished runs end cleanly at the server too: only the killed one was
     // abandoned.
-    let log = String::from_utf8_lossy(&read(&log)).into_owned();
-    assert_eq!(log.matches("pingpong client abandoned").count(), 1, "{log}");
+    abandoned_once(&log);
     let _ = std::fs::remove_dir_all(&log_dir);
 }
 
@@ -320,9 +332,7 @@ fn pingpong_serves_runs_between_processes_one_at_a_time() {
 /// silence bound and serves the next run.
 #[test]
 fn pingpong_server_abandons_a_frozen_client() {
-    let log_dir = fresh_dir("pingpong-frozen");
-    std::fs::create_dir_all(&log_dir).expect("log dir");
-    let log = log_dir.join("stderr");
+    let (log_dir, log) = server_log_path("pingpong-frozen");
     let tcp = ["--transport", "tcp"];
     let (server, blob) = pingpong_server(&tcp, &log);
     let lat_run = [
@@ -350,8 +360,7 @@ fn pingpong_server_abandons_a_frozen_client() {
     assert_latency_rows(&served, &[64], 200);
     drop(frozen);
     drop(server);
-    let log = String::from_utf8_lossy(&read(&log)).into_owned();
-    assert_eq!(log.matches("pingpong client abandoned").count(), 1, "{log}");
+    let log = abandoned_once(&log);
     assert!(log.contains("silent"), "{log}");
     let _ = std::fs::remove_dir_all(&log_dir);
 }
