@@ -347,11 +347,11 @@ fn pingpong_server_abandons_a_frozen_client() {
         "tcp",
     ];
     let frozen = hold_the_server(&blob, &tcp, &lat_run);
-    let stopped = Command::new("kill")
-        .args(["-STOP", &frozen.0.id().to_string()])
-        .status()
-        .expect("kill runs");
-    assert!(stopped.success());
+    let pid = i32::try_from(frozen.0.id())
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+        .expect("a child's pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).expect("SIGSTOP");
     let served = served_after(
         &lat_run,
         std::time::Duration::from_secs(45),
