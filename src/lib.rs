@@ -22,6 +22,7 @@ pub mod demo;
 pub mod link;
 pub mod mux;
 pub mod stages;
+mod unwind;
 #[cfg(feature = "velo")]
 pub mod velo;
 pub mod verbs;

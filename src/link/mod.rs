@@ -52,9 +52,11 @@ pub enum EpochEnd {
     /// A newer connection to the same peer replaced this one.
     #[error("replaced by a newer connection")]
     Replaced,
-    /// This node's peer task panicked (a bug here, or in the message sink it
-    /// called); the mux ended the epoch and goes on with the next.
-    #[error("the peer task panicked")]
+    /// A task of this node serving the epoch panicked (a bug here, or in the
+    /// message sink the peer task called): the mux's peer task, a TCP
+    /// link's reader or writer, an RDMA link's completion poller, handler
+    /// or liveness task. The epoch ended; the mux goes on with the next.
+    #[error("a task serving the epoch panicked")]
     Internal,
     /// The transport is shutting down.
     #[error("transport shutdown")]

@@ -212,6 +212,8 @@ impl<D: Device + 'static> PreparedEnd<D> {
                 qpn = self.address.qpn.value(),
                 peer_qpn = peer.qpn.value()
             ),
+            #[cfg(test)]
+            panic_on_completion: AtomicBool::new(false),
         });
         // The soft provider hands completions to the link in its driver's
         // turn; libibverbs declines, and the poller alone takes them.

@@ -28,7 +28,7 @@ mod tests;
 use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use thiserror::Error;
 use tokio::sync::Notify;
@@ -303,6 +303,9 @@ struct Shared<D: Device> {
     on_end: Mutex<Vec<EndHook>>,
     /// `rdma_link{epoch, qpn, peer_qpn}`: the poller and liveness tasks run in it.
     span: tracing::Span,
+    /// Makes the next completions handled panic (unit tests).
+    #[cfg(test)]
+    panic_on_completion: AtomicBool,
 }
 
 /// The completion status as `ibv_wc_status` numbers it.
@@ -341,8 +344,9 @@ fn fault_of(err: &VerbsError) -> LinkFault {
 
 impl<D: Device + 'static> Shared<D> {
     fn lock(&self) -> MutexGuard<'_, State<D>> {
-        // A panic under this lock is a bug in this module; surviving it would hide it.
-        self.state.lock().expect("rdma link state poisoned")
+        // A panic under this lock is a bug here. The panicking task's guard
+        // ends the epoch (`end_after_panic`); until then the others go on.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn ended_error(&self, reason: EpochEnd) -> LinkError {
@@ -402,6 +406,24 @@ impl<D: Device + 'static> Shared<D> {
         let hooks = std::mem::take(&mut *self.on_end.lock().expect("hook lock poisoned"));
         for hook in hooks {
             hook(reason);
+        }
+    }
+
+    /// A panic in this link's poller, completion handler or liveness task
+    /// (a bug here): the epoch ends as `Internal`, and `recv` does not wait
+    /// for completions nobody may handle.
+    fn end_after_panic(&self) {
+        let _in_link = self.span.enter();
+        tracing::error!("an rdma link task panicked; ending the epoch");
+        let first = {
+            let mut st = self.lock();
+            st.drained = true;
+            st.set_end(EpochEnd::Internal)
+        };
+        if first {
+            self.after_end(EpochEnd::Internal);
+        } else {
+            self.wake_recv.notify_waiters();
         }
     }
 

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::io::AsyncReadExt;
@@ -39,6 +39,7 @@ use crate::link::tcp::{
 use crate::link::{EpochEnd, Link, LinkFault, Node, RegisterError};
 use crate::mux::protocol::Epoch;
 use crate::mux::{Mux, MuxConfig, PeerId};
+use crate::unwind::EndOnPanic;
 use crate::verbs::{Device, Gid, Mtu, Psn, QpAddress, Qpn};
 
 /// Configuration of an [`RdmaTransport`]. Defaults are documented per field.
@@ -405,6 +406,13 @@ async fn liveness<D: Device + 'static>(
     qpn: u32,
     table: Arc<Mutex<HashMap<u32, Arc<Liveness>>>>,
 ) {
+    let _ended_on_panic = EndOnPanic(|| {
+        link.shared().end_after_panic();
+        table
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&qpn);
+    });
     let mut buf = [0u8; 64];
     let reason = tokio::select! {
         () = ctl.wake.notified() => {

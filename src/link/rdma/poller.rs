@@ -16,10 +16,11 @@
 //! handled in the driver's turn".
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError, TryLockError};
 
 use super::{RECV_TAG, Shared, State, fault_of, ibv_status};
 use crate::link::{EpochEnd, LinkFault};
+use crate::unwind::EndOnPanic;
 use crate::verbs::{
     CompletionHandler, CompletionQueue, Device, QpState, Qpn, QueuePair, WcOpcode, WcStatus,
     WorkCompletion,
@@ -70,7 +71,8 @@ impl<D: Device + 'static> Shared<D> {
 
     /// [`Shared::poll_once`] under the `polling` lock (the poller's way in).
     fn poll_locked(&self) -> Polled {
-        self.poll_once(&mut self.polling.lock().expect("poll buffer poisoned"))
+        // A buffer only: a panic while it was held leaves nothing to distrust.
+        self.poll_once(&mut self.polling.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     fn poll_once(&self, buf: &mut PollBuf) -> Polled {
@@ -91,6 +93,11 @@ impl<D: Device + 'static> Shared<D> {
 
     fn on_completions(&self, wcs: &[WorkCompletion]) {
         let mut st = self.lock();
+        #[cfg(test)]
+        assert!(
+            !self.panic_on_completion.swap(false, Ordering::Relaxed),
+            "injected completion panic"
+        );
         let mut end = None;
         let mut reposts = Vec::new();
         let mut received = false;
@@ -209,6 +216,7 @@ fn on_send_completion<D: Device>(st: &mut State<D>, wc: &WorkCompletion) -> Opti
 
 /// Runs until the epoch is over and drained, or the link is dropped.
 pub(super) async fn run<D: Device + 'static>(shared: Arc<Shared<D>>) {
+    let _ended_on_panic = EndOnPanic(|| shared.end_after_panic());
     poll_until_done(&shared).await;
     shared.release_posted();
     shared.mark_drained();
@@ -244,10 +252,15 @@ impl<D: Device + 'static> Shared<D> {
 
 impl<D: Device + 'static> CompletionHandler for Shared<D> {
     fn completions_ready(&self) -> bool {
+        // Runs after `buf` is released: this runs on the provider's driver,
+        // which survives the panic; the epoch does not.
+        let _ended_on_panic = EndOnPanic(|| self.end_after_panic());
         // The poller holds it only while polling, and it polls again before
         // it waits: declining then loses nothing.
-        let Ok(mut buf) = self.polling.try_lock() else {
-            return false;
+        let mut buf = match self.polling.try_lock() {
+            Ok(buf) => buf,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => return false,
         };
         let _in_link = self.span.enter();
         while let Polled::Some = self.poll_once(&mut buf) {}

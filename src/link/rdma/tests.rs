@@ -284,3 +284,83 @@ fn a_graceful_close_waits_up_to_the_qps_own_retry_budget_within_bounds() {
     assert_eq!(with(20, 7), GRACEFUL_CLOSE_CAP, "a long one is capped");
     assert_eq!(with(0, 7), GRACEFUL_CLOSE_CAP, "timeout 0 is forever");
 }
+
+async fn send_bytes(link: &RdmaLink<SoftDevice>, payload: &[u8]) {
+    let mut buf = link.reserve().await.expect("reserve");
+    buf[..payload.len()].copy_from_slice(payload);
+    link.post(buf, payload.len()).expect("post");
+}
+
+async fn recv_bytes(link: &RdmaLink<SoftDevice>) -> Vec<u8> {
+    let batch = tokio::time::timeout(Duration::from_secs(10), link.recv())
+        .await
+        .expect("a batch within 10 s")
+        .expect("recv");
+    batch.to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_handling_completions_ends_that_epoch_and_the_device_serves_on() {
+    let (da, db) = (device().await, device().await);
+    let (a1, b1) = pair(&da, &db, Epoch(1), small()).expect("first pair");
+    let (a2, b2) = pair(&da, &db, Epoch(1), small()).expect("second pair");
+    // Settled, a1's poller is parked: the driver's handler takes the next
+    // completion, so the panic is on the device's own task.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    a1.shared()
+        .panic_on_completion
+        .store(true, Ordering::Relaxed);
+    send_bytes(&b1, b"boom").await;
+    let ended = tokio::time::timeout(Duration::from_secs(10), a1.ended()).await;
+    assert_eq!(ended, Ok(EpochEnd::Internal));
+    assert!(matches!(
+        a1.recv().await,
+        Err(LinkError::Ended {
+            reason: EpochEnd::Internal,
+            ..
+        })
+    ));
+    // Counted once the driver's catch returns, after the guard ended the link.
+    let counted = tokio::time::timeout(Duration::from_secs(10), async {
+        while da.stats().cq_handler_panics == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+    assert!(counted.await.is_ok(), "caught on the driver");
+    assert_eq!(da.stats().cq_handler_panics, 1);
+
+    // The driver serves on: the device's other QP carries batches both ways.
+    send_bytes(&b2, b"after").await;
+    assert_eq!(recv_bytes(&a2).await, b"after");
+    send_bytes(&a2, b"back").await;
+    assert_eq!(recv_bytes(&b2).await, b"back");
+    assert!(a2.end_reason().is_none() && b2.end_reason().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_the_soft_driver_ends_every_epoch_on_the_device_and_a_new_driver_serves() {
+    let (da, db) = (device().await, device().await);
+    let (a1, b1) = pair(&da, &db, Epoch(1), small()).expect("first pair");
+    let (a2, b2) = pair(&da, &db, Epoch(1), small()).expect("second pair");
+    da.shared().core().panic_driver = true;
+    // A send kicks the driver into its next turn, where the panic is.
+    send_bytes(&a1, b"kick").await;
+    for link in [&a1, &a2] {
+        let ended = tokio::time::timeout(Duration::from_secs(10), link.ended())
+            .await
+            .expect("every QP on the device fails");
+        assert!(
+            matches!(ended, EpochEnd::Fault(LinkFault::Completion { .. })),
+            "{ended:?}"
+        );
+    }
+    assert_eq!(da.stats().driver_panics, 1);
+    drop((a1, a2, b1, b2));
+
+    // A fresh driver serves the QPs made after.
+    let (a3, b3) = pair(&da, &db, Epoch(2), small()).expect("third pair");
+    send_bytes(&a3, b"after").await;
+    assert_eq!(recv_bytes(&b3).await, b"after");
+    send_bytes(&b3, b"back").await;
+    assert_eq!(recv_bytes(&a3).await, b"back");
+}

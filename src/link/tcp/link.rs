@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::net::{Shutdown, SocketAddr};
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use socket2::{SockRef, Socket, TcpKeepalive};
@@ -27,6 +27,7 @@ use tokio::sync::Notify;
 use crate::link::{EpochEnd, Link, LinkError, LinkFault};
 use crate::mux::protocol::Epoch;
 use crate::stages::{self, Stage};
+use crate::unwind::EndOnPanic;
 
 /// Shape of a TCP link. Defaults are documented per field.
 #[derive(Clone, Debug)]
@@ -110,11 +111,16 @@ struct Inner {
     writer: Notify,
     /// The stalled reader (the consumer dropped a batch, or the epoch ended).
     reader: Notify,
+    /// Makes the reader panic on its next batch (unit tests).
+    #[cfg(test)]
+    panic_on_read: std::sync::atomic::AtomicBool,
 }
 
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().expect("tcp link state poisoned")
+        // A panic under this lock is a bug here. The panicking task's guard
+        // ends the epoch (`end_after_panic`); until then the others go on.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn ended_error(&self, state: &State) -> Option<LinkError> {
@@ -141,6 +147,13 @@ impl Inner {
         self.wake_end.notify_waiters();
         self.writer.notify_one();
         self.reader.notify_one();
+    }
+
+    /// A panic in the reader or writer (a bug here): the epoch ends as
+    /// `Internal` rather than staying open with half its service gone.
+    fn end_after_panic(&self) {
+        tracing::error!(epoch = %self.epoch, "a tcp link task panicked; ending the epoch");
+        self.end(EpochEnd::Internal);
     }
 
     fn shutdown_socket(&self) {
@@ -239,6 +252,8 @@ impl TcpLink {
             wake_end: Notify::new(),
             writer: Notify::new(),
             reader: Notify::new(),
+            #[cfg(test)]
+            panic_on_read: Default::default(),
         });
         tokio::spawn(read_loop(inner.clone(), prefix, rd));
         tokio::spawn(write_loop(inner.clone()));
@@ -294,6 +309,7 @@ pub(crate) fn configure(stream: &TcpStream, config: &TcpLinkConfig) -> io::Resul
 }
 
 async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
+    let _ended_on_panic = EndOnPanic(|| inner.end_after_panic());
     let mut rd = BufReader::with_capacity(64 * 1024, std::io::Cursor::new(prefix).chain(rd));
     let reason = loop {
         // Back-pressure: stop reading while the consumer holds enough. The
@@ -321,6 +337,13 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
         match read {
             Ok(Some(batch)) => {
                 stages::mark(Stage::Received);
+                #[cfg(test)]
+                assert!(
+                    !inner
+                        .panic_on_read
+                        .swap(false, std::sync::atomic::Ordering::Relaxed),
+                    "injected reader panic"
+                );
                 let mut state = inner.lock();
                 if state.ended.is_some() {
                     return;
@@ -373,6 +396,7 @@ async fn wait_ended(inner: &Inner) {
 }
 
 async fn write_loop(inner: Arc<Inner>) {
+    let _ended_on_panic = EndOnPanic(|| inner.end_after_panic());
     loop {
         let notified = inner.writer.notified();
         tokio::pin!(notified);
@@ -671,5 +695,60 @@ impl Link for TcpLink {
             }
             notified.await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    async fn pair() -> (TcpLink, TcpLink) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (dialed, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let config = TcpLinkConfig::default();
+        let max = config.max_batch;
+        let a = TcpLink::new(dialed.expect("connect"), Vec::new(), Epoch(1), &config, max);
+        let b = TcpLink::new(
+            accepted.expect("accept").0,
+            Vec::new(),
+            Epoch(1),
+            &config,
+            max,
+        );
+        (a.expect("link a"), b.expect("link b"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panicking_reader_ends_the_epoch_on_both_ends() {
+        let (a, b) = pair().await;
+        a.inner().panic_on_read.store(true, Ordering::Relaxed);
+        let mut buf = b.reserve().await.expect("reserve");
+        buf[..4].copy_from_slice(b"ping");
+        b.post(buf, 4).expect("post");
+        let bound = Duration::from_secs(10);
+        let ended = tokio::time::timeout(bound, a.ended()).await;
+        assert_eq!(
+            ended,
+            Ok(EpochEnd::Internal),
+            "the reader's panic ends its epoch"
+        );
+        assert!(matches!(
+            a.recv().await,
+            Err(LinkError::Ended {
+                reason: EpochEnd::Internal,
+                ..
+            })
+        ));
+        let theirs = tokio::time::timeout(bound, b.ended()).await;
+        assert!(
+            matches!(theirs, Ok(EpochEnd::PeerClosed | EpochEnd::PeerLost)),
+            "the socket was shut, so the peer hears: {theirs:?}"
+        );
     }
 }

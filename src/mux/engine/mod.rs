@@ -23,11 +23,8 @@ mod held;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -45,6 +42,7 @@ use super::stats::{Counters, Stats};
 use super::surface::{AsMux, DropReason, MuxError, MuxTransport, PeerId, StreamKey};
 use crate::link::{EpochEnd, Link, LinkError, LinkFault};
 use crate::stages::{self, Stage};
+use crate::unwind::{CatchPanic, panic_message};
 
 /// How often a peer with work and no link asks its dialer again.
 const REDIAL_INTERVAL: Duration = Duration::from_secs(1);
@@ -566,33 +564,6 @@ fn end_of(err: LinkError) -> EpochEnd {
         LinkError::Ended { reason, .. } => reason,
         LinkError::BatchTooLarge { .. } => EpochEnd::Fault(LinkFault::PostFailed),
     }
-}
-
-/// Polls a future inside `catch_unwind`, so a panic in one peer's turn
-/// ends that peer's epoch instead of its task (which would leave every slot
-/// of the peer waiting for good, and the peer thinking the epoch is live).
-struct CatchPanic<F>(Pin<Box<F>>);
-
-impl<F: Future> Future for CatchPanic<F> {
-    type Output = std::thread::Result<F::Output>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let inner = self.get_mut().0.as_mut();
-        match std::panic::catch_unwind(AssertUnwindSafe(|| inner.poll(cx))) {
-            Ok(Poll::Pending) => Poll::Pending,
-            Ok(Poll::Ready(out)) => Poll::Ready(Ok(out)),
-            Err(panic) => Poll::Ready(Err(panic)),
-        }
-    }
-}
-
-/// The message a panic was raised with, where it is text.
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("(not text)")
 }
 
 /// One epoch on `link`; returns how it ended and what the peer's closed

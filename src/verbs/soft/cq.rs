@@ -18,6 +18,8 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use tokio::sync::Notify;
@@ -39,6 +41,9 @@ pub(crate) struct CqShared {
     inner: Mutex<CqInner>,
     notify: Notify,
     handler: OnceLock<Weak<dyn CompletionHandler>>,
+    /// The handler panicked once: it is not called again, and the CQ
+    /// notifies as if it had none.
+    handler_failed: AtomicBool,
 }
 
 impl CqShared {
@@ -60,7 +65,7 @@ impl CqShared {
         } else {
             inner.entries.push_back(wc);
         }
-        if defer && self.handler.get().is_some() {
+        if defer && self.handler.get().is_some() && !self.handler_failed.load(Ordering::Acquire) {
             return !std::mem::replace(&mut inner.due, true);
         }
         Self::fire_if_armed(&mut inner, &self.notify);
@@ -69,18 +74,35 @@ impl CqShared {
 
     /// Runs the handler for what the driver's turn added; if it declines,
     /// or is gone with its link, the armed notification fires instead.
-    pub fn dispatch(&self) {
+    ///
+    /// A handler is its user's code running on the driver, which serves
+    /// every QP of the device: its panic is caught here, the handler is
+    /// never called again, and the CQ notifies from then on. Returns false
+    /// when the handler panicked.
+    pub fn dispatch(&self) -> bool {
         // Cleared first: a completion pushed while the handler runs makes
         // the CQ due again rather than being missed.
         self.lock().due = false;
-        let taken = self
+        let handler = self
             .handler
             .get()
-            .and_then(Weak::upgrade)
-            .is_some_and(|handler| handler.completions_ready());
+            .filter(|_| !self.handler_failed.load(Ordering::Acquire))
+            .and_then(Weak::upgrade);
+        let (taken, sound) = match handler {
+            None => (false, true),
+            Some(handler) => match catch_unwind(AssertUnwindSafe(|| handler.completions_ready())) {
+                Ok(taken) => (taken, true),
+                Err(_) => {
+                    self.handler_failed.store(true, Ordering::Release);
+                    tracing::error!("a completion handler panicked; its CQ notifies from now on");
+                    (false, false)
+                }
+            },
+        };
         if !taken {
             Self::fire_if_armed(&mut self.lock(), &self.notify);
         }
+        sound
     }
 
     fn fire_if_armed(inner: &mut CqInner, notify: &Notify) {
@@ -110,6 +132,7 @@ impl SoftCq {
                 }),
                 notify: Notify::new(),
                 handler: OnceLock::new(),
+                handler_failed: AtomicBool::new(false),
             }),
         }
     }
@@ -181,6 +204,7 @@ mod tests {
     struct Drainer {
         cq: SoftCq,
         decline: AtomicBool,
+        panic: AtomicBool,
         calls: AtomicUsize,
         taken: AtomicUsize,
     }
@@ -188,6 +212,7 @@ mod tests {
     impl CompletionHandler for Drainer {
         fn completions_ready(&self) -> bool {
             self.calls.fetch_add(1, Ordering::Relaxed);
+            assert!(!self.panic.load(Ordering::Relaxed), "a bug in the handler");
             if self.decline.load(Ordering::Relaxed) {
                 return false;
             }
@@ -204,6 +229,7 @@ mod tests {
         let drainer = Arc::new(Drainer {
             cq: cq.clone(),
             decline: AtomicBool::new(false),
+            panic: AtomicBool::new(false),
             calls: AtomicUsize::new(0),
             taken: AtomicUsize::new(0),
         });
@@ -252,6 +278,27 @@ mod tests {
         cq.shared.dispatch();
         assert!(fired(&cq).await, "no handler left: the waiter is told");
         assert_eq!(cq.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_panicking_handler_is_caught_and_its_cq_notifies_from_then_on() {
+        let (cq, drainer) = with_handler();
+        drainer.panic.store(true, Ordering::Relaxed);
+        cq.req_notify().unwrap();
+        assert!(cq.shared.push(wc(1), true));
+        assert!(!cq.shared.dispatch(), "the panic is reported, not raised");
+        assert!(fired(&cq).await, "the waiter is told");
+
+        drainer.panic.store(false, Ordering::Relaxed);
+        cq.req_notify().unwrap();
+        assert!(
+            !cq.shared.push(wc(2), true),
+            "nothing is owed to a handler that panicked"
+        );
+        assert!(fired(&cq).await);
+        assert!(cq.shared.dispatch(), "a stray dispatch calls nobody");
+        assert_eq!(drainer.calls.load(Ordering::Relaxed), 1);
+        assert_eq!(cq.len(), 2, "the completions stay for a poller");
     }
 
     #[tokio::test]

@@ -51,6 +51,12 @@ pub struct DeviceStats {
     /// Completion handler calls the driver owed after its turns (one per CQ
     /// a turn added completions to, where a link installed a handler).
     pub cq_handler_calls: u64,
+    /// Handler calls that panicked (each handler's first and last: its CQ
+    /// notifies from then on, and the driver goes on serving every QP).
+    pub cq_handler_panics: u64,
+    /// Times the UDP driver panicked (a bug): each time every QP of the
+    /// device went to ERR and a fresh driver took over.
+    pub driver_panics: u64,
     /// Next-in-line receive buffers the driver read ahead after a receive
     /// completed (docs/soft-provider.md § "The next receive buffer is warmed").
     pub rx_buffers_warmed: u64,
@@ -89,6 +95,9 @@ pub(crate) struct DeviceCore {
     /// QPs that completed a receive since the driver last warmed their next
     /// receive buffer (each listed once).
     warm_due: Vec<Qpn>,
+    /// Makes the UDP driver panic at its next turn (unit tests).
+    #[cfg(test)]
+    pub panic_driver: bool,
 }
 
 /// Where engine completions go: to their CQ, which notifies, or, while the
@@ -126,6 +135,8 @@ impl DeviceCore {
             inline: Default::default(),
             completions: Completions::default(),
             warm_due: Vec::new(),
+            #[cfg(test)]
+            panic_driver: false,
         }
     }
 
@@ -176,6 +187,16 @@ impl DeviceCore {
         self.completions.deferring = false;
         self.stats.cq_handler_calls += self.completions.due.len() as u64;
         out.append(&mut self.completions.due);
+    }
+
+    /// After the driver panicked: every QP to ERR, its WRs flushed with
+    /// errors onto its CQs. Call after [`DeviceCore::take_due`], so the
+    /// flushes notify rather than wait for a handler call.
+    pub fn fail_every_qp(&mut self) {
+        let qpns: Vec<Qpn> = self.qps.keys().copied().collect();
+        for qpn in qpns {
+            self.with_qp(qpn, QpEngine::modify_to_error);
+        }
     }
 
     pub fn destroy_qp(&mut self, qpn: Qpn) {

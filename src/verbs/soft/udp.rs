@@ -35,6 +35,7 @@ use super::device::DeviceCore;
 use super::wire::MAX_OVERHEAD;
 use super::{DeviceShared, Instant, SoftConfig, SoftDevice};
 use crate::stages::{self, Stage};
+use crate::unwind::{CatchPanic, panic_message};
 use crate::verbs::{Gid, Mtu, VerbsError};
 
 /// Packets emitted per turn, so receiving is not starved by a long send queue
@@ -240,8 +241,43 @@ impl SoftDevice {
         let weak = Arc::downgrade(dev.shared());
         let kick = dev.shared().kick.clone();
         let shutdown = dev.shared().shutdown.clone();
-        tokio::spawn(Driver::new(port).run(weak, kick, shutdown));
+        tokio::spawn(supervise(port, weak, kick, shutdown));
         Ok(dev)
+    }
+}
+
+/// Runs the device's driver. A panic in it (a bug in the driver or the
+/// core) leaves every QP's protocol state suspect: each goes to ERR, as on a
+/// NIC's fatal error, so its link ends and its peer hears, and a fresh
+/// driver serves the QPs made after.
+async fn supervise(
+    port: Arc<Port>,
+    dev: Weak<DeviceShared>,
+    kick: Arc<tokio::sync::Notify>,
+    shutdown: Arc<tokio::sync::Notify>,
+) {
+    loop {
+        let driver = Driver::new(port.clone()).run(dev.clone(), kick.clone(), shutdown.clone());
+        let Err(panic) = CatchPanic(Box::pin(driver)).await else {
+            return;
+        };
+        let Some(shared) = dev.upgrade() else { return };
+        tracing::error!(
+            panic = panic_message(&*panic),
+            "the soft device's driver panicked; every QP goes to ERR and a new driver starts"
+        );
+        let mut due = Vec::new();
+        let mut core = shared.core();
+        core.stats.driver_panics += 1;
+        core.take_due(&mut due);
+        core.fail_every_qp();
+        core.inline.driver_sending = false;
+        core.inline.driver_wakes_at = None;
+        drop(core);
+        // What the interrupted turn owed its handlers, unlocked as always.
+        for cq in due {
+            cq.dispatch();
+        }
     }
 }
 
@@ -484,6 +520,11 @@ impl Driver {
             let deadline = {
                 let Some(shared) = dev.upgrade() else { return };
                 let mut core = shared.core();
+                #[cfg(test)]
+                assert!(
+                    !std::mem::take(&mut core.panic_driver),
+                    "injected driver panic"
+                );
                 let t = self.now();
                 core.defer_completions();
                 core.handle_timeout(t);
@@ -509,7 +550,7 @@ impl Driver {
                 core.take_due(&mut self.due);
                 deadline
             };
-            self.dispatch_due();
+            self.dispatch_due(&dev);
             let more = self.outbox.len() >= BATCH;
             if !self.outbox.is_empty() {
                 self.send_all().await;
@@ -567,9 +608,12 @@ impl Driver {
     /// Runs the handlers of the CQs this turn added completions to, with no
     /// lock held: the receiving link takes its batch now, not a task hop
     /// later (docs/soft-provider.md § "Completions handled in the driver's turn").
-    fn dispatch_due(&mut self) {
-        for cq in self.due.drain(..) {
-            cq.dispatch();
+    /// Runs the handlers the turn owes; one that panics is counted and
+    /// left out from then on, and the driver goes on.
+    fn dispatch_due(&mut self, dev: &Weak<DeviceShared>) {
+        let panicked = self.due.drain(..).filter(|cq| !cq.dispatch()).count() as u64;
+        if let Some(shared) = dev.upgrade().filter(|_| panicked > 0) {
+            shared.core().stats.cq_handler_panics += panicked;
         }
     }
 
@@ -646,7 +690,7 @@ impl Driver {
             }
             core.take_due(&mut self.due);
             drop(core);
-            self.dispatch_due();
+            self.dispatch_due(dev);
             if drained {
                 break;
             }
