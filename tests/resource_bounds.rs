@@ -170,6 +170,42 @@ async fn a_peer_gone_with_unread_bytes_here_still_counts_against_max_peers() {
     .await;
 }
 
+/// A peer whose opens left streams here that nobody has bound still counts
+/// against `max_peers` after its link is gone, though they hold no bytes:
+/// peers coming and going under fresh ids cannot fill the node's registry
+/// (each may leave `max_unbound_per_peer` entries). A bind lets a new peer in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_gone_with_unbound_streams_here_still_counts_against_max_peers() {
+    bounded(async {
+        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig { max_peers: 1, ..c }).await;
+        let (a_node, a) = tcp_node(A, |c| c).await;
+        let (b_node, b) = tcp_node(B, |c| c).await;
+        for dialer in [&a_node, &b_node] {
+            dialer.register(L, l_node.local_addr());
+        }
+        let empty = StreamKey::new(A.0, 2);
+        let tx = a.open(L, empty).expect("open");
+        tx.finish(Terminal::Finalized).expect("finish");
+        until(|| l.peers_holding() == [A]).await;
+        assert_eq!(l.stats().peer_held_bytes, 0, "nothing but the entry");
+        a.shutdown();
+        a_node.shutdown();
+        until(|| l.epoch(A).is_none()).await;
+        assert_eq!(
+            b_node.connect(L).await,
+            Err(ConnectError::DeclinedByPeer(DeclineReason::Unavailable))
+        );
+        assert_eq!(l_node.stats().peer_limit_refusals, 1);
+        // Bound and read: A keeps nothing here, and B fits.
+        let mut rx = l.bind(empty).expect("bind");
+        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        assert!(l.peers_holding().is_empty());
+        assert!(b_node.connect(L).await.is_ok());
+        drop(b);
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slowloris_dialers_are_cut_at_the_handshake_timeout() {
     bounded(async {

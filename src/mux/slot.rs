@@ -594,6 +594,11 @@ impl Registry {
         lock(&self.unbound).get(&peer).copied().unwrap_or(0)
     }
 
+    /// Peers whose opens left entries here that nobody has bound.
+    pub fn peers_with_unbound(&self) -> Vec<PeerId> {
+        lock(&self.unbound).keys().copied().collect()
+    }
+
     fn release_unbound(&self, peer: PeerId) {
         let mut unbound = lock(&self.unbound);
         if let Some(n) = unbound.get_mut(&peer) {

@@ -528,8 +528,9 @@ impl<E: EpochMaker> NodeInner<E> {
     /// True if taking `peer` on would exceed `max_peers`: a peer already
     /// live is never new; others count while live, dialing or accepting,
     /// and a peer gone from the table while the mux still holds bytes it
-    /// sent (so peers coming and going under fresh ids cannot pile up
-    /// memory: each counts until what it left is read).
+    /// sent or streams it opened that nobody has bound (so peers coming and
+    /// going under fresh ids cannot pile up memory or registry entries:
+    /// each counts until what it left is read or bound).
     fn at_peer_limit(&self, peers: &Peers<E>, peer: PeerId) -> bool {
         if peers.get(&peer).is_some_and(Self::live) {
             return false;

@@ -265,15 +265,21 @@ impl<L: Link> Mux<L> {
         lock(&self.shared.peers).len()
     }
 
-    /// The peers whose bytes this node holds unread (in streams not read
-    /// or not bound yet), linked or not: a peer task does not retire while
-    /// it holds any, so a peer gone keeps this memory until it is read.
+    /// The peers this node keeps something of, linked or not: bytes unread
+    /// in their streams (a peer task does not retire while it holds any, so
+    /// a peer gone keeps this memory until it is read), or streams their
+    /// opens created that nobody has bound yet (registry entries, kept
+    /// until a `bind`). Sorted, each once.
     pub fn peers_holding(&self) -> Vec<PeerId> {
-        lock(&self.shared.peers)
+        let mut holding: Vec<PeerId> = lock(&self.shared.peers)
             .iter()
             .filter(|(_, entry)| entry.control.peer_held.load(Ordering::Acquire) > 0)
             .map(|(peer, _)| *peer)
-            .collect()
+            .collect();
+        holding.extend(self.shared.registry.peers_with_unbound());
+        holding.sort_unstable();
+        holding.dedup();
+        holding
     }
 
     fn entry(&self, peer: PeerId) -> Arc<PeerEntry<L>> {
