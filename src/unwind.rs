@@ -1,15 +1,15 @@
 //! What a panic in one task may take down, and what it may not.
 //!
 //! ```text
-//!  CatchPanic(task)  ─ poll under catch_unwind ─► Ok(output) │ Err(panic): the owner winds the task's work up
-//!  EndOnPanic(close) ─ dropped while unwinding ─► close()   (the epoch ends; the task is gone)
+//!  CatchPanic(task)              ─ poll under catch_unwind ─► Ok(output) │ Err(panic): the owner winds up
+//!  spawn_catching(task, on_panic) ─ the task panicked, the unwind is over ─► on_panic()  (ends its epoch)
 //! ```
 //!
 //! A task that serves many (a peer's epoch, a device's QPs) must not leave
 //! them waiting for good because of one bug: the mux's peer task and the
 //! soft provider's driver are polled under [`CatchPanic`], and a link's tasks
-//! hold an [`EndOnPanic`] that ends their epoch. Rulings: docs/design.md
-//! § "A panic ends an epoch, not a peer".
+//! are spawned with [`spawn_catching`], whose `on_panic` ends their epoch.
+//! Rulings: docs/design.md § "A panic ends an epoch, not a peer".
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -43,16 +43,18 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .unwrap_or("(not text)")
 }
 
-/// Runs its closure if the scope holding it unwinds: a link's task or
-/// handler that panics ends its epoch as `EpochEnd::Internal` instead of
-/// leaving it open with nobody serving it. Declare it before any lock guard
-/// of the scope, so those are released (and poisoned) before it runs.
-pub(crate) struct EndOnPanic<F: FnMut()>(pub(crate) F);
-
-impl<F: FnMut()> Drop for EndOnPanic<F> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            (self.0)();
+/// Spawns `task`; if a poll of it panics, the unwind is caught and
+/// `on_panic` runs after it, on the same task. Never while unwinding: a
+/// second panic there would abort the process, and a drop guard would also
+/// fire for a task merely dropped during another's unwind.
+pub(crate) fn spawn_catching<F, P>(task: F, on_panic: P) -> tokio::task::JoinHandle<()>
+where
+    F: Future<Output = ()> + Send + 'static,
+    P: FnOnce() + Send + 'static,
+{
+    tokio::spawn(async move {
+        if CatchPanic(Box::pin(task)).await.is_err() {
+            on_panic();
         }
-    }
+    })
 }

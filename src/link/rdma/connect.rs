@@ -25,6 +25,7 @@ use super::registered::{RegisteredBudget, Registration};
 use super::{Handle, LinkStats, RECV_TAG, RdmaConfig, RdmaError, RdmaLink, Shared, State, poller};
 use crate::link::{EpochEnd, Link};
 use crate::mux::protocol::Epoch;
+use crate::unwind::spawn_catching;
 use crate::verbs::{
     AccessFlags, CompletionHandler, CompletionQueue, Device, InitAttr, Mtu, QpAddress, QpCaps,
     QueuePair, RecvWr, RtrAttr, RtsAttr, Sge,
@@ -219,7 +220,11 @@ impl<D: Device + 'static> PreparedEnd<D> {
         // turn; libibverbs declines, and the poller alone takes them.
         let handler: Weak<dyn CompletionHandler> = Arc::downgrade(&shared) as _;
         shared.cq.set_handler(handler);
-        tokio::spawn(poller::run(shared.clone()).instrument(shared.span.clone()));
+        let ended = shared.clone();
+        spawn_catching(
+            poller::run(shared.clone()).instrument(shared.span.clone()),
+            move || ended.end_after_panic(true),
+        );
         Ok(RdmaLink {
             handle: Arc::new(Handle { shared }),
         })

@@ -410,14 +410,16 @@ impl<D: Device + 'static> Shared<D> {
     }
 
     /// A panic in this link's poller, completion handler or liveness task
-    /// (a bug here): the epoch ends as `Internal`, and `recv` does not wait
-    /// for completions nobody may handle.
-    fn end_after_panic(&self) {
+    /// (a bug here), once its unwind is caught: the epoch ends as
+    /// `Internal`. After a panic handling completions, their count is not
+    /// to be trusted, so `recv` reports the end without waiting for the
+    /// flushes (`completions_lost`).
+    fn end_after_panic(&self, completions_lost: bool) {
         let _in_link = self.span.enter();
         tracing::error!("an rdma link task panicked; ending the epoch");
         let first = {
             let mut st = self.lock();
-            st.drained = true;
+            st.drained |= completions_lost;
             st.set_end(EpochEnd::Internal)
         };
         if first {

@@ -39,7 +39,7 @@ use crate::link::tcp::{
 use crate::link::{EpochEnd, Link, LinkFault, Node, RegisterError};
 use crate::mux::protocol::Epoch;
 use crate::mux::{Mux, MuxConfig, PeerId};
-use crate::unwind::EndOnPanic;
+use crate::unwind::spawn_catching;
 use crate::verbs::{Device, Gid, Mtu, Psn, QpAddress, Qpn};
 
 /// Configuration of an [`RdmaTransport`]. Defaults are documented per field.
@@ -383,7 +383,17 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
         let wake = ctl.clone();
         link.on_end(move |_| wake.wake.notify_one());
         let span = link.span().clone();
-        tokio::spawn(liveness(link.clone(), stream, ctl, qpn, self.live.clone()).instrument(span));
+        let (ended, table) = (link.clone(), self.live.clone());
+        spawn_catching(
+            liveness(link.clone(), stream, ctl, qpn, self.live.clone()).instrument(span),
+            move || {
+                ended.shared().end_after_panic(false);
+                table
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&qpn);
+            },
+        );
         Ok(link)
     }
 
@@ -406,13 +416,6 @@ async fn liveness<D: Device + 'static>(
     qpn: u32,
     table: Arc<Mutex<HashMap<u32, Arc<Liveness>>>>,
 ) {
-    let _ended_on_panic = EndOnPanic(|| {
-        link.shared().end_after_panic();
-        table
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&qpn);
-    });
     let mut buf = [0u8; 64];
     let reason = tokio::select! {
         () = ctl.wake.notified() => {

@@ -15,12 +15,12 @@
 //! `Shared::state`. Why the handler: docs/soft-provider.md § "Completions
 //! handled in the driver's turn".
 
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError, TryLockError};
 
 use super::{RECV_TAG, Shared, State, fault_of, ibv_status};
 use crate::link::{EpochEnd, LinkFault};
-use crate::unwind::EndOnPanic;
 use crate::verbs::{
     CompletionHandler, CompletionQueue, Device, QpState, Qpn, QueuePair, WcOpcode, WcStatus,
     WorkCompletion,
@@ -216,7 +216,6 @@ fn on_send_completion<D: Device>(st: &mut State<D>, wc: &WorkCompletion) -> Opti
 
 /// Runs until the epoch is over and drained, or the link is dropped.
 pub(super) async fn run<D: Device + 'static>(shared: Arc<Shared<D>>) {
-    let _ended_on_panic = EndOnPanic(|| shared.end_after_panic());
     poll_until_done(&shared).await;
     shared.release_posted();
     shared.mark_drained();
@@ -252,9 +251,22 @@ impl<D: Device + 'static> Shared<D> {
 
 impl<D: Device + 'static> CompletionHandler for Shared<D> {
     fn completions_ready(&self) -> bool {
-        // Runs after `buf` is released: this runs on the provider's driver,
-        // which survives the panic; the epoch does not.
-        let _ended_on_panic = EndOnPanic(|| self.end_after_panic());
+        // This runs on the provider's driver, which survives a panic here;
+        // the epoch does not. Ended once the unwind is caught, then raised
+        // again for the provider to count and retire the handler.
+        match catch_unwind(AssertUnwindSafe(|| self.take_completions())) {
+            Ok(taken) => taken,
+            Err(panic) => {
+                self.end_after_panic(true);
+                resume_unwind(panic)
+            }
+        }
+    }
+}
+
+impl<D: Device + 'static> Shared<D> {
+    /// The handler's work: poll the CQ empty, unless the poller is at it.
+    fn take_completions(&self) -> bool {
         // The poller holds it only while polling, and it polls again before
         // it waits: declining then loses nothing.
         let mut buf = match self.polling.try_lock() {

@@ -304,30 +304,26 @@ async fn a_panic_handling_completions_ends_that_epoch_and_the_device_serves_on()
     let (da, db) = (device().await, device().await);
     let (a1, b1) = pair(&da, &db, Epoch(1), small()).expect("first pair");
     let (a2, b2) = pair(&da, &db, Epoch(1), small()).expect("second pair");
-    // Settled, a1's poller is parked: the driver's handler takes the next
-    // completion, so the panic is on the device's own task.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Once a1's poller is parked (its CQ armed), the driver's handler takes
+    // the next completion, so the panic is on the device's own task.
+    until(|| a1.shared().cq.is_armed()).await;
     a1.shared()
         .panic_on_completion
         .store(true, Ordering::Relaxed);
     send_bytes(&b1, b"boom").await;
     let ended = tokio::time::timeout(Duration::from_secs(10), a1.ended()).await;
     assert_eq!(ended, Ok(EpochEnd::Internal));
+    let recv = tokio::time::timeout(Duration::from_secs(10), a1.recv()).await;
     assert!(matches!(
-        a1.recv().await,
-        Err(LinkError::Ended {
+        recv,
+        Ok(Err(LinkError::Ended {
             reason: EpochEnd::Internal,
             ..
-        })
+        }))
     ));
-    // Counted once the driver's catch returns, after the guard ended the link.
-    let counted = tokio::time::timeout(Duration::from_secs(10), async {
-        while da.stats().cq_handler_panics == 0 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    });
-    assert!(counted.await.is_ok(), "caught on the driver");
-    assert_eq!(da.stats().cq_handler_panics, 1);
+    // Counted once the driver's catch returns, after the link has ended.
+    until(|| da.stats().cq_handler_panics > 0).await;
+    assert_eq!(da.stats().cq_handler_panics, 1, "caught on the driver");
 
     // The driver serves on: the device's other QP carries batches both ways.
     send_bytes(&b2, b"after").await;
@@ -363,4 +359,44 @@ async fn a_panic_in_the_soft_driver_ends_every_epoch_on_the_device_and_a_new_dri
     assert_eq!(recv_bytes(&b3).await, b"after");
     send_bytes(&b3, b"back").await;
     assert_eq!(recv_bytes(&a3).await, b"back");
+}
+
+async fn until(mut done: impl FnMut() -> bool) {
+    let waited = tokio::time::timeout(Duration::from_secs(10), async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+    assert!(waited.await.is_ok(), "not within 10 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_under_the_device_lock_elsewhere_ends_every_epoch_on_it_and_the_driver_serves_on() {
+    let (da, db) = (device().await, device().await);
+    let (a1, b1) = pair(&da, &db, Epoch(1), small()).expect("first pair");
+    // A bug in a verbs call on some other task, under the device lock: the
+    // core may be half-updated, so every QP on it goes to ERR.
+    let shared = da.shared().clone();
+    let poisoner = std::thread::spawn(move || {
+        let _core = shared.core();
+        panic!("a bug under the device lock");
+    });
+    assert!(poisoner.join().is_err());
+    // The driver's next turn notices; a send makes one, unless a timer's
+    // turn came first and the link has already ended.
+    if let Ok(mut buf) = a1.reserve().await {
+        buf[..4].copy_from_slice(b"kick");
+        a1.post(buf, 4).ok();
+    }
+    let ended = tokio::time::timeout(Duration::from_secs(10), a1.ended()).await;
+    assert!(
+        matches!(ended, Ok(EpochEnd::Fault(LinkFault::Completion { .. }))),
+        "{ended:?}"
+    );
+    assert_eq!(da.stats().driver_panics, 1);
+    drop((a1, b1));
+    let (a2, b2) = pair(&da, &db, Epoch(2), small()).expect("second pair");
+    send_bytes(&a2, b"after").await;
+    assert_eq!(recv_bytes(&b2).await, b"after");
+    assert_eq!(da.stats().driver_panics, 1, "the poison was cleared");
 }

@@ -27,7 +27,7 @@ use tokio::sync::Notify;
 use crate::link::{EpochEnd, Link, LinkError, LinkFault};
 use crate::mux::protocol::Epoch;
 use crate::stages::{self, Stage};
-use crate::unwind::EndOnPanic;
+use crate::unwind::spawn_catching;
 
 /// Shape of a TCP link. Defaults are documented per field.
 #[derive(Clone, Debug)]
@@ -255,8 +255,12 @@ impl TcpLink {
             #[cfg(test)]
             panic_on_read: Default::default(),
         });
-        tokio::spawn(read_loop(inner.clone(), prefix, rd));
-        tokio::spawn(write_loop(inner.clone()));
+        let ended = inner.clone();
+        spawn_catching(read_loop(inner.clone(), prefix, rd), move || {
+            ended.end_after_panic();
+        });
+        let ended = inner.clone();
+        spawn_catching(write_loop(inner.clone()), move || ended.end_after_panic());
         Ok(TcpLink {
             handle: Arc::new(Handle(inner)),
         })
@@ -309,7 +313,6 @@ pub(crate) fn configure(stream: &TcpStream, config: &TcpLinkConfig) -> io::Resul
 }
 
 async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
-    let _ended_on_panic = EndOnPanic(|| inner.end_after_panic());
     let mut rd = BufReader::with_capacity(64 * 1024, std::io::Cursor::new(prefix).chain(rd));
     let reason = loop {
         // Back-pressure: stop reading while the consumer holds enough. The
@@ -396,7 +399,6 @@ async fn wait_ended(inner: &Inner) {
 }
 
 async fn write_loop(inner: Arc<Inner>) {
-    let _ended_on_panic = EndOnPanic(|| inner.end_after_panic());
     loop {
         let notified = inner.writer.notified();
         tokio::pin!(notified);
@@ -738,12 +740,13 @@ mod tests {
             Ok(EpochEnd::Internal),
             "the reader's panic ends its epoch"
         );
+        let recv = tokio::time::timeout(bound, a.recv()).await;
         assert!(matches!(
-            a.recv().await,
-            Err(LinkError::Ended {
+            recv,
+            Ok(Err(LinkError::Ended {
                 reason: EpochEnd::Internal,
                 ..
-            })
+            }))
         ));
         let theirs = tokio::time::timeout(bound, b.ended()).await;
         assert!(

@@ -120,6 +120,12 @@ pub struct SoftCq {
 }
 
 impl SoftCq {
+    /// Armed: a waiter will hear the next completion (tests).
+    #[cfg(test)]
+    pub(crate) fn is_armed(&self) -> bool {
+        self.shared.lock().armed
+    }
+
     pub(crate) fn new(depth: usize) -> SoftCq {
         SoftCq {
             shared: Arc::new(CqShared {

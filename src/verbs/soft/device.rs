@@ -51,11 +51,13 @@ pub struct DeviceStats {
     /// Completion handler calls the driver owed after its turns (one per CQ
     /// a turn added completions to, where a link installed a handler).
     pub cq_handler_calls: u64,
-    /// Handler calls that panicked (each handler's first and last: its CQ
-    /// notifies from then on, and the driver goes on serving every QP).
+    /// Handler calls on this device's driver that panicked: the handler is
+    /// not called again (its CQ notifies from then on), and the driver
+    /// goes on serving every QP.
     pub cq_handler_panics: u64,
-    /// Times the UDP driver panicked (a bug): each time every QP of the
-    /// device went to ERR and a fresh driver took over.
+    /// Times the UDP driver stopped on a panic, its own or one under the
+    /// device lock (a bug): each time every QP of the device went to ERR
+    /// and a fresh driver took over.
     pub driver_panics: u64,
     /// Next-in-line receive buffers the driver read ahead after a receive
     /// completed (docs/soft-provider.md § "The next receive buffer is warmed").
@@ -197,6 +199,19 @@ impl DeviceCore {
         for qpn in qpns {
             self.with_qp(qpn, QpEngine::modify_to_error);
         }
+    }
+
+    /// The CQs of every QP, each once.
+    pub fn every_cq(&self) -> Vec<Arc<CqShared>> {
+        let mut cqs: Vec<Arc<CqShared>> = Vec::new();
+        for entry in self.qps.values() {
+            for cq in [&entry.send_cq, &entry.recv_cq] {
+                if !cqs.iter().any(|seen| Arc::ptr_eq(seen, cq)) {
+                    cqs.push(cq.clone());
+                }
+            }
+        }
+        cqs
     }
 
     pub fn destroy_qp(&mut self, qpn: Qpn) {

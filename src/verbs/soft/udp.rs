@@ -24,7 +24,9 @@
 
 use std::io::IoSliceMut;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use quinn_udp::{RecvMeta, Transmit as UdpTransmit, UdpSocketState};
 use tokio::io::Interest;
@@ -246,39 +248,72 @@ impl SoftDevice {
     }
 }
 
-/// Runs the device's driver. A panic in it (a bug in the driver or the
-/// core) leaves every QP's protocol state suspect: each goes to ERR, as on a
-/// NIC's fatal error, so its link ends and its peer hears, and a fresh
-/// driver serves the QPs made after.
+/// Why a driver stopped.
+enum DriverEnd {
+    /// The last handle to the device is gone.
+    DeviceGone,
+    /// A panic under the device lock left the core possibly half-updated.
+    CorePoisoned,
+}
+
+/// Runs the device's driver. A panic in it, or one under the device lock
+/// anywhere (a bug in the driver or the core), leaves every QP's protocol
+/// state suspect: each goes to ERR, as on a NIC's fatal error, so its link
+/// ends and its peer hears, and a fresh driver serves the QPs made after.
+/// Restarts back off (1 ms doubling to 1 s, reset by a driver that ran a
+/// second), so a panic that recurs does not spin a core.
 async fn supervise(
     port: Arc<Port>,
     dev: Weak<DeviceShared>,
     kick: Arc<tokio::sync::Notify>,
     shutdown: Arc<tokio::sync::Notify>,
 ) {
+    let mut backoff = Duration::ZERO;
     loop {
+        let started = std::time::Instant::now();
         let driver = Driver::new(port.clone()).run(dev.clone(), kick.clone(), shutdown.clone());
-        let Err(panic) = CatchPanic(Box::pin(driver)).await else {
-            return;
+        let cause = match CatchPanic(Box::pin(driver)).await {
+            Ok(DriverEnd::DeviceGone) => return,
+            Ok(DriverEnd::CorePoisoned) => "a panic under the device lock".to_owned(),
+            Err(panic) => panic_message(&*panic).to_owned(),
         };
         let Some(shared) = dev.upgrade() else { return };
         tracing::error!(
-            panic = panic_message(&*panic),
-            "the soft device's driver panicked; every QP goes to ERR and a new driver starts"
+            cause,
+            "the soft device's driver stopped on a panic; every QP goes to ERR and a new driver starts"
         );
-        let mut due = Vec::new();
-        let mut core = shared.core();
-        core.stats.driver_panics += 1;
-        core.take_due(&mut due);
-        core.fail_every_qp();
-        core.inline.driver_sending = false;
-        core.inline.driver_wakes_at = None;
-        drop(core);
-        // What the interrupted turn owed its handlers, unlocked as always.
-        for cq in due {
-            cq.dispatch();
+        if let Err(panic) = catch_unwind(AssertUnwindSafe(|| fail_every_qp(&shared))) {
+            tracing::error!(
+                panic = panic_message(&*panic),
+                "failing the device's QPs panicked; the new driver starts anyway"
+            );
         }
+        drop(shared);
+        backoff = if started.elapsed() > Duration::from_secs(1) {
+            Duration::from_millis(1)
+        } else {
+            (backoff * 2).clamp(Duration::from_millis(1), Duration::from_secs(1))
+        };
+        tokio::time::sleep(backoff).await;
     }
+}
+
+/// After a driver's panic: every QP to ERR, the core's lock cleared of its
+/// poison, and every CQ of the device dispatched once (unlocked, as always),
+/// so none stays owed a handler call a dead driver took with it.
+fn fail_every_qp(shared: &DeviceShared) {
+    let mut owed = Vec::new();
+    let mut core = shared.core();
+    core.stats.driver_panics += 1;
+    core.take_due(&mut owed);
+    core.fail_every_qp();
+    owed.extend(core.every_cq());
+    core.inline.driver_sending = false;
+    core.inline.driver_wakes_at = None;
+    drop(core);
+    shared.core.clear_poison();
+    let panicked = owed.iter().filter(|cq| !cq.dispatch()).count() as u64;
+    shared.core().stats.cq_handler_panics += panicked;
 }
 
 /// A device's socket, shared by its driver task and inline sends.
@@ -514,11 +549,18 @@ impl Driver {
         dev: Weak<DeviceShared>,
         kick: Arc<tokio::sync::Notify>,
         shutdown: Arc<tokio::sync::Notify>,
-    ) {
+    ) -> DriverEnd {
         loop {
             // Handle timers and collect output under the lock; send without it.
             let deadline = {
-                let Some(shared) = dev.upgrade() else { return };
+                let Some(shared) = dev.upgrade() else {
+                    return DriverEnd::DeviceGone;
+                };
+                if shared.core.is_poisoned() {
+                    // A panic under the device lock, on a verbs call's task
+                    // or in a handler's: the core may be half-updated.
+                    return DriverEnd::CorePoisoned;
+                }
                 let mut core = shared.core();
                 #[cfg(test)]
                 assert!(
@@ -554,13 +596,15 @@ impl Driver {
             let more = self.outbox.len() >= BATCH;
             if !self.outbox.is_empty() {
                 self.send_all().await;
-                let Some(shared) = dev.upgrade() else { return };
+                let Some(shared) = dev.upgrade() else {
+                    return DriverEnd::DeviceGone;
+                };
                 shared.core().inline.driver_sending = false;
             }
             if more {
                 // Output is pending; take what arrived meanwhile, then send again.
                 if self.receive_ready(&dev).is_none() {
-                    return;
+                    return DriverEnd::DeviceGone;
                 }
                 tokio::task::yield_now().await;
                 continue;
@@ -579,12 +623,12 @@ impl Driver {
                 biased;
                 _ = shutdown.notified() => {
                     if dev.strong_count() == 0 {
-                        return;
+                        return DriverEnd::DeviceGone;
                     }
                 }
                 r = self.port.socket.readable() => match r {
                     Ok(()) => match self.receive_ready(&dev) {
-                        None => return,
+                        None => return DriverEnd::DeviceGone,
                         // What arrived went to the links' CQ handlers,
                         // which woke a mux task (and it a consumer): they
                         // run before this turn's ACKs are sent (docs/soft-provider.md §
@@ -607,9 +651,8 @@ impl Driver {
 
     /// Runs the handlers of the CQs this turn added completions to, with no
     /// lock held: the receiving link takes its batch now, not a task hop
-    /// later (docs/soft-provider.md § "Completions handled in the driver's turn").
-    /// Runs the handlers the turn owes; one that panics is counted and
-    /// left out from then on, and the driver goes on.
+    /// later (docs/soft-provider.md § "Completions handled in the driver's
+    /// turn"). One that panics is counted and left out from then on.
     fn dispatch_due(&mut self, dev: &Weak<DeviceShared>) {
         let panicked = self.due.drain(..).filter(|cq| !cq.dispatch()).count() as u64;
         if let Some(shared) = dev.upgrade().filter(|_| panicked > 0) {
