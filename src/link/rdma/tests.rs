@@ -400,3 +400,29 @@ async fn a_panic_under_the_device_lock_elsewhere_ends_every_epoch_on_it_and_the_
     assert_eq!(recv_bytes(&b2).await, b"after");
     assert_eq!(da.stats().driver_panics, 1, "the poison was cleared");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_the_completion_poller_ends_that_epoch() {
+    let (da, db) = (device().await, device().await);
+    let (a1, b1) = pair(&da, &db, Epoch(1), small()).expect("pair");
+    // Without the driver's handler (as on libibverbs) the poller task takes
+    // every completion, so the panic is on it.
+    a1.shared().cq.shared.disable_handler();
+    a1.shared()
+        .panic_on_completion
+        .store(true, Ordering::Relaxed);
+    send_bytes(&b1, b"boom").await;
+    let ended = tokio::time::timeout(Duration::from_secs(10), a1.ended()).await;
+    assert_eq!(ended, Ok(EpochEnd::Internal));
+    let recv = tokio::time::timeout(Duration::from_secs(10), a1.recv()).await;
+    assert!(matches!(
+        recv,
+        Ok(Err(LinkError::Ended {
+            reason: EpochEnd::Internal,
+            ..
+        }))
+    ));
+    assert_eq!(da.stats().cq_handler_panics, 0, "not on the driver");
+    let theirs = tokio::time::timeout(Duration::from_secs(10), b1.ended()).await;
+    assert!(theirs.is_ok(), "the peer's epoch ends too: {theirs:?}");
+}

@@ -118,8 +118,8 @@ struct Inner {
 
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic under this lock is a bug here. The panicking task's guard
-        // ends the epoch (`end_after_panic`); until then the others go on.
+        // A panic under this lock is a bug here. The catch around the
+        // panicking task ends the epoch (`end_after_panic`); the others go on.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 

@@ -72,6 +72,12 @@ impl CqShared {
         false
     }
 
+    /// As after a handler's panic: the CQ notifies from now on (tests).
+    #[cfg(test)]
+    pub fn disable_handler(&self) {
+        self.handler_failed.store(true, Ordering::Release);
+    }
+
     /// Runs the handler for what the driver's turn added; if it declines,
     /// or is gone with its link, the armed notification fires instead.
     ///

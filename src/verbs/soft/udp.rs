@@ -282,7 +282,7 @@ async fn supervise(
             cause,
             "the soft device's driver stopped on a panic; every QP goes to ERR and a new driver starts"
         );
-        if let Err(panic) = catch_unwind(AssertUnwindSafe(|| fail_every_qp(&shared))) {
+        if let Err(panic) = catch_unwind(AssertUnwindSafe(|| recover_after_panic(&shared))) {
             tracing::error!(
                 panic = panic_message(&*panic),
                 "failing the device's QPs panicked; the new driver starts anyway"
@@ -301,7 +301,7 @@ async fn supervise(
 /// After a driver's panic: every QP to ERR, the core's lock cleared of its
 /// poison, and every CQ of the device dispatched once (unlocked, as always),
 /// so none stays owed a handler call a dead driver took with it.
-fn fail_every_qp(shared: &DeviceShared) {
+fn recover_after_panic(shared: &DeviceShared) {
     let mut owed = Vec::new();
     let mut core = shared.core();
     core.stats.driver_panics += 1;
