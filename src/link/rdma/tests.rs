@@ -291,6 +291,20 @@ async fn send_bytes(link: &RdmaLink<SoftDevice>, payload: &[u8]) {
     link.post(buf, payload.len()).expect("post");
 }
 
+/// The link ends as `Internal`, and `recv` says so rather than waiting.
+async fn ends_internal(link: &RdmaLink<SoftDevice>) {
+    let ended = tokio::time::timeout(Duration::from_secs(10), link.ended()).await;
+    assert_eq!(ended, Ok(EpochEnd::Internal));
+    let recv = tokio::time::timeout(Duration::from_secs(10), link.recv()).await;
+    assert!(matches!(
+        recv,
+        Ok(Err(LinkError::Ended {
+            reason: EpochEnd::Internal,
+            ..
+        }))
+    ));
+}
+
 async fn recv_bytes(link: &RdmaLink<SoftDevice>) -> Vec<u8> {
     let batch = tokio::time::timeout(Duration::from_secs(10), link.recv())
         .await
@@ -311,16 +325,7 @@ async fn a_panic_handling_completions_ends_that_epoch_and_the_device_serves_on()
         .panic_on_completion
         .store(true, Ordering::Relaxed);
     send_bytes(&b1, b"boom").await;
-    let ended = tokio::time::timeout(Duration::from_secs(10), a1.ended()).await;
-    assert_eq!(ended, Ok(EpochEnd::Internal));
-    let recv = tokio::time::timeout(Duration::from_secs(10), a1.recv()).await;
-    assert!(matches!(
-        recv,
-        Ok(Err(LinkError::Ended {
-            reason: EpochEnd::Internal,
-            ..
-        }))
-    ));
+    ends_internal(&a1).await;
     // Counted once the driver's catch returns, after the link has ended.
     until(|| da.stats().cq_handler_panics > 0).await;
     assert_eq!(da.stats().cq_handler_panics, 1, "caught on the driver");
@@ -412,16 +417,7 @@ async fn a_panic_in_the_completion_poller_ends_that_epoch() {
         .panic_on_completion
         .store(true, Ordering::Relaxed);
     send_bytes(&b1, b"boom").await;
-    let ended = tokio::time::timeout(Duration::from_secs(10), a1.ended()).await;
-    assert_eq!(ended, Ok(EpochEnd::Internal));
-    let recv = tokio::time::timeout(Duration::from_secs(10), a1.recv()).await;
-    assert!(matches!(
-        recv,
-        Ok(Err(LinkError::Ended {
-            reason: EpochEnd::Internal,
-            ..
-        }))
-    ));
+    ends_internal(&a1).await;
     assert_eq!(da.stats().cq_handler_panics, 0, "not on the driver");
     let theirs = tokio::time::timeout(Duration::from_secs(10), b1.ended()).await;
     assert!(theirs.is_ok(), "the peer's epoch ends too: {theirs:?}");
