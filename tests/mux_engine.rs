@@ -1146,3 +1146,50 @@ async fn a_refused_open_reaches_its_sender_as_refused() {
         .expect("the refusal arrives");
     assert_eq!(closed, SendError::PeerClosed(CloseReason::Refused));
 }
+
+/// A dialer whose first call panics: a bug outside any epoch's turns.
+struct PanicsOnceDialer {
+    inner: Arc<dyn qpmux::mux::Dialer>,
+    panicked: std::sync::atomic::AtomicBool,
+}
+
+impl qpmux::mux::Dialer for PanicsOnceDialer {
+    fn want_link(&self, peer: PeerId) {
+        let first = !self
+            .panicked
+            .swap(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(!first, "a bug in the dialer");
+        self.inner.want_link(peer);
+    }
+}
+
+/// A panic in a peer task outside an epoch (here, asking for a link) does
+/// not strand the slots queued on it: the task runs again and serves them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_task_that_panics_outside_an_epoch_runs_again_and_serves_its_slots() {
+    let served = tokio::time::timeout(Duration::from_secs(20), async {
+        let fabric = MemFabric::new(MemConfig::default());
+        let dialer = Arc::new(PanicsOnceDialer {
+            inner: fabric.dialer(A),
+            panicked: Default::default(),
+        });
+        let a = Mux::new(MuxConfig::default(), dialer);
+        let b = Mux::new(MuxConfig::default(), fabric.dialer(B));
+        fabric.add(A, a.clone());
+        fabric.add(B, b.clone());
+        let key = StreamKey::new(7, 1);
+        let mut rx = b.bind(key).expect("bind");
+        let mut tx = a.open(B, key).expect("open");
+        tx.send(Bytes::from_static(b"queued")).await.expect("send");
+        tx.finish(Terminal::Finalized).expect("finish");
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(Bytes::from_static(b"queued")))
+        );
+        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        assert_eq!(a.stats().peer_task_panics, 1);
+        assert_eq!(a.epoch(B), Some(Epoch(1)));
+    })
+    .await;
+    served.expect("the slot queued on the panicked task never left");
+}

@@ -89,7 +89,8 @@ pub struct Stats {
     /// Protocol violations by peers (each also ends an epoch).
     pub protocol_violations: u64,
     /// Panics caught in a peer task (a bug here, or in the message sink it
-    /// called); each ended its epoch ([`crate::link::EpochEnd::Internal`]).
+    /// called); each ended its epoch ([`crate::link::EpochEnd::Internal`]),
+    /// or, outside an epoch, restarted the task.
     pub peer_task_panics: u64,
     /// OpenSlot records refused: the peer's slot limit was reached, or the
     /// stream is already fed, ended, or the node's registry is full.

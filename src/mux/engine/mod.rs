@@ -46,6 +46,10 @@ use crate::unwind::{CatchPanic, panic_message};
 
 /// How often a peer with work and no link asks its dialer again.
 const REDIAL_INTERVAL: Duration = Duration::from_secs(1);
+/// The pause before a peer task that panicked outside an epoch runs again,
+/// doubling while it keeps panicking.
+const RESTART_MIN: Duration = Duration::from_millis(1);
+const RESTART_MAX: Duration = Duration::from_secs(1);
 /// Registry entries (bound or opened streams) per node.
 const MAX_REGISTRY_ENTRIES: usize = 1 << 20;
 
@@ -303,23 +307,36 @@ impl<L: Link> Mux<L> {
         let shared = self.shared.clone();
         let task_entry = entry.clone();
         self.shared.runtime.spawn(async move {
-            let ran = CatchPanic(Box::pin(run_peer(shared.clone(), task_entry.clone()))).await;
-            if ran.is_err() {
-                // Outside an epoch's turns, or again while one ended: this
-                // task is gone, so its entry goes too and the next use of
-                // the peer starts a fresh one. Its slots may not hear.
+            // What the peer's closed streams still hold here, from epoch to
+            // epoch, and across a restart.
+            let mut held = Held::default();
+            let mut backoff = Duration::ZERO;
+            loop {
+                let started = Instant::now();
+                let run = run_peer(shared.clone(), task_entry.clone(), &mut held);
+                let Err(panic) = CatchPanic(Box::pin(run)).await else {
+                    return;
+                };
+                // Outside an epoch's turns (an epoch's own panic ends only
+                // the epoch): the entry, its control and the slots queued on
+                // it stay, and a fresh run of the task serves them, after a
+                // pause that doubles if the panic recurs.
                 Counters::add(&shared.counters.peer_task_panics, 1);
                 tracing::error!(
                     ?peer,
-                    "mux peer task panicked outside an epoch; replaced on next use"
+                    panic = panic_message(&*panic),
+                    "mux peer task panicked outside an epoch; restarting it"
                 );
-                let mut peers = shared.peers.lock().unwrap_or_else(PoisonError::into_inner);
-                if peers
-                    .get(&peer)
-                    .is_some_and(|e| Arc::ptr_eq(e, &task_entry))
-                {
-                    peers.remove(&peer);
-                }
+                *task_entry
+                    .epoch
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = None;
+                backoff = if started.elapsed() > RESTART_MAX {
+                    RESTART_MIN
+                } else {
+                    (backoff * 2).clamp(RESTART_MIN, RESTART_MAX)
+                };
+                tokio::time::sleep(backoff).await;
             }
         });
         entry
@@ -388,14 +405,12 @@ impl<L: Link> AsMux for Mux<L> {
     }
 }
 
-async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
+async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, held: &mut Held) {
     let peer = entry.control.peer;
     // When the last epoch died (not a graceful end): the reconnect clock.
     let mut died: Option<Instant> = None;
-    // What the peer's closed streams still hold here, from epoch to epoch.
-    let mut held = Held::default();
     loop {
-        let Some((link, opening)) = wait_for_link(&shared, &entry, &mut held).await else {
+        let Some((link, opening)) = wait_for_link(&shared, &entry, held).await else {
             tracing::debug!(?peer, "mux peer task retired");
             return;
         };
@@ -407,7 +422,7 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>) {
         // Instrumented, not entered: a guard held across an await leaks the
         // span into whatever else runs on this thread.
         let end;
-        (end, held) = run_epoch(&shared, &entry, link, opening, held)
+        (end, *held) = run_epoch(&shared, &entry, link, opening, std::mem::take(held))
             .instrument(span)
             .await;
         tracing::debug!(?peer, %epoch, %end, "epoch ended");
