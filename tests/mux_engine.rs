@@ -1193,3 +1193,29 @@ async fn a_peer_task_that_panics_outside_an_epoch_runs_again_and_serves_its_slot
     .await;
     served.expect("the slot queued on the panicked task never left");
 }
+
+/// A dialer that always panics: what panicked would panic again.
+struct AlwaysPanicsDialer;
+
+impl qpmux::mux::Dialer for AlwaysPanicsDialer {
+    fn want_link(&self, _: PeerId) {
+        panic!("a bug in the dialer, every time");
+    }
+}
+
+/// A peer task that keeps panicking outside an epoch stops restarting at
+/// shutdown: `closed` resolves and its queued slot hears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_task_that_keeps_panicking_retires_at_shutdown() {
+    let closed = tokio::time::timeout(Duration::from_secs(20), async {
+        let a: Mux<MemLink> = Mux::new(MuxConfig::default(), Arc::new(AlwaysPanicsDialer));
+        let mut tx = a.open(B, StreamKey::new(7, 2)).expect("open");
+        tx.send(Bytes::from_static(b"never")).await.expect("send");
+        until(|| a.stats().peer_task_panics >= 2).await;
+        a.shutdown();
+        a.closed().await;
+        assert_eq!(tx.closed().await, SendError::Dropped(DropReason::Shutdown));
+    })
+    .await;
+    closed.expect("the restarting task kept the mux from closing");
+}

@@ -23,6 +23,7 @@ mod held;
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::Duration;
@@ -320,23 +321,36 @@ impl<L: Link> Mux<L> {
                 // Outside an epoch's turns (an epoch's own panic ends only
                 // the epoch): the entry, its control and the slots queued on
                 // it stay, and a fresh run of the task serves them, after a
-                // pause that doubles if the panic recurs.
+                // pause that doubles if the panic recurs. Not once the node
+                // shuts down or the entry has left the map (retired).
                 Counters::add(&shared.counters.peer_task_panics, 1);
                 tracing::error!(
                     ?peer,
                     panic = panic_message(&*panic),
-                    "mux peer task panicked outside an epoch; restarting it"
+                    "mux peer task panicked outside an epoch"
                 );
                 *task_entry
                     .epoch
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner) = None;
+                task_entry.epoch.clear_poison();
+                if !restart_after_panic(&shared, &task_entry) {
+                    return;
+                }
                 backoff = if started.elapsed() > RESTART_MAX {
                     RESTART_MIN
                 } else {
                     (backoff * 2).clamp(RESTART_MIN, RESTART_MAX)
                 };
-                tokio::time::sleep(backoff).await;
+                let shutdown = shared.shutdown_notify.notified();
+                tokio::pin!(shutdown);
+                shutdown.as_mut().enable();
+                if !shared.shutdown.load(Ordering::Acquire) {
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff) => {}
+                        () = shutdown => {}
+                    }
+                }
             }
         });
         entry
@@ -498,6 +512,37 @@ async fn wait_for_link<L: Link>(
             _ = shutdown => {}
         }
     }
+}
+
+/// After a peer task panicked outside an epoch: true if it should run
+/// again. Not if its entry has left the map (retired: producers went to a
+/// new one), and not once the node shuts down: then it retires here, so
+/// `closed` resolves and its queued slots hear, even if what panicked would
+/// panic again. If retiring panics too, the entry leaves the map anyway.
+fn restart_after_panic<L: Link>(shared: &Shared<L>, entry: &Arc<PeerEntry<L>>) -> bool {
+    let peer = entry.control.peer;
+    let current = shared
+        .peers
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(&peer)
+        .is_some_and(|e| Arc::ptr_eq(e, entry));
+    if !current {
+        return false;
+    }
+    if !shared.shutdown.load(Ordering::Acquire) {
+        return true;
+    }
+    let retired = std::panic::catch_unwind(AssertUnwindSafe(|| retire(shared, entry, true)));
+    if retired.is_err() {
+        let mut peers = shared.peers.lock().unwrap_or_else(PoisonError::into_inner);
+        if peers.get(&peer).is_some_and(|e| Arc::ptr_eq(e, entry)) {
+            peers.remove(&peer);
+        }
+        drop(peers);
+        shared.retired.notify_waiters();
+    }
+    false
 }
 
 /// Retires the peer task if nothing is pending (or unconditionally on
