@@ -126,6 +126,35 @@ async fn a_node_at_max_peers_refuses_a_new_peer_by_name_both_ways() {
     .await;
 }
 
+/// L with room for one peer, and A and B, which know L's address.
+async fn one_peer_room_and_two_dialers() -> ([TcpNode; 3], [Mux<TcpLink>; 3]) {
+    let (l_node, l) = tcp_node(L, |c| TcpNodeConfig { max_peers: 1, ..c }).await;
+    let (a_node, a) = tcp_node(A, |c| c).await;
+    let (b_node, b) = tcp_node(B, |c| c).await;
+    for dialer in [&a_node, &b_node] {
+        dialer.register(L, l_node.local_addr());
+    }
+    ([l_node, a_node, b_node], [l, a, b])
+}
+
+/// A shuts down; L still keeps something of it, so B is refused as new.
+async fn a_leaves_and_b_is_refused(
+    l_node: &TcpNode,
+    l: &Mux<TcpLink>,
+    a_node: &TcpNode,
+    a: &Mux<TcpLink>,
+    b_node: &TcpNode,
+) {
+    a.shutdown();
+    a_node.shutdown();
+    until(|| l.epoch(A).is_none()).await;
+    assert_eq!(
+        b_node.connect(L).await,
+        Err(ConnectError::DeclinedByPeer(DeclineReason::Unavailable))
+    );
+    assert_eq!(l_node.stats().peer_limit_refusals, 1);
+}
+
 /// A peer that left bytes here in a stream nobody has bound still counts
 /// against `max_peers` after its link is gone: peers that come and go under
 /// fresh ids cannot pile up memory. Once its stream is read, a new peer
@@ -133,12 +162,7 @@ async fn a_node_at_max_peers_refuses_a_new_peer_by_name_both_ways() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_gone_with_unread_bytes_here_still_counts_against_max_peers() {
     bounded(async {
-        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig { max_peers: 1, ..c }).await;
-        let (a_node, a) = tcp_node(A, |c| c).await;
-        let (b_node, b) = tcp_node(B, |c| c).await;
-        for dialer in [&a_node, &b_node] {
-            dialer.register(L, l_node.local_addr());
-        }
+        let ([l_node, a_node, b_node], [l, a, b]) = one_peer_room_and_two_dialers().await;
         let unread = StreamKey::new(A.0, 1);
         let mut tx = a.open(L, unread).expect("open");
         tx.send(bytes::Bytes::from_static(b"left for later"))
@@ -147,15 +171,8 @@ async fn a_peer_gone_with_unread_bytes_here_still_counts_against_max_peers() {
         tx.finish(Terminal::Finalized).expect("finish");
         let held = b"left for later".len() as u64;
         until(|| l.stats().peer_held_bytes == held).await;
-        a.shutdown();
-        a_node.shutdown();
-        until(|| l.epoch(A).is_none()).await;
         // A is gone, its record held: B is refused.
-        assert_eq!(
-            b_node.connect(L).await,
-            Err(ConnectError::DeclinedByPeer(DeclineReason::Unavailable))
-        );
-        assert_eq!(l_node.stats().peer_limit_refusals, 1);
+        a_leaves_and_b_is_refused(&l_node, &l, &a_node, &a, &b_node).await;
         // Read: A's task retires, and B fits.
         let mut rx = l.bind(unread).expect("bind");
         assert_eq!(
@@ -177,25 +194,13 @@ async fn a_peer_gone_with_unread_bytes_here_still_counts_against_max_peers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_gone_with_unbound_streams_here_still_counts_against_max_peers() {
     bounded(async {
-        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig { max_peers: 1, ..c }).await;
-        let (a_node, a) = tcp_node(A, |c| c).await;
-        let (b_node, b) = tcp_node(B, |c| c).await;
-        for dialer in [&a_node, &b_node] {
-            dialer.register(L, l_node.local_addr());
-        }
+        let ([l_node, a_node, b_node], [l, a, b]) = one_peer_room_and_two_dialers().await;
         let empty = StreamKey::new(A.0, 2);
         let tx = a.open(L, empty).expect("open");
         tx.finish(Terminal::Finalized).expect("finish");
         until(|| l.peers_holding() == [A]).await;
         assert_eq!(l.stats().peer_held_bytes, 0, "nothing but the entry");
-        a.shutdown();
-        a_node.shutdown();
-        until(|| l.epoch(A).is_none()).await;
-        assert_eq!(
-            b_node.connect(L).await,
-            Err(ConnectError::DeclinedByPeer(DeclineReason::Unavailable))
-        );
-        assert_eq!(l_node.stats().peer_limit_refusals, 1);
+        a_leaves_and_b_is_refused(&l_node, &l, &a_node, &a, &b_node).await;
         // Bound and read: A keeps nothing here, and B fits.
         let mut rx = l.bind(empty).expect("bind");
         assert_eq!(rx.recv().await, Some(Frame::Finalized));
