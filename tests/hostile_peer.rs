@@ -745,6 +745,41 @@ async fn hostile_hellos_are_refused_by_name_and_the_honest_peer_keeps_its_epoch(
     .await;
 }
 
+/// A dialer proposes the last epoch but one, gets the top epoch, and
+/// leaves. Its entry is let go, and the node's epoch floor (which keeps a
+/// returning peer's epochs newer) rises by the one epoch it installed, not
+/// to the top: before, every later entry proposed `u64::MAX`, which every
+/// honest peer refuses, and the node could not reach a new peer again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_proposes_the_top_epoch_cannot_lock_new_peers_out() {
+    bounded(async {
+        let (target_node, target) = tcp_node(TARGET).await;
+        let addr = target_node.local_addr();
+        let liar = HostileDialer::connect(addr).await;
+        let (epoch, stream) = liar
+            .establish(Some(KEY), EVIL, TARGET, Epoch(u64::MAX - 1))
+            .await
+            .expect("a proposal below the top is valid");
+        assert_eq!(epoch, Epoch(u64::MAX));
+        until(|| target.epoch(EVIL) == Some(Epoch(u64::MAX))).await;
+        drop(stream);
+        until(|| target_node.stats().peers_known == 0).await;
+
+        // A new peer dials in: the target's entry for it proposes just above
+        // the liar's one epoch.
+        let (honest_node, honest) = tcp_node(HONEST_TCP).await;
+        honest_node.register(TARGET, addr);
+        assert_eq!(honest_node.connect(TARGET).await, Ok(Epoch(2)));
+        honest_round(&honest, &target, 0).await;
+
+        // And the target dials a peer it has just met.
+        let (other_node, _other) = tcp_node(PeerId(3)).await;
+        target_node.register(PeerId(3), other_node.local_addr());
+        assert_eq!(target_node.connect(PeerId(3)).await, Ok(Epoch(2)));
+    })
+    .await;
+}
+
 // ---- random lies ----
 
 /// One record a liar may write: small domains, so sequences hit live slots,

@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use qpmux::link::bootstrap::{
-    ClusterKey, Endpoint, Handshake, HelloFields, MAX_MESSAGE, TcpEndpoint, fresh_nonce,
+    BootstrapError, ClusterKey, Endpoint, Event, Handshake, HelloFields, MAX_MESSAGE, TcpEndpoint,
+    fresh_nonce,
 };
 use qpmux::link::mem::{MemConfig, MemFabric, MemLink, pair};
 use qpmux::link::{EpochEnd, Link, LinkError, Node};
@@ -527,10 +528,17 @@ impl HostileDialer {
     /// The hello a real dialer `me` with `key` would send to `to` on this
     /// connection (its MAC is under `key`, whatever the listener's is).
     pub fn hello(&self, key: Option<&[u8]>, me: PeerId, to: PeerId) -> Vec<u8> {
+        let mut hs = self.handshake(key, me, to, Epoch::default());
+        hs.poll_transmit().expect("the hello")
+    }
+
+    /// A real dialer's handshake machine on this connection, its hello (which
+    /// proposes `proposed`) queued.
+    fn handshake(&self, key: Option<&[u8]>, me: PeerId, to: PeerId, proposed: Epoch) -> Handshake {
         let fields = HelloFields {
             node: me,
             incarnation: 7,
-            proposed: Epoch::default(),
+            proposed,
             endpoint: Endpoint::Tcp(TcpEndpoint { max_batch: 65536 }),
             slot_window: 256 * 1024,
             peer_window: 64 << 20,
@@ -539,7 +547,37 @@ impl HostileDialer {
         let key = key.map(|k| ClusterKey::new(k).expect("key length"));
         let mut hs = Handshake::dialer(key, fields, Some(to), fresh_nonce());
         hs.handle_input(&self.challenge).expect("a valid challenge");
-        hs.poll_transmit().expect("the hello")
+        hs
+    }
+
+    /// Runs the whole handshake as `me`, proposing `proposed` (any value the
+    /// wire allows), and returns the agreed epoch with the connection, now
+    /// the link's; or why it did not get one.
+    pub async fn establish(
+        mut self,
+        key: Option<&[u8]>,
+        me: PeerId,
+        to: PeerId,
+        proposed: Epoch,
+    ) -> Result<(Epoch, TcpStream), BootstrapError> {
+        let mut hs = self.handshake(key, me, to, proposed);
+        let mut buf = [0u8; 1024];
+        loop {
+            if let Some(out) = hs.poll_transmit() {
+                self.stream.write_all(&out).await.ok();
+            }
+            match hs.poll_event() {
+                Some(Event::Established(done)) => return Ok((done.epoch, self.stream)),
+                Some(Event::Declined(reason)) => return Err(BootstrapError::Declined(reason)),
+                Some(Event::PeerHello(_)) | None => {}
+            }
+            match self.stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return Err(hs.handle_eof()),
+                Ok(n) => {
+                    hs.handle_input(&buf[..n])?;
+                }
+            }
+        }
     }
 
     /// Writes `bytes` (ignoring a reset: the listener may have cut us already).

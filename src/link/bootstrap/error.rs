@@ -73,6 +73,10 @@ pub enum BootstrapError {
         /// The node that answered.
         got: PeerId,
     },
+    /// Both proposals sit at the top of the epoch space: no epoch is left
+    /// above them (only a peer that proposed one near `u64::MAX` gets here).
+    #[error("no epoch is left above {0}")]
+    EpochsExhausted(Epoch),
     /// The peer claims our own node id.
     #[error("peer claims our own node id")]
     SelfConnect,

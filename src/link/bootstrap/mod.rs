@@ -350,7 +350,7 @@ impl Handshake {
                 &[&self.challenge, &self.dialer_hello, &signed],
             )
         });
-        let epoch = agreed_epoch(peer.proposed, local.proposed);
+        let epoch = agreed_epoch(peer.proposed, local.proposed)?;
         wire::frame(&mut self.out, &wire::with_mac(signed.clone(), mac));
         self.local = Some(local);
         self.state = State::AwaitReady {
@@ -545,7 +545,7 @@ impl Handshake {
         }
         self.check_peer(&hello.fields)?;
         let local = self.local.ok_or(BootstrapError::OutOfOrder)?;
-        let epoch = agreed_epoch(local.proposed, hello.fields.proposed);
+        let epoch = agreed_epoch(local.proposed, hello.fields.proposed)?;
         let ready = wire::ready_signed(epoch);
         let mac = self.key.as_ref().map(|k| {
             k.mac(
@@ -563,9 +563,14 @@ impl Handshake {
     }
 }
 
-/// Epoch = max(both proposals) + 1.
-pub fn agreed_epoch(a: Epoch, b: Epoch) -> Epoch {
-    a.max(b).next()
+/// Epoch = max(both proposals) + 1; none if that would wrap (a wrapped
+/// epoch would run below the ones it must supersede).
+pub fn agreed_epoch(a: Epoch, b: Epoch) -> Result<Epoch, BootstrapError> {
+    let top = a.max(b);
+    top.0
+        .checked_add(1)
+        .map(Epoch)
+        .ok_or(BootstrapError::EpochsExhausted(top))
 }
 
 /// A fresh random nonce (from the thread's CSPRNG).

@@ -537,3 +537,30 @@ proptest! {
         prop_assert!(handled.is_err() || handled == Ok(body.len() + 4));
     }
 }
+
+#[test]
+fn the_agreed_epoch_is_above_both_proposals_and_never_wraps() {
+    assert_eq!(agreed_epoch(Epoch(3), Epoch(7)), Ok(Epoch(8)));
+    assert_eq!(
+        agreed_epoch(Epoch(u64::MAX - 1), Epoch(0)),
+        Ok(Epoch(u64::MAX))
+    );
+    assert_eq!(
+        agreed_epoch(Epoch(0), Epoch(u64::MAX)),
+        Err(BootstrapError::EpochsExhausted(Epoch(u64::MAX)))
+    );
+}
+
+/// Our own proposal at the top (a peer once agreed the top epoch with us):
+/// the listener's answer fails by name instead of agreeing a wrapped epoch 0.
+#[test]
+fn a_listener_at_the_top_epoch_fails_instead_of_wrapping() {
+    let (mut dialer, mut listener) = pair(None, None, tcp(D, 0));
+    feed_all(&mut dialer, &listener.poll_transmit().expect("challenge")).expect("challenge");
+    feed_all(&mut listener, &dialer.poll_transmit().expect("hello")).expect("hello");
+    assert!(matches!(listener.poll_event(), Some(Event::PeerHello(_))));
+    assert_eq!(
+        listener.respond(tcp(L, u64::MAX)),
+        Err(BootstrapError::EpochsExhausted(Epoch(u64::MAX)))
+    );
+}

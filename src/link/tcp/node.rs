@@ -396,6 +396,10 @@ struct PeerState<L> {
     dial: Dial,
     accepting: usize,
     last_epoch: Epoch,
+    /// The most letting this entry go may raise the node's epoch floor to:
+    /// the floor it started from, plus one per epoch installed. The epochs'
+    /// values are partly the peer's choice; their count is not.
+    floor_claim: Epoch,
     incarnation: Option<u64>,
     current: Option<L>,
     backoff: Duration,
@@ -409,6 +413,7 @@ impl<L> Default for PeerState<L> {
             dial: Dial::Idle,
             accepting: 0,
             last_epoch: Epoch::default(),
+            floor_claim: Epoch::default(),
             incarnation: None,
             current: None,
             backoff: Duration::ZERO,
@@ -503,13 +508,16 @@ impl<E: EpochMaker> NodeInner<E> {
         let floor = Epoch(self.epoch_floor.load(Ordering::Relaxed));
         peers.entry(peer).or_insert_with(|| PeerState {
             last_epoch: floor,
+            floor_claim: floor,
             ..PeerState::default()
         })
     }
 
     /// Takes `peer`'s entry out of the table if nothing is left in it: not
     /// registered, no live link, no dial, no handshake under way. Its last
-    /// epoch raises the floor. The caller drops what is returned (an ended
+    /// epoch raises the floor, by at most one per epoch it installed: a peer
+    /// that proposed an epoch near `u64::MAX` would otherwise lift every
+    /// later entry's proposals out of reach. The caller drops what is returned (an ended
     /// link, whose resources may go with it) after unlocking.
     fn let_go(&self, peers: &mut Peers<E>, peer: PeerId) -> Option<PeerState<E::Link>> {
         let state = peers.get(&peer)?;
@@ -520,8 +528,8 @@ impl<E: EpochMaker> NodeInner<E> {
         {
             return None;
         }
-        self.epoch_floor
-            .fetch_max(state.last_epoch.0, Ordering::Relaxed);
+        let claim = state.last_epoch.min(state.floor_claim);
+        self.epoch_floor.fetch_max(claim.0, Ordering::Relaxed);
         peers.remove(&peer)
     }
 
@@ -1122,6 +1130,7 @@ fn install<E: EpochMaker>(
     }
     state.incarnation = Some(incarnation);
     state.last_epoch = established.epoch;
+    state.floor_claim = Epoch(state.floor_claim.0.saturating_add(1));
     if let Some(old) = state.current.replace(link.clone()) {
         old.fail(EpochEnd::Replaced);
     }
@@ -1241,8 +1250,8 @@ async fn accept_once<E: EpochMaker>(
             guard.peer = Some(hello.node);
             // Only now, for an authenticated and wanted dialer, are resources
             // made, and connected (RDMA: RTR) before we answer.
-            let epoch = agreed_epoch(hello.proposed, proposed);
             let made = inner.epochs.accepts(&hello.endpoint).and_then(|()| {
+                let epoch = agreed_epoch(hello.proposed, proposed)?;
                 let (prepared, endpoint) = inner.epochs.prepare()?;
                 let a = inner.epochs.arm(prepared, &hello.endpoint, epoch)?;
                 Ok((a, endpoint))
