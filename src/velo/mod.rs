@@ -14,6 +14,7 @@
 //!
 //! [`Node`]: crate::link::Node
 
+mod fate;
 mod stream;
 mod transport;
 pub mod wire;

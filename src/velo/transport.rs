@@ -10,8 +10,9 @@
 //! A lane is one epoch's channel and the gate over it. When the mux ends the
 //! epoch it drops the receiver; the next send sees `is_disconnected` and
 //! builds a fresh lane, failing the stale gate. Every frame that never
-//! reaches the wire comes back through its `on_error` from the
-//! `OutboundMessage` drop hook: in the channel, in the gate, or in the mux.
+//! reaches the wire comes back through its `on_error` once: from velo's
+//! backend if its admission failed, from the `OutboundMessage` drop hook if
+//! it reached the channel (see `fate`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,6 +27,7 @@ use velo_ext::{
     TransportKey, TransportObservability, TransportRejection, WorkerAddress,
 };
 
+use super::fate::{Fate, Report};
 use super::wire::Envelope;
 use super::{AdapterError, TRANSPORT_KEY, VeloConfig, decode_endpoint, encode_address};
 use crate::link::Node;
@@ -136,12 +138,8 @@ impl<N: Node> AsMux for QpmuxTransport<N> {
 }
 
 /// A frame's way back to velo when it never reaches the wire.
-fn report(
-    on_error: Arc<dyn TransportErrorHandler>,
-    header: Bytes,
-    payload: Bytes,
-) -> crate::mux::OnFail {
-    Box::new(move |_body| {
+fn report(on_error: Arc<dyn TransportErrorHandler>, header: Bytes, payload: Bytes) -> Report {
+    Box::new(move || {
         on_error.on_error(header, payload, AdapterError::NotWritten.to_string());
     })
 }
@@ -273,27 +271,35 @@ impl<N: Node> Inner<N> {
         let gate = match checked {
             Ok(gate) => gate,
             Err(error) => {
-                if let Some(metrics) = self.metrics() {
-                    metrics.record_rejection(TransportRejection::SendError);
-                }
+                // velo's backend counts it (its handler records `SendError`).
                 on_error.on_error(header, payload, error.to_string());
                 return SendOutcome::Admitted;
             }
         };
         let body = Envelope::encode(message_type, &header, &payload);
+        let fate = Fate::new(report(on_error, header, payload));
+        let dropped = fate.clone();
         let message = OutboundMessage {
             body,
-            on_fail: Some(report(on_error, header, payload)),
+            on_fail: Some(Box::new(move |_| dropped.dropped())),
         };
-        let outcome = gate.send(message);
-        if let Some(metrics) = self.metrics() {
-            if outcome.is_admitted() {
-                metrics.record_frame(Direction::Outbound, label(message_type), len);
-            } else {
-                metrics.record_send_backpressure();
+        // velo's backend counts the outbound frame (at once, or when the
+        // admission resolves `Ok`); only the queued case is counted here.
+        match gate.send(message) {
+            SendOutcome::Admitted => {
+                fate.admitted();
+                SendOutcome::Admitted
+            }
+            SendOutcome::Pending(admission) => {
+                if let Some(metrics) = self.metrics() {
+                    metrics.record_send_backpressure();
+                }
+                SendOutcome::Pending(admission.on_resolved(move |verdict| match verdict {
+                    Ok(()) => fate.admitted(),
+                    Err(_) => fate.refused(),
+                }))
             }
         }
-        outcome
     }
 
     fn fail_lanes(&self, error: AdmissionError) {

@@ -291,11 +291,17 @@ pub async fn unary(
 pub struct Errors {
     count: AtomicUsize,
     pub last: Mutex<Option<String>>,
+    /// Payloads reported so far; a second report of one is counted.
+    seen: Mutex<std::collections::HashSet<Bytes>>,
+    twice: AtomicUsize,
 }
 
 impl TransportErrorHandler for Errors {
-    fn on_error(&self, _header: Bytes, _payload: Bytes, error: String) {
+    fn on_error(&self, _header: Bytes, payload: Bytes, error: String) {
         *self.last.lock().expect("lock") = Some(error);
+        if !self.seen.lock().expect("lock").insert(payload) {
+            self.twice.fetch_add(1, Ordering::SeqCst);
+        }
         self.count.fetch_add(1, Ordering::SeqCst);
     }
 }
@@ -303,6 +309,11 @@ impl TransportErrorHandler for Errors {
 impl Errors {
     pub fn count(&self) -> usize {
         self.count.load(Ordering::SeqCst)
+    }
+
+    /// Reports of a payload already reported (tests give each frame its own).
+    pub fn twice(&self) -> usize {
+        self.twice.load(Ordering::SeqCst)
     }
 }
 
