@@ -13,7 +13,7 @@ use hostile::{Arena, EVIL, EVIL_EPOCH, Heard, HostileDialer, HostileMem, TARGET,
 use qpmux::link::EpochEnd;
 use qpmux::link::bootstrap::{BootstrapError, ClusterKey, MAX_MESSAGE};
 use qpmux::link::rdma::credit::{Credit, Overclaim};
-use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
+use qpmux::link::tcp::{ConnectError, MAX_ACCEPTS_PER_PEER, TcpLink, TcpNode, TcpNodeConfig};
 use qpmux::mux::protocol::{CloseReason, DecodeError, FrameSeq, SlotId};
 use qpmux::mux::{
     DropReason, Epoch, Frame, Mux, MuxConfig, MuxError, MuxTransport, PeerId, ProtocolError,
@@ -776,6 +776,45 @@ async fn a_peer_that_proposes_the_top_epoch_cannot_lock_new_peers_out() {
         let (other_node, _other) = tcp_node(PeerId(3)).await;
         target_node.register(PeerId(3), other_node.local_addr());
         assert_eq!(target_node.connect(PeerId(3)).await, Ok(Epoch(2)));
+    })
+    .await;
+}
+
+/// One peer id opens handshakes and never finishes them (the hello, then
+/// silence where the Ready belongs). Each accepted hello has made its
+/// epoch's resources (on RDMA a QP and a receive ring) before it is
+/// answered, so past `MAX_ACCEPTS_PER_PEER` the hello is declined by name,
+/// and an honest peer still gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_cannot_hold_more_than_its_share_of_half_done_handshakes() {
+    bounded(async {
+        let (target_node, target) = tcp_node(TARGET).await;
+        let addr = target_node.local_addr();
+        let mut stalled = Vec::new();
+        for _ in 0..MAX_ACCEPTS_PER_PEER {
+            let mut liar = HostileDialer::connect(addr).await;
+            let hello = liar.hello(Some(KEY), EVIL, TARGET);
+            liar.say(&hello).await;
+            stalled.push(liar);
+        }
+        let mut one_more = HostileDialer::connect(addr).await;
+        let hello = one_more.hello(Some(KEY), EVIL, TARGET);
+        one_more.say(&hello).await;
+        until(|| target_node.last_refusal().is_some()).await;
+        assert_eq!(
+            target_node.last_refusal(),
+            Some(ConnectError::TooManyHandshakesFromPeer {
+                peer: EVIL,
+                limit: MAX_ACCEPTS_PER_PEER
+            })
+        );
+        assert_eq!(target_node.stats().peer_limit_refusals, 1);
+
+        let (honest_node, honest) = tcp_node(HONEST_TCP).await;
+        honest_node.register(TARGET, addr);
+        assert_eq!(honest_node.connect(TARGET).await, Ok(Epoch(1)));
+        honest_round(&honest, &target, 0).await;
+        drop(stalled);
     })
     .await;
 }

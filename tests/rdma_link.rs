@@ -338,6 +338,49 @@ async fn a_killed_qp_ends_the_epoch_and_delivers_completed_receives() {
     ));
 }
 
+/// A peer that announced receives and posts none answers every SEND with
+/// an RNR NAK. With RNR retries unlimited (the old default) the link's
+/// sends, and the pool chunks under them, waited for as long as the peer
+/// kept its connection; four such peers held a node's whole send pool. Now
+/// the retries run out and the epoch ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_posts_no_receives_ends_the_epoch_under_the_default_config() {
+    let dev = device().await;
+    let defaults = RdmaConfig {
+        recv_depth: 8,
+        max_batch: 4096,
+        ..RdmaConfig::default()
+    };
+    let end = PreparedEnd::new(&dev, defaults).expect("link end");
+    let pd = dev.alloc_pd().expect("pd");
+    let cq = dev.create_cq(64).expect("cq");
+    let qp = dev.create_qp(&pd, &cq, &cq, QpCaps::default()).expect("qp");
+    qp.modify_to_init(InitAttr {
+        access: AccessFlags::LOCAL_WRITE,
+    })
+    .expect("init");
+    let link = end
+        .connect(&QpAddress::of(&dev, &qp), Epoch(7))
+        .expect("connect");
+    let port = dev.query_port();
+    qp.modify_to_rtr(RtrAttr::for_peer(&link.address(), port.active_mtu, 12))
+        .expect("rtr");
+    send(&link, b"into a receive queue left empty").await;
+    let ended = tokio::time::timeout(Duration::from_secs(20), link.ended()).await;
+    assert_eq!(
+        ended.expect("the epoch ends, not waits for ever"),
+        EpochEnd::Fault(LinkFault::Completion {
+            status: 13 // IBV_WC_RNR_RETRY_EXC_ERR
+        })
+    );
+    assert_eq!(
+        dev.counters().rnr_naks_received,
+        7,
+        "the first and six retries"
+    );
+    drop((qp, cq, pd));
+}
+
 /// A hand-driven verbs QP connected to a link end, playing a hostile peer.
 async fn hostile_peer(payload_len: usize, imm: u32) -> EpochEnd {
     let dev = device().await;

@@ -65,7 +65,10 @@ pub struct RdmaConfig {
     /// the end's last allowed buffer, or whose buffer the pool may be
     /// waiting for). Default 8.
     pub signal_every: usize,
-    /// RNR retries (7 = forever). Default 7; tests use 0 so a credit bug
+    /// RNR retries (7 = forever). Default 6: link credit is receive posts,
+    /// so an honest peer never answers RNR, and one that announced receives
+    /// it never posts would otherwise hold our sends, and their pool chunks,
+    /// for as long as it keeps the connection. Tests use 0 so a credit bug
     /// fails loudly as RNR_RETRY_EXC_ERR.
     pub rnr_retry: u8,
     /// RNR NAK timer code this end asks senders to wait. Default 12 (0.64 ms).
@@ -83,7 +86,7 @@ impl Default for RdmaConfig {
             max_batch: 64 * 1024,
             send_buffers: 16,
             signal_every: 8,
-            rnr_retry: 7,
+            rnr_retry: 6,
             min_rnr_timer: 12,
             timeout: 14,
             retry_cnt: 7,

@@ -19,7 +19,7 @@ mod transport;
 pub(crate) use link::configure;
 pub use link::{TcpBatch, TcpLink, TcpLinkConfig, TcpLinkStats, TcpSendBuf};
 pub use node::{
-    ConnectError, Connector, ConnectorConfig, EpochMaker, NodeStats, TcpEpochs, TcpNode,
-    TcpNodeConfig,
+    ConnectError, Connector, ConnectorConfig, EpochMaker, MAX_ACCEPTS_PER_PEER, NodeStats,
+    TcpEpochs, TcpNode, TcpNodeConfig,
 };
 pub use transport::TcpTransport;

@@ -136,6 +136,12 @@ impl TcpNodeConfig {
     }
 }
 
+/// Handshakes one peer may have under way here at once: one, and a
+/// restarted process's while its old one times out. An accepted hello makes
+/// the epoch's resources before it is answered, so without a cap one peer
+/// id could hold `max_pending_handshakes` of them (`max_peers` counts ids).
+pub const MAX_ACCEPTS_PER_PEER: usize = 2;
+
 /// Why a connection attempt (dialed or accepted) produced no link.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
 pub enum ConnectError {
@@ -183,6 +189,16 @@ pub enum ConnectError {
         /// The configured `max_pending_handshakes`.
         limit: usize,
     },
+    /// A hello from a peer that already has [`MAX_ACCEPTS_PER_PEER`]
+    /// handshakes under way here (each made its epoch's resources, a QP and
+    /// a receive ring on RDMA, before answering); declined `Unavailable`.
+    #[error("{limit} handshakes with {peer:?} already under way")]
+    TooManyHandshakesFromPeer {
+        /// The peer the hello named.
+        peer: PeerId,
+        /// [`MAX_ACCEPTS_PER_PEER`].
+        limit: usize,
+    },
     /// An incoming connection's source IP already had
     /// `max_pending_per_source` handshakes under way; closed without a word.
     #[error("{limit} handshakes already pending from {from}")]
@@ -216,7 +232,8 @@ impl ConnectError {
             | ConnectError::Resources
             | ConnectError::TooManyPeers { .. }
             | ConnectError::TooManyHandshakes { .. }
-            | ConnectError::TooManyHandshakesFromSource { .. } => false,
+            | ConnectError::TooManyHandshakesFromSource { .. }
+            | ConnectError::TooManyHandshakesFromPeer { .. } => false,
         }
     }
 }
@@ -234,8 +251,9 @@ pub struct NodeStats {
     pub declined: u64,
     /// Times a peer showed a new incarnation (it restarted).
     pub restarts_seen: u64,
-    /// Dials and accepted handshakes refused at `max_peers` (also counted
-    /// in `refused` or `dial_failures`).
+    /// Dials and accepted handshakes refused at `max_peers`, and hellos
+    /// from a peer with `MAX_ACCEPTS_PER_PEER` handshakes under way (also
+    /// counted in `refused` or `dial_failures`).
     pub peer_limit_refusals: u64,
     /// Connections closed at once because `max_pending_handshakes` were
     /// under way, or `max_pending_per_source` from their source IP (also
@@ -1325,6 +1343,16 @@ fn decide<E: EpochMaker>(
         && hello.proposed < state.last_epoch
     {
         return Err((DeclineReason::StaleDial, None));
+    }
+    if state.accepting >= MAX_ACCEPTS_PER_PEER {
+        bump(&inner.counters.peer_limit_refusals);
+        return Err((
+            DeclineReason::Unavailable,
+            Some(ConnectError::TooManyHandshakesFromPeer {
+                peer: hello.node,
+                limit: MAX_ACCEPTS_PER_PEER,
+            }),
+        ));
     }
     state.accepting += 1;
     Ok(state.last_epoch)
