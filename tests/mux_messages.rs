@@ -110,6 +110,44 @@ async fn messages_arrive_in_order_whole_including_ones_larger_than_a_batch() {
     }
 }
 
+/// The epoch comes up before the receiving side has a sink (velo's
+/// transport installs it at `start`, and a redial may beat that): messages
+/// before the sink are counted as unhandled, and once it is set the same
+/// epoch delivers the rest. The sink used to be read once per epoch, so
+/// that whole epoch's messages were dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_set_while_an_epoch_runs_gets_the_rest_of_it() {
+    tokio::time::timeout(Duration::from_secs(20), sink_set_while_an_epoch_runs())
+        .await
+        .expect("the later message is delivered in the same epoch");
+}
+
+async fn sink_set_while_an_epoch_runs() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = Mux::new(MuxConfig::default(), fabric.dialer(A));
+    let b = Mux::new(MuxConfig::default(), fabric.dialer(B));
+    fabric.add(A, a.clone());
+    fabric.add(B, b.clone());
+    let (tx, rx) = flume::bounded(8);
+    a.install_messages(B, rx);
+    tx.send_async(OutboundMessage::new(Bytes::from_static(b"early")))
+        .await
+        .expect("channel open");
+    until(|| b.stats().drops.no_message_handler == 1).await;
+    let epoch = b.epoch(A).expect("the epoch is up");
+    let sink = Arc::new(Collect::default());
+    assert!(b.set_message_sink(sink.clone()));
+    tx.send_async(OutboundMessage::new(Bytes::from_static(b"after")))
+        .await
+        .expect("channel open");
+    until(|| sink.len() == 1).await;
+    assert_eq!(b.epoch(A), Some(epoch), "the same epoch");
+    assert_eq!(
+        *sink.0.lock().expect("lock"),
+        [(A, Bytes::from_static(b"after"))]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_never_written_are_reported_when_the_epoch_dies() {
     let (fabric, a, _b, sink) = nodes();

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use qpmux::link::Node;
-use qpmux::mux::{AsMux, PeerId};
+use qpmux::mux::{AsMux, MuxTransport, PeerId};
 use qpmux::velo::{QpmuxFrameTransport, QpmuxTransport, VeloConfig, velo_frames};
 use velo::messenger::Messenger;
 use velo::streaming::{AnchorManager, AnchorManagerBuilder, FrameTransport, StreamFrame};
@@ -184,4 +184,32 @@ async fn raw_channels_keep_fifo_and_epoch_death_is_velos_dropped<K: Kind>() {
             .await
             .is_err()
     );
+}
+
+/// velo binds, then abandons the bind (an attach that failed after it, a
+/// sender that never came): the idle ingress pump sees its receiver gone,
+/// ends, and the key can be bound again. It used to wait for a frame that
+/// never came, keeping its task and the mux's registry entry for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_bind_frees_its_pump_and_its_key() {
+    let kind = velo_nodes::Mem::new(Shape::Default);
+    let transport = Arc::new(QpmuxTransport::new(
+        kind.node(1).await,
+        VeloConfig::default(),
+    ));
+    let frames = transport.frame_transport(VeloConfig {
+        stream_watch: Duration::from_millis(5),
+        ..VeloConfig::default()
+    });
+    let mux = transport.node().mux();
+    let rx = frames.bind(9, 1).await.expect("bind");
+    assert!(
+        mux.bind(qpmux::mux::StreamKey::new(9, 1)).is_err(),
+        "bound while velo holds it"
+    );
+    drop(rx);
+    until("the key is free again", || {
+        mux.bind(qpmux::mux::StreamKey::new(9, 1)).is_ok()
+    })
+    .await;
 }

@@ -59,6 +59,11 @@ pub struct VeloConfig {
     /// then they are reported through `on_error`, and the next send waits
     /// afresh. Default 10 s, two of the nodes' default handshake timeouts.
     pub dial_wait: Duration,
+    /// How often a bound stream with no frame to hand over looks whether
+    /// velo still holds its receiver: velo may abandon a bind whose sender
+    /// never comes, and the pump and the mux's registry entry go with it.
+    /// Default 1 s.
+    pub stream_watch: Duration,
 }
 
 impl Default for VeloConfig {
@@ -78,6 +83,7 @@ impl VeloConfig {
             stream_channel: 64,
             lane_sweep: Duration::from_millis(20),
             dial_wait: Duration::from_secs(10),
+            stream_watch: Duration::from_secs(1),
         }
     }
 }

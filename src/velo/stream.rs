@@ -16,6 +16,7 @@
 //! returned (docs/velo.md § "A pump per slot").
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -24,7 +25,9 @@ use velo_ext::{FrameTransport, InstanceId, PeerInfo, TransportKey, WorkerAddress
 
 use super::{AdapterError, QpmuxTransport, VeloConfig, encode_address};
 use crate::link::Node;
-use crate::mux::{AsMux, Frame, MuxTransport, SlotReceiver, SlotSender, StreamKey, Terminal};
+use crate::mux::{
+    AsMux, Frame, MuxTransport, RecvError, SlotReceiver, SlotSender, StreamKey, Terminal,
+};
 
 /// velo's encodings of the frames the adapter writes or recognises: exactly
 /// the bytes velo's own `StreamSender` writes (`rmp_serde::to_vec` of
@@ -160,8 +163,26 @@ fn to_velo(frame: Frame) -> (Vec<u8>, bool) {
     }
 }
 
-async fn ingress_pump(mut slot: SlotReceiver, tx: flume::Sender<Vec<u8>>) {
-    while let Some(frame) = slot.recv().await {
+async fn ingress_pump(mut slot: SlotReceiver, tx: flume::Sender<Vec<u8>>, watch: Duration) {
+    loop {
+        let frame = match slot.try_recv() {
+            Ok(frame) => frame,
+            Err(RecvError::Ended) => break,
+            // Only an idle pump watches velo's end of the channel: velo may
+            // abandon a bind whose sender never comes (a failed attach, a
+            // sender that died), and no frame would ever show it.
+            Err(RecvError::Empty) => tokio::select! {
+                frame = slot.recv() => match frame {
+                    Some(frame) => frame,
+                    None => break,
+                },
+                () = abandoned(&tx, watch) => {
+                    // Dropping `slot` closes it and frees its registry entry.
+                    tracing::debug!(key = ?slot.key(), "velo abandoned a bound stream");
+                    return;
+                }
+            },
+        };
         let (bytes, end) = to_velo(frame);
         if tx.send_async(bytes).await.is_err() {
             // velo dropped the stream; dropping `slot` closes it.
@@ -171,7 +192,7 @@ async fn ingress_pump(mut slot: SlotReceiver, tx: flume::Sender<Vec<u8>>) {
             return;
         }
     }
-    // recv returned None without a terminal we forwarded: cannot happen (the
+    // The slot ended without a terminal we forwarded: cannot happen (the
     // terminal is always returned once), but velo must still see an end.
     if tx
         .send_async(velo_frames::dropped().to_vec())
@@ -179,6 +200,13 @@ async fn ingress_pump(mut slot: SlotReceiver, tx: flume::Sender<Vec<u8>>) {
         .is_err()
     {
         tracing::debug!("velo stream gone before its end");
+    }
+}
+
+/// Resolves once velo has dropped the receiver of `tx`, looking every `watch`.
+async fn abandoned(tx: &flume::Sender<Vec<u8>>, watch: Duration) {
+    while !tx.is_disconnected() {
+        tokio::time::sleep(watch).await;
     }
 }
 
@@ -256,11 +284,11 @@ impl<N: Node> FrameTransport for QpmuxFrameTransport<N> {
             .mux()
             .bind(StreamKey::new(anchor_id, session_id))
             .map_err(AdapterError::Mux);
-        let capacity = self.config.stream_channel;
+        let (capacity, watch) = (self.config.stream_channel, self.config.stream_watch);
         Box::pin(async move {
             let slot = bound?;
             let (tx, rx) = flume::bounded(capacity);
-            tokio::spawn(ingress_pump(slot, tx));
+            tokio::spawn(ingress_pump(slot, tx, watch));
             Ok(rx)
         })
     }

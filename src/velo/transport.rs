@@ -54,6 +54,10 @@ async fn sweep_lanes<N: Node>(inner: Weak<Inner<N>>, every: Duration) {
     }
 }
 
+/// A message channel the mux handed back unserved: dropped outside the
+/// lanes lock (each frame in it reports itself).
+type Unserved = Option<flume::Receiver<OutboundMessage>>;
+
 /// One epoch's outbound channel and the admission gate over it.
 struct Lane {
     tx: flume::Sender<OutboundMessage>,
@@ -170,7 +174,7 @@ impl<N: Node> Inner<N> {
             return Some(lane.gate.clone());
         }
         let (tx, rx) = flume::bounded(self.config.message_channel);
-        self.node.mux().install_messages(peer, rx);
+        let unserved = self.node.mux().install_messages(peer, rx);
         let gate = AdmissionGate::new(tx.clone(), rt.clone());
         let stale = lanes.insert(
             peer,
@@ -181,8 +185,10 @@ impl<N: Node> Inner<N> {
             },
         );
         drop(lanes);
+        // Frames dropped here report themselves (velo's hook or `fate`),
+        // which may send again: not under the lock.
+        drop(unserved);
         if let Some(stale) = stale {
-            // Dropped frames report through their own hook (OutboundMessage::drop).
             stale.gate.fail_all(AdmissionError::ConnectionReplaced);
         }
         Some(gate)
@@ -215,28 +221,26 @@ impl<N: Node> Inner<N> {
             }
         }
         let dead: Vec<Lane> = dead.iter().filter_map(|peer| lanes.remove(peer)).collect();
-        let unreached: Vec<(PeerId, Lane)> = unreached
+        // The channel is withdrawn under the lock, so a send racing this
+        // sweep builds its fresh lane after it, never before.
+        let unreached: Vec<(PeerId, Lane, Unserved)> = unreached
             .into_iter()
-            .filter_map(|peer| Some((peer, lanes.remove(&peer)?)))
+            .filter_map(|peer| {
+                let lane = lanes.remove(&peer)?;
+                Some((peer, lane, mux.withdraw_messages(peer)))
+            })
             .collect();
-        // Failing a gate resolves velo's tickets, which may send: not under the lock.
+        // Failing a gate resolves velo's tickets, and a dropped frame
+        // reports itself; either may send: not under the lock.
         drop(lanes);
         for lane in dead {
             lane.gate.fail_all(AdmissionError::ChannelClosed);
         }
-        for (peer, lane) in unreached {
+        for (peer, lane, unserved) in unreached {
             tracing::warn!(?peer, wait = ?self.config.dial_wait, "peer not reached; its queued frames are reported");
             lane.gate.fail_all(AdmissionError::ChannelClosed);
-            self.free_channel(peer);
+            drop(unserved);
         }
-    }
-
-    /// Makes the mux drop the receiver of `peer`'s channel (its sender went
-    /// with the lane), so every frame still in it reports itself now.
-    fn free_channel(&self, peer: PeerId) {
-        let (closed_tx, closed_rx) = flume::bounded(1);
-        drop(closed_tx);
-        self.node.mux().install_messages(peer, closed_rx);
     }
 
     fn note_connected(&self, peer: PeerId) {
@@ -445,12 +449,20 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             }
             peer
         };
-        let lane = lock(&self.inner.lanes).remove(&peer);
+        let (lane, unserved) = {
+            let mut lanes = lock(&self.inner.lanes);
+            let lane = lanes.remove(&peer);
+            let unserved = lane
+                .is_some()
+                .then(|| self.inner.node.mux().withdraw_messages(peer))
+                .flatten();
+            (lane, unserved)
+        };
         lock(&self.inner.connected).remove(&peer);
         if let Some(lane) = lane {
             lane.gate.fail_all(AdmissionError::ChannelClosed);
-            self.inner.free_channel(peer);
         }
+        drop(unserved);
         self.inner.node.unregister(peer);
         self.inner.registered_gauge();
     }

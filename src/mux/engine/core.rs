@@ -14,7 +14,7 @@
 //! a new `PeerCore` (docs/design.md § "A Link is one epoch").
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use bytes::{Bytes, BytesMut};
 use tokio::time::Instant;
@@ -102,6 +102,9 @@ enum Fill {
     Closed,
 }
 
+/// The mux's message sink, set once, possibly after epochs have started.
+pub(crate) type SinkSlot = Arc<OnceLock<Arc<dyn MessageSink>>>;
+
 pub(crate) struct PeerCore {
     epoch: Epoch,
     config: Arc<MuxConfig>,
@@ -160,7 +163,9 @@ pub(crate) struct PeerCore {
     message_seq_out: FrameSeq,
     message_seq_in: FrameSeq,
     message_reassembly: Option<BytesMut>,
-    sink: Option<Arc<dyn MessageSink>>,
+    /// Where inbound messages go: the mux's slot, read at each message, so
+    /// a sink installed while this epoch runs gets the rest of it.
+    sink: SinkSlot,
 
     batch_seq_out: u32,
     batch_seq_in: u32,
@@ -241,7 +246,7 @@ impl PeerCore {
             message_seq_out: FrameSeq(0),
             message_seq_in: FrameSeq(0),
             message_reassembly: None,
-            sink: None,
+            sink: SinkSlot::default(),
             batch_seq_out: 0,
             batch_seq_in: 0,
             popped_bytes: 0,
@@ -263,8 +268,8 @@ impl PeerCore {
         self.epoch
     }
 
-    /// Installs where inbound messages go.
-    pub fn set_sink(&mut self, sink: Option<Arc<dyn MessageSink>>) {
+    /// Where inbound messages go (the mux's one slot for its sink).
+    pub fn set_sink(&mut self, sink: SinkSlot) {
         self.sink = sink;
     }
 
@@ -1144,7 +1149,7 @@ impl PeerCore {
                 partial.freeze()
             }
         };
-        match &self.sink {
+        match self.sink.get() {
             Some(sink) => {
                 sink.deliver(self.control.peer, message);
                 self.handed_over = true;

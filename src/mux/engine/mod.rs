@@ -25,14 +25,14 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until};
 use tracing::Instrument;
 
-use self::core::PeerCore;
+use self::core::{PeerCore, SinkSlot};
 pub use self::error::ProtocolError;
 use self::held::Held;
 use super::config::{MuxConfig, PeerTerms};
@@ -98,7 +98,7 @@ struct Shared<L> {
     runtime: tokio::runtime::Handle,
     shutdown: AtomicBool,
     shutdown_notify: Notify,
-    sink: OnceLock<Arc<dyn MessageSink>>,
+    sink: SinkSlot,
     /// Fires whenever a peer task retires.
     retired: Notify,
 }
@@ -137,7 +137,7 @@ impl<L: Link> Mux<L> {
                 runtime: tokio::runtime::Handle::current(),
                 shutdown: AtomicBool::new(false),
                 shutdown_notify: Notify::new(),
-                sink: OnceLock::new(),
+                sink: SinkSlot::default(),
                 retired: Notify::new(),
             }),
         }
@@ -223,15 +223,34 @@ impl<L: Link> Mux<L> {
     /// channel lives for one epoch: when the epoch ends, what is left in it is
     /// dropped (reporting each message) and the receiver closes, so the
     /// sender knows to install a fresh one. A channel installed while no
-    /// epoch runs serves the next one.
-    pub fn install_messages(&self, peer: PeerId, rx: flume::Receiver<OutboundMessage>) {
+    /// epoch runs serves the next one. Returns the channel it replaced if
+    /// no epoch had taken it yet: dropping it reports each message in it,
+    /// which may call back into the caller, so drop it outside your locks.
+    pub fn install_messages(
+        &self,
+        peer: PeerId,
+        rx: flume::Receiver<OutboundMessage>,
+    ) -> Option<flume::Receiver<OutboundMessage>> {
         let entry = self.entry(peer);
         let stale = lock(&entry.messages).replace(rx);
-        drop(stale);
         if lock(&entry.epoch).is_none() {
             self.shared.dialer.want_link(peer);
         }
         entry.control.wake.notify_one();
+        stale
+    }
+
+    /// Withdraws `peer`'s message channel without asking for a link: the
+    /// channel an epoch serves is dropped at the peer task's next turn (each
+    /// message left in it reports itself), and one no epoch has taken yet is
+    /// returned, to be dropped outside the caller's locks.
+    pub fn withdraw_messages(&self, peer: PeerId) -> Option<flume::Receiver<OutboundMessage>> {
+        let entry = lock(&self.shared.peers).get(&peer).cloned()?;
+        let (closed_tx, closed_rx) = flume::bounded(1);
+        drop(closed_tx);
+        let stale = lock(&entry.messages).replace(closed_rx);
+        entry.control.wake.notify_one();
+        stale
     }
 
     /// Round trip of a Ping control record to `peer` (connecting if needed).
@@ -652,7 +671,7 @@ async fn run_epoch<L: Link>(
     );
     core.set_peer_terms(opening.theirs, opening.granted, Instant::now());
     *lock(&entry.epoch) = Some(link.epoch());
-    core.set_sink(shared.sink.get().cloned());
+    core.set_sink(shared.sink.clone());
     core.handle_control(Instant::now());
     let mut messages: Option<flume::Receiver<OutboundMessage>> = lock(&entry.messages).take();
     let served = CatchPanic(Box::pin(async {
