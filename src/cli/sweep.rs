@@ -74,9 +74,10 @@ pub struct SweepArgs {
     #[arg(long, value_delimiter = ',')]
     pub cells: Vec<CellFilter>,
     /// Measure every cell this many times, interleaved (every cell once,
-    /// then every cell again, ...). Each verdict is then the median of its
-    /// per-round ratios, each ratio from two cells of the same round, and
-    /// the plots show per-point medians.
+    /// then every cell again, ...; within a round a shape's paths run back
+    /// to back, in an order rotated every round). Each verdict is then the
+    /// median of its per-round ratios, each ratio from two cells of the
+    /// same round, and the plots show per-point medians.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
     pub rounds: u32,
     /// In the `latency-1ms` cells (one record in flight at a time), time
@@ -242,6 +243,33 @@ impl Cell {
     fn ok(&self) -> bool {
         self.error.is_none()
     }
+}
+
+/// The grid's cells grouped by shape, shapes and paths in grid order.
+fn by_shape(grid: &[(&'static str, Shape)]) -> Vec<(Shape, Vec<&'static str>)> {
+    let mut shapes: Vec<(Shape, Vec<&'static str>)> = Vec::new();
+    for &(path, shape) in grid {
+        let same = |s: &Shape| (s.mode, s.x, s.y) == (shape.mode, shape.x, shape.y);
+        match shapes.iter_mut().find(|(s, _)| same(s)) {
+            Some((_, paths)) => paths.push(path),
+            None => shapes.push((shape, vec![path])),
+        }
+    }
+    shapes
+}
+
+/// One round's cells: a shape's paths back to back, so the two cells of a
+/// same-round ratio run seconds apart, not a round apart; their order
+/// rotated by one each round, so no path always runs first, or always right
+/// after the heaviest cell of the shape before.
+fn round_order(shapes: &[(Shape, Vec<&'static str>)], round: u32) -> Vec<(&'static str, Shape)> {
+    shapes
+        .iter()
+        .flat_map(|(shape, paths)| {
+            let n = paths.len();
+            (0..n).map(move |i| (paths[(i + round as usize) % n], *shape))
+        })
+        .collect()
 }
 
 /// What one cell runs.
@@ -643,10 +671,11 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         );
     }
     let bar = super::progress_bar(grid.len() as u64 * u64::from(args.rounds), json);
+    let shapes = by_shape(&grid);
     let mut cells = Vec::new();
     let ack_delay = Duration::from_micros(args.soft_ack_delay_us);
     for round in 0..args.rounds {
-        for &(path, shape) in &grid {
+        for (path, shape) in round_order(&shapes, round) {
             bar.set_message(format!(
                 "round {} {path} {} X={} Y={}",
                 round + 1,
@@ -1056,6 +1085,56 @@ mod tests {
         let y8: CellFilter = ":grid::8".parse().expect("parses");
         assert!(y8.matches("velo-tcp-mux", &shape("grid", 1024, 8)));
         assert!(!y8.matches("velo-tcp-mux", &shape("grid", 1024, 1)));
+    }
+
+    #[test]
+    fn a_rounds_cells_run_by_shape_with_the_paths_rotated() {
+        let grid = [
+            ("a", shape("grid", 1, 1)),
+            ("a", shape("grid", 64, 1)),
+            ("b", shape("grid", 1, 1)),
+            ("b", shape("grid", 64, 1)),
+            ("c", shape("grid", 1, 1)),
+            ("c", shape("grid", 64, 1)),
+            ("a", shape("saturate", 1, 1)),
+        ];
+        let shapes = by_shape(&grid);
+        let order = |round| -> Vec<(&str, u64, &str)> {
+            round_order(&shapes, round)
+                .into_iter()
+                .map(|(path, s)| (s.mode, s.x, path))
+                .collect()
+        };
+        assert_eq!(
+            order(0),
+            [
+                ("grid", 1, "a"),
+                ("grid", 1, "b"),
+                ("grid", 1, "c"),
+                ("grid", 64, "a"),
+                ("grid", 64, "b"),
+                ("grid", 64, "c"),
+                ("saturate", 1, "a"),
+            ]
+        );
+        assert_eq!(
+            order(1),
+            [
+                ("grid", 1, "b"),
+                ("grid", 1, "c"),
+                ("grid", 1, "a"),
+                ("grid", 64, "b"),
+                ("grid", 64, "c"),
+                ("grid", 64, "a"),
+                ("saturate", 1, "a"),
+            ]
+        );
+        // Every cell once a round, and each path first once in three rounds.
+        for round in 0..3 {
+            assert_eq!(order(round).len(), grid.len());
+        }
+        let firsts: Vec<&str> = (0..3).map(|r| order(r)[0].2).collect();
+        assert_eq!(firsts, ["a", "b", "c"]);
     }
 
     fn cell(round: u32, path: &'static str, x: u64, cpu: f64) -> Cell {

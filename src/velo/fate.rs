@@ -133,12 +133,4 @@ mod tests {
             assert_eq!(reports.load(Ordering::SeqCst), 0);
         }
     }
-
-    #[test]
-    fn a_written_frame_is_never_reported() {
-        let (fate, reports) = counted();
-        fate.admitted();
-        drop(fate);
-        assert_eq!(reports.load(Ordering::SeqCst), 0);
-    }
 }

@@ -164,6 +164,9 @@ fn to_velo(frame: Frame) -> (Vec<u8>, bool) {
 }
 
 async fn ingress_pump(mut slot: SlotReceiver, tx: flume::Sender<Vec<u8>>, watch: Duration) {
+    // One timer for the pump's life: an idle turn polls it, not a new one.
+    let mut watch = tokio::time::interval_at(tokio::time::Instant::now() + watch, watch);
+    watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let frame = match slot.try_recv() {
             Ok(frame) => frame,
@@ -176,10 +179,13 @@ async fn ingress_pump(mut slot: SlotReceiver, tx: flume::Sender<Vec<u8>>, watch:
                     Some(frame) => frame,
                     None => break,
                 },
-                () = abandoned(&tx, watch) => {
-                    // Dropping `slot` closes it and frees its registry entry.
-                    tracing::debug!(key = ?slot.key(), "velo abandoned a bound stream");
-                    return;
+                _ = watch.tick() => {
+                    if tx.is_disconnected() {
+                        // Dropping `slot` closes it and frees its registry entry.
+                        tracing::debug!(key = ?slot.key(), "velo abandoned a bound stream");
+                        return;
+                    }
+                    continue;
                 }
             },
         };
@@ -200,13 +206,6 @@ async fn ingress_pump(mut slot: SlotReceiver, tx: flume::Sender<Vec<u8>>, watch:
         .is_err()
     {
         tracing::debug!("velo stream gone before its end");
-    }
-}
-
-/// Resolves once velo has dropped the receiver of `tx`, looking every `watch`.
-async fn abandoned(tx: &flume::Sender<Vec<u8>>, watch: Duration) {
-    while !tx.is_disconnected() {
-        tokio::time::sleep(watch).await;
     }
 }
 

@@ -55,7 +55,8 @@ async fn sweep_lanes<N: Node>(inner: Weak<Inner<N>>, every: Duration) {
 }
 
 /// A message channel the mux handed back unserved: dropped outside the
-/// lanes lock (each frame in it reports itself).
+/// lanes lock (with the lane's senders gone too, each frame in it reports
+/// itself).
 type Unserved = Option<flume::Receiver<OutboundMessage>>;
 
 /// One epoch's outbound channel and the admission gate over it.

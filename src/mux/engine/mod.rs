@@ -224,8 +224,9 @@ impl<L: Link> Mux<L> {
     /// dropped (reporting each message) and the receiver closes, so the
     /// sender knows to install a fresh one. A channel installed while no
     /// epoch runs serves the next one. Returns the channel it replaced if
-    /// no epoch had taken it yet: dropping it reports each message in it,
-    /// which may call back into the caller, so drop it outside your locks.
+    /// no epoch had taken it yet: once it and its senders are dropped, each
+    /// message in it reports itself, which may call back into the caller,
+    /// so drop it outside your locks.
     pub fn install_messages(
         &self,
         peer: PeerId,
@@ -241,9 +242,10 @@ impl<L: Link> Mux<L> {
     }
 
     /// Withdraws `peer`'s message channel without asking for a link: the
-    /// channel an epoch serves is dropped at the peer task's next turn (each
-    /// message left in it reports itself), and one no epoch has taken yet is
-    /// returned, to be dropped outside the caller's locks.
+    /// channel an epoch serves is dropped at the peer task's next turn, and
+    /// one no epoch has taken yet is returned, to be dropped outside the
+    /// caller's locks (with its senders gone, each message left in it
+    /// reports itself).
     pub fn withdraw_messages(&self, peer: PeerId) -> Option<flume::Receiver<OutboundMessage>> {
         let entry = lock(&self.shared.peers).get(&peer).cloned()?;
         let (closed_tx, closed_rx) = flume::bounded(1);
@@ -757,7 +759,10 @@ async fn serve_epoch<L: Link>(
     // The last batch's consumers that the runtime has not woken yet.
     let mut deferred = Deferred::default();
     loop {
-        if let Some(fresh) = lock(&entry.messages).take() {
+        let fresh = lock(&entry.messages).take();
+        if let Some(fresh) = fresh {
+            // Outside the lock: dropping the old channel may report its
+            // messages, and a report may install a channel again.
             *messages = Some(fresh);
         }
         shutdown.as_mut().enable();
