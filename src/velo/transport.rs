@@ -316,7 +316,9 @@ impl<N: Node> Inner<N> {
 
     fn registered_gauge(&self) {
         if let Some(metrics) = self.metrics() {
-            metrics.set_registered_peers(lock(&self.peers).len());
+            // Counted first: the callback is velo's, not run under our lock.
+            let registered = lock(&self.peers).len();
+            metrics.set_registered_peers(registered);
         }
     }
 }

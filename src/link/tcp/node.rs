@@ -63,9 +63,9 @@ pub struct TcpNodeConfig {
     pub backoff_max: Duration,
     /// Handshakes accepted concurrently; more connections are closed at once. Default 64.
     pub max_pending_handshakes: usize,
-    /// Of those, handshakes from one source IP; its further connections are
-    /// closed at once, so one host's silent dialers cannot fill the pool.
-    /// Default 32.
+    /// Of those, handshakes from one source (an IPv4 address, or an IPv6
+    /// /64); its further connections are closed at once, so one host's
+    /// silent dialers cannot fill the pool. Default 32.
     pub max_pending_per_source: usize,
     /// Peers with a live link or a dial or handshake under way, and peers
     /// gone whose bytes are still held here unread; a new peer beyond this
@@ -203,7 +203,7 @@ pub enum ConnectError {
     /// `max_pending_per_source` handshakes under way; closed without a word.
     #[error("{limit} handshakes already pending from {from}")]
     TooManyHandshakesFromSource {
-        /// The connection's source IP.
+        /// The connection's source: its IPv4 address, or its IPv6 /64.
         from: IpAddr,
         /// The configured `max_pending_per_source`.
         limit: usize,
@@ -465,6 +465,19 @@ struct NodeInner<E: EpochMaker> {
 /// One handshake counted against its source IP until dropped. Entries exist
 /// only while counted, and each holds a global handshake permit, so the map
 /// never has more than `max_pending_handshakes` entries.
+/// The source a handshake's share is counted against: an IPv4 address
+/// (also when mapped into IPv6), or an IPv6 address's /64, since one host
+/// is usually given a whole /64 and could otherwise be many sources.
+fn source_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into()),
+        },
+    }
+}
+
 struct SourcePermit<E: EpochMaker> {
     inner: Arc<NodeInner<E>>,
     source: IpAddr,
@@ -1190,9 +1203,9 @@ async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListe
             inner.shed(ConnectError::TooManyHandshakes { limit }, remote);
             continue;
         };
-        let Some(source) = SourcePermit::take(&inner, remote.ip()) else {
+        let from = source_of(remote.ip());
+        let Some(source) = SourcePermit::take(&inner, from) else {
             let limit = inner.config.max_pending_per_source.max(1);
-            let from = remote.ip();
             inner.shed(
                 ConnectError::TooManyHandshakesFromSource { from, limit },
                 remote,
@@ -1356,4 +1369,32 @@ fn decide<E: EpochMaker>(
     }
     state.accepting += 1;
     Ok(state.last_epoch)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::source_of;
+    use std::net::IpAddr;
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().expect("an address")
+    }
+
+    #[test]
+    fn a_handshake_source_is_an_ipv4_address_or_an_ipv6_slash_64() {
+        assert_eq!(source_of(ip("10.0.0.7")), ip("10.0.0.7"));
+        assert_eq!(source_of(ip("::ffff:10.0.0.7")), ip("10.0.0.7"));
+        assert_eq!(
+            source_of(ip("2001:db8:1:2:aaaa:bbbb:cccc:dddd")),
+            ip("2001:db8:1:2::")
+        );
+        assert_eq!(
+            source_of(ip("2001:db8:1:2::1")),
+            source_of(ip("2001:db8:1:2:ffff::9"))
+        );
+        assert_ne!(
+            source_of(ip("2001:db8:1:2::1")),
+            source_of(ip("2001:db8:1:3::1"))
+        );
+    }
 }
