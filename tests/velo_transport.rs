@@ -473,6 +473,47 @@ async fn shutdown_reports_queued_frames_and_closed_returns() {
     assert_eq!(errors.count(), 11);
 }
 
+/// A peer we only ever send to, and that dies before any health check:
+/// the checks after its loss say it failed, not `NeverConnected` (which
+/// velo does not take for death). The transport learned that a peer was
+/// connected only from its messages or from a check run while it was up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_only_sent_to_is_known_connected_when_it_dies() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let sweeping = VeloConfig {
+        lane_sweep: Duration::from_millis(5),
+        ..VeloConfig::default()
+    };
+    let a = end(&fabric, 1, sweeping).await;
+    let b = end(&fabric, 2, VeloConfig::default()).await;
+    a.transport.register(info(&b)).expect("registers");
+    let errors = Arc::new(Errors::default());
+    assert!(send(&a, b.id, MessageType::Event, b"one way", &errors).is_admitted());
+    drop(
+        b.streams
+            .event_stream
+            .recv_async()
+            .await
+            .expect("delivered"),
+    );
+    // Sixty lane sweeps' time while the epoch is up (a check now would
+    // itself mark the peer connected, so nothing here can ask).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    b.transport.shutdown();
+    b.transport.closed().await;
+    let health = a
+        .transport
+        .check_health(b.id, Duration::from_millis(200))
+        .await;
+    assert!(
+        matches!(
+            health,
+            Err(HealthCheckError::Timeout | HealthCheckError::ConnectionFailed)
+        ),
+        "{health:?}"
+    );
+}
+
 #[derive(Default)]
 struct Counts {
     inbound: AtomicUsize,

@@ -65,6 +65,8 @@ struct Lane {
     gate: AdmissionGate<OutboundMessage>,
     /// Since when frames have waited here with no epoch to the peer.
     unreached_since: Option<Instant>,
+    /// The sweep has seen this lane's epoch up (the peer is connected).
+    seen_up: bool,
 }
 
 impl Lane {
@@ -183,6 +185,7 @@ impl<N: Node> Inner<N> {
                 tx,
                 gate: gate.clone(),
                 unreached_since: None,
+                seen_up: false,
             },
         );
         drop(lanes);
@@ -208,11 +211,20 @@ impl<N: Node> Inner<N> {
         let mux = self.node.mux();
         let mut dead = Vec::new();
         let mut unreached = Vec::new();
+        let mut up = Vec::new();
         let mut lanes = lock(&self.lanes);
         for (peer, lane) in lanes.iter_mut() {
             if lane.tx.is_disconnected() {
                 dead.push(*peer);
-            } else if !lane.has_frames() || mux.epoch(*peer).is_some() {
+                continue;
+            }
+            // Asked once per lane until its epoch is seen, and while frames wait.
+            let epoch_up = (!lane.seen_up || lane.has_frames()) && mux.epoch(*peer).is_some();
+            if epoch_up && !lane.seen_up {
+                lane.seen_up = true;
+                up.push(*peer);
+            }
+            if !lane.has_frames() || epoch_up {
                 lane.unreached_since = None;
             } else {
                 let since = *lane.unreached_since.get_or_insert(now);
@@ -234,6 +246,11 @@ impl<N: Node> Inner<N> {
         // Failing a gate resolves velo's tickets, and a dropped frame
         // reports itself; either may send: not under the lock.
         drop(lanes);
+        // A peer we only send to is seen connected here, so its health
+        // checks after a loss say so instead of `NeverConnected`.
+        if !up.is_empty() {
+            lock(&self.connected).extend(up.into_iter().map(|peer| (peer, true)));
+        }
         for lane in dead {
             lane.gate.fail_all(AdmissionError::ChannelClosed);
         }
