@@ -868,6 +868,29 @@ async fn shutdown_drains() {
     shutdown_drains_with(MuxConfig::default()).await;
 }
 
+/// A stream bound here whose sender never came hears `Dropped(Shutdown)`
+/// when the mux shuts down, as every fed slot does; it used to wait in
+/// `recv` for good (velo's ingress pump with it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bound_stream_nobody_opened_is_dropped_at_shutdown() {
+    let (_fabric, muxes) = fabric(&[A, B], MuxConfig::default(), MemConfig::default());
+    let mut waiting = muxes[1].bind(StreamKey::new(14, 0)).expect("bind");
+    let mut unread = muxes[1].bind(StreamKey::new(14, 1)).expect("bind");
+    let receiver = tokio::spawn(async move { waiting.recv().await });
+    tokio::task::yield_now().await;
+    muxes[1].shutdown();
+    let heard = tokio::time::timeout(Duration::from_secs(20), receiver)
+        .await
+        .expect("recv returns")
+        .expect("task");
+    assert_eq!(heard, Some(Frame::Dropped(DropReason::Shutdown)));
+    assert_eq!(
+        unread.recv().await,
+        Some(Frame::Dropped(DropReason::Shutdown))
+    );
+    assert_eq!(unread.recv().await, None, "exactly one terminal");
+}
+
 /// 100 records of 300 bytes and a Finalized queued, then the shutdown: the
 /// receiver gets all of them.
 async fn shutdown_drains_with(config: MuxConfig) {

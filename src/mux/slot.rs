@@ -663,6 +663,16 @@ impl Registry {
         OpenOutcome::Attached(rx)
     }
 
+    /// Ends every slot no peer feeds with `frame`: at shutdown, a stream
+    /// bound here whose sender never came would otherwise wait for good.
+    /// A fed slot is left to its peer task, which ends it as it retires.
+    pub fn end_unfed(&self, frame: &Frame) {
+        let slots: Vec<Arc<RxSlot>> = lock(&self.slots).values().cloned().collect();
+        for rx in slots {
+            rx.end_unless_fed(frame);
+        }
+    }
+
     /// Forgets `rx` if it is still the registered slot for its key.
     pub fn remove(&self, rx: &Arc<RxSlot>) {
         let mut slots = lock(&self.slots);
@@ -872,6 +882,24 @@ impl RxSlot {
             waiter.wake();
         }
         true
+    }
+
+    /// [`RxSlot::end`], unless a peer feeds the slot (checked under the same
+    /// lock as the end, so an open cannot attach in between).
+    fn end_unless_fed(&self, frame: &Frame) {
+        let mut state = lock(&self.state);
+        if state.ended || state.feeder.is_some() {
+            return;
+        }
+        state.ended = true;
+        if !state.receiver_gone {
+            state.frames.push_back((frame.clone(), 0));
+        }
+        let waiter = state.waiter.take();
+        drop(state);
+        if let Some(waiter) = waiter {
+            waiter.wake();
+        }
     }
 
     /// True if no receiver will ever read this slot again.

@@ -40,7 +40,7 @@ use super::message::{MessageSink, OutboundMessage};
 use super::protocol::Epoch;
 use super::slot::{Deferred, Inlet, PeerControl, Registry, SlotReceiver, SlotSender};
 use super::stats::{Counters, Stats};
-use super::surface::{AsMux, DropReason, MuxError, MuxTransport, PeerId, StreamKey};
+use super::surface::{AsMux, DropReason, Frame, MuxError, MuxTransport, PeerId, StreamKey};
 use crate::link::{EpochEnd, Link, LinkError, LinkFault};
 use crate::stages::{self, Stage};
 use crate::unwind::{CatchPanic, panic_message};
@@ -207,6 +207,9 @@ impl<L: Link> Mux<L> {
     /// slots then get `Dropped(Shutdown)`. Does not wait; see [`Mux::closed`].
     pub fn shutdown(&self) {
         self.shared.shutdown.store(true, Ordering::Release);
+        self.shared
+            .registry
+            .end_unfed(&Frame::Dropped(DropReason::Shutdown));
         self.shared.shutdown_notify.notify_waiters();
         for entry in lock(&self.shared.peers).values() {
             entry.control.wake.notify_one();
