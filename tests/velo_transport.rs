@@ -514,6 +514,56 @@ async fn a_peer_only_sent_to_is_known_connected_when_it_dies() {
     );
 }
 
+/// A start that fails leaves nothing half set: a second transport on a
+/// node whose message sink is taken fails by name and stays unstarted (its
+/// sends are refused as such, not put on the wire), and a transport
+/// started once refuses a second start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_start_leaves_the_transport_unstarted() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let node = Arc::new(fabric.node(PeerId(1), MuxConfig::default()));
+    let first = end_on(node.clone(), VeloConfig::default()).await;
+    let b = end(&fabric, 2, VeloConfig::default()).await;
+    let second = End {
+        transport: QpmuxTransport::new(node, VeloConfig::default()),
+        streams: make_channels().1,
+        id: InstanceId::new_v4(),
+    };
+    let started = second
+        .transport
+        .start(
+            second.id,
+            make_channels().0,
+            tokio::runtime::Handle::current(),
+        )
+        .await;
+    let refusal = started.expect_err("the node's sink is the first transport's");
+    assert!(refusal.to_string().contains("sink is taken"), "{refusal}");
+    second.transport.register(info(&b)).expect("registers");
+    let errors = Arc::new(Errors::default());
+    assert!(send(&second, b.id, MessageType::Event, b"nowhere", &errors).is_admitted());
+    assert_eq!(errors.count(), 1);
+    let said = errors
+        .last
+        .lock()
+        .expect("lock")
+        .clone()
+        .unwrap_or_default();
+    assert!(said.contains("not started"), "{said}");
+    assert!(b.streams.event_stream.is_empty());
+
+    let again = first
+        .transport
+        .start(
+            first.id,
+            make_channels().0,
+            tokio::runtime::Handle::current(),
+        )
+        .await;
+    let refusal = again.expect_err("started once");
+    assert!(refusal.to_string().contains("already started"), "{refusal}");
+}
+
 #[derive(Default)]
 struct Counts {
     inbound: AtomicUsize,

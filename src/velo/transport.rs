@@ -512,23 +512,25 @@ impl<N: Node> Transport for QpmuxTransport<N> {
         channels: TransportAdapter,
         rt: tokio::runtime::Handle,
     ) -> BoxFuture<'_, anyhow::Result<()>> {
-        let result = (|| {
+        // All of it when polled: a start future dropped unpolled leaves
+        // nothing behind, and a failed one nothing half set.
+        Box::pin(async move {
+            if self.inner.started.get().is_some() {
+                return Err(AdapterError::AlreadyStarted.into());
+            }
             let sink = Arc::new(Inbound {
                 inner: Arc::downgrade(&self.inner),
             });
-            if self
-                .inner
-                .started
-                .set(Started {
-                    adapter: channels,
-                    rt,
-                })
-                .is_err()
-            {
-                return Err(AdapterError::AlreadyStarted);
-            }
             if !self.inner.node.mux().set_message_sink(sink) {
-                return Err(AdapterError::SinkTaken);
+                return Err(AdapterError::SinkTaken.into());
+            }
+            let started = Started {
+                adapter: channels,
+                rt,
+            };
+            if self.inner.started.set(started).is_err() {
+                // Only the start that set the sink gets here; kept as an error.
+                return Err(AdapterError::AlreadyStarted.into());
             }
             let started = self.inner.started.get().expect("set just above");
             started.rt.spawn(sweep_lanes(
@@ -536,8 +538,7 @@ impl<N: Node> Transport for QpmuxTransport<N> {
                 self.inner.config.lane_sweep,
             ));
             Ok(())
-        })();
-        Box::pin(async move { result.map_err(anyhow::Error::from) })
+        })
     }
 
     fn shutdown(&self) {
