@@ -27,6 +27,7 @@ mod tests;
 
 use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -406,9 +407,22 @@ impl<D: Device + 'static> Shared<D> {
         self.wake_recv.notify_waiters();
         self.wake_end.notify_waiters();
         self.wake_poller.notify_one();
-        let hooks = std::mem::take(&mut *self.on_end.lock().expect("hook lock poisoned"));
+        let hooks =
+            std::mem::take(&mut *self.on_end.lock().unwrap_or_else(PoisonError::into_inner));
+        // Every hook runs though one panics (each tells someone the epoch
+        // ended); the first panic goes on once all have run.
+        let mut first_panic = None;
         for hook in hooks {
-            hook(reason);
+            if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| hook(reason))) {
+                tracing::error!(
+                    panic = crate::unwind::panic_message(&*panic),
+                    "a link end hook panicked"
+                );
+                first_panic.get_or_insert(panic);
+            }
+        }
+        if let Some(panic) = first_panic {
+            std::panic::resume_unwind(panic);
         }
     }
 
@@ -676,7 +690,7 @@ impl<D: Device + 'static> RdmaLink<D> {
     /// [`pair`] uses it to end the other side.
     pub fn on_end(&self, hook: impl FnOnce(EpochEnd) + Send + 'static) {
         let shared = self.shared();
-        let mut hooks = shared.on_end.lock().expect("hook lock poisoned");
+        let mut hooks = shared.on_end.lock().unwrap_or_else(PoisonError::into_inner);
         match shared.lock().ended {
             Some(reason) => {
                 drop(hooks);

@@ -422,3 +422,25 @@ async fn a_panic_in_the_completion_poller_ends_that_epoch() {
     let theirs = tokio::time::timeout(Duration::from_secs(10), b1.ended()).await;
     assert!(theirs.is_ok(), "the peer's epoch ends too: {theirs:?}");
 }
+
+/// One end hook panics: the hooks after it still run (each tells someone
+/// the epoch ended, e.g. the liveness channel), and the panic goes on to
+/// the caller once they have. Before, the later hooks never ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_end_hook_does_not_keep_the_later_ones_from_running() {
+    let (da, db) = (device().await, device().await);
+    let (a, _b) = pair(&da, &db, Epoch(1), small()).expect("pair");
+    let heard = Arc::new(Mutex::new(Vec::new()));
+    let first = heard.clone();
+    a.on_end(move |reason| first.lock().expect("lock").push(("first", reason)));
+    a.on_end(|_| panic!("a buggy hook"));
+    let last = heard.clone();
+    a.on_end(move |reason| last.lock().expect("lock").push(("last", reason)));
+    let failed = std::panic::catch_unwind(AssertUnwindSafe(|| a.fail(EpochEnd::PeerLost)));
+    assert!(failed.is_err(), "the hook's panic reaches the caller");
+    assert_eq!(
+        *heard.lock().expect("lock"),
+        [("first", EpochEnd::PeerLost), ("last", EpochEnd::PeerLost)]
+    );
+    assert_eq!(a.end_reason(), Some(EpochEnd::PeerLost));
+}
