@@ -226,6 +226,64 @@ async fn queued_messages_are_reported_exactly_once_on_epoch_death() {
     assert!(reported <= total, "none reported twice");
 }
 
+/// The sender's failure hook panics for one queued message when the epoch
+/// dies: the panic stops at that message, so every other queued message is
+/// still reported, the epoch's end is bookkept (no peer task panic), and
+/// the next epoch carries messages. Before, the panic unwound through the
+/// end of the epoch, leaving the rest unreported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_failure_hook_stops_at_its_message() {
+    tokio::time::timeout(Duration::from_secs(20), failure_hook_panics())
+        .await
+        .expect("the next epoch takes the next message");
+}
+
+async fn failure_hook_panics() {
+    let gate = Arc::new(Gate::default());
+    let (fabric, a, _b) = nodes_with(gate.clone());
+    let failed = Arc::new(Mutex::new(0usize));
+    let (tx, rx) = flume::bounded(4096);
+    a.install_messages(B, rx);
+    let total = 200usize;
+    for n in 0..total {
+        let report = failed.clone();
+        tx.send_async(OutboundMessage {
+            body: Bytes::from(vec![1u8; 4000]),
+            on_fail: Some(Box::new(move |_| {
+                if n == total / 2 {
+                    panic!("a sender's hook bug");
+                }
+                *report.lock().expect("lock") += 1;
+            })),
+        })
+        .await
+        .expect("open");
+    }
+    until(|| gate.entered.load(Ordering::Acquire)).await;
+    fabric.kill(A, B, EpochEnd::Fault(LinkFault::Injected));
+    until(|| tx.is_disconnected()).await;
+    gate.open();
+    let reported = *failed.lock().expect("lock");
+    // At most credits (4) batches of 16 KiB reached B: 4 messages each; one
+    // of the rest panicked instead of reporting.
+    assert!(
+        reported >= total - 4 * 4 - 1,
+        "the other queued messages were reported: {reported}"
+    );
+    assert_eq!(a.stats().peer_task_panics, 0, "caught at the message");
+    until(|| a.epoch(B).is_none()).await;
+    let (tx2, rx2) = flume::bounded(8);
+    a.install_messages(B, rx2);
+    let report = failed.clone();
+    tx2.send_async(OutboundMessage {
+        body: Bytes::from_static(b"next epoch"),
+        on_fail: Some(Box::new(move |_| *report.lock().expect("lock") += 1000)),
+    })
+    .await
+    .expect("open");
+    until(|| a.epoch(B).is_some() && tx2.is_empty()).await;
+}
+
 /// A sink that panics on its first message, then collects.
 #[derive(Default)]
 struct PanicsOnce {

@@ -12,11 +12,14 @@
 //! the peer task, or in velo's admission gate — calls its `on_fail` from
 //! `Drop`, so none is lost silently; written ones are "maybe delivered".
 
+use std::panic::AssertUnwindSafe;
+
 use bytes::Bytes;
 
 use super::surface::PeerId;
 
-/// Called with a message that never reached the wire.
+/// Called with a message that never reached the wire. A panic in it is
+/// caught and logged where the message is dropped.
 pub type OnFail = Box<dyn FnOnce(Bytes) + Send>;
 
 /// One outbound message and what to do if its epoch ends before it is written.
@@ -45,7 +48,16 @@ impl OutboundMessage {
 impl Drop for OutboundMessage {
     fn drop(&mut self) {
         if let Some(on_fail) = self.on_fail.take() {
-            on_fail(self.body.clone());
+            // The hook is the sender's code, and messages are dropped in the
+            // middle of the mux's own bookkeeping (an epoch's end, a
+            // channel's drain): its panic stops here, logged, not there.
+            let body = self.body.clone();
+            if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| on_fail(body))) {
+                tracing::error!(
+                    panic = crate::unwind::panic_message(&*panic),
+                    "an outbound message's failure hook panicked"
+                );
+            }
         }
     }
 }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use crate::mux::slot::{RxSlot, RxVisit};
 
 /// Closed receive slots and the peer's bytes each still holds.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Held {
     /// By receiver: the slot and the bytes it still counts as held.
     slots: HashMap<usize, (Arc<RxSlot>, u64)>,

@@ -460,7 +460,12 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
         // Instrumented, not entered: a guard held across an await leaks the
         // span into whatever else runs on this thread.
         let end;
-        (end, *held) = run_epoch(&shared, &entry, link, opening, std::mem::take(held))
+        // A copy: should the epoch panic outside its own catch (a bug of
+        // ours; senders' hooks are caught where they run), the restart keeps
+        // what was held before this epoch, not nothing (it misses slots
+        // closed during the epoch, and counts bytes read meanwhile until
+        // their slots finish).
+        (end, *held) = run_epoch(&shared, &entry, link, opening, held.clone())
             .instrument(span)
             .await;
         tracing::debug!(?peer, %epoch, %end, "epoch ended");
