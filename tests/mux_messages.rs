@@ -8,8 +8,8 @@ use bytes::Bytes;
 use qpmux::link::mem::{MemConfig, MemFabric, MemLink};
 use qpmux::link::{EpochEnd, LinkFault};
 use qpmux::mux::{
-    DropReason, Epoch, Frame, MessageSink, Mux, MuxConfig, MuxTransport, OutboundMessage, PeerId,
-    SendError, StreamKey,
+    DropReason, Epoch, Frame, MessageSink, Mux, MuxConfig, MuxTransport, OnFail, OutboundMessage,
+    PeerId, SendError, StreamKey,
 };
 
 const A: PeerId = PeerId(1);
@@ -188,21 +188,22 @@ async fn messages_never_written_are_reported_when_the_epoch_dies() {
     assert_eq!(a.stats().epoch_deaths, 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn queued_messages_are_reported_exactly_once_on_epoch_death() {
-    // B's peer task is held inside its first delivery, so it takes no more
-    // batches: A's link credit runs out and the rest of the messages queue.
+/// B's peer task held inside its first delivery, so it takes no more
+/// batches and A's link credit runs out: `total` messages of 4000 bytes
+/// queued at A (message `n` with the failure hook `hook(n)`), then the link
+/// killed. Returns once A's channel has closed and B is let go.
+async fn queue_then_kill(
+    total: usize,
+    hook: impl Fn(usize) -> OnFail,
+) -> (Arc<MemFabric>, Mux<MemLink>, Mux<MemLink>) {
     let gate = Arc::new(Gate::default());
     let (fabric, a, b) = nodes_with(gate.clone());
-    let failed = Arc::new(Mutex::new(0usize));
     let (tx, rx) = flume::bounded(4096);
     a.install_messages(B, rx);
-    let total = 2_000usize;
-    for _ in 0..total {
-        let report = failed.clone();
+    for n in 0..total {
         tx.send_async(OutboundMessage {
             body: Bytes::from(vec![1u8; 4000]),
-            on_fail: Some(Box::new(move |_| *report.lock().expect("lock") += 1)),
+            on_fail: Some(hook(n)),
         })
         .await
         .expect("open");
@@ -211,6 +212,18 @@ async fn queued_messages_are_reported_exactly_once_on_epoch_death() {
     fabric.kill(A, B, EpochEnd::Fault(LinkFault::Injected));
     until(|| tx.is_disconnected()).await;
     gate.open();
+    (fabric, a, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_messages_are_reported_exactly_once_on_epoch_death() {
+    let failed = Arc::new(Mutex::new(0usize));
+    let total = 2_000usize;
+    let (_fabric, _a, b) = queue_then_kill(total, |_| {
+        let report = failed.clone();
+        Box::new(move |_| *report.lock().expect("lock") += 1)
+    })
+    .await;
     let reported = *failed.lock().expect("lock");
     // At most credits (4) batches of 16 KiB reached B: 4 messages each.
     assert!(
@@ -239,30 +252,18 @@ async fn a_panicking_failure_hook_stops_at_its_message() {
 }
 
 async fn failure_hook_panics() {
-    let gate = Arc::new(Gate::default());
-    let (fabric, a, _b) = nodes_with(gate.clone());
     let failed = Arc::new(Mutex::new(0usize));
-    let (tx, rx) = flume::bounded(4096);
-    a.install_messages(B, rx);
     let total = 200usize;
-    for n in 0..total {
+    let (_fabric, a, _b) = queue_then_kill(total, |n| {
         let report = failed.clone();
-        tx.send_async(OutboundMessage {
-            body: Bytes::from(vec![1u8; 4000]),
-            on_fail: Some(Box::new(move |_| {
-                if n == total / 2 {
-                    panic!("a sender's hook bug");
-                }
-                *report.lock().expect("lock") += 1;
-            })),
+        Box::new(move |_| {
+            if n == total / 2 {
+                panic!("a sender's hook bug");
+            }
+            *report.lock().expect("lock") += 1;
         })
-        .await
-        .expect("open");
-    }
-    until(|| gate.entered.load(Ordering::Acquire)).await;
-    fabric.kill(A, B, EpochEnd::Fault(LinkFault::Injected));
-    until(|| tx.is_disconnected()).await;
-    gate.open();
+    })
+    .await;
     let reported = *failed.lock().expect("lock");
     // At most credits (4) batches of 16 KiB reached B: 4 messages each; one
     // of the rest panicked instead of reporting.

@@ -514,6 +514,13 @@ async fn a_peer_only_sent_to_is_known_connected_when_it_dies() {
     );
 }
 
+/// Starts `end`'s transport (again, or for the first time) with fresh channels.
+async fn start_again<N: Node>(end: &End<N>) -> anyhow::Result<()> {
+    let (adapter, _streams) = make_channels();
+    let rt = tokio::runtime::Handle::current();
+    end.transport.start(end.id, adapter, rt).await
+}
+
 /// A start that fails leaves nothing half set: a second transport on a
 /// node whose message sink is taken fails by name and stays unstarted (its
 /// sends are refused as such, not put on the wire), and a transport
@@ -529,15 +536,9 @@ async fn a_failed_start_leaves_the_transport_unstarted() {
         streams: make_channels().1,
         id: InstanceId::new_v4(),
     };
-    let started = second
-        .transport
-        .start(
-            second.id,
-            make_channels().0,
-            tokio::runtime::Handle::current(),
-        )
-        .await;
-    let refusal = started.expect_err("the node's sink is the first transport's");
+    let refusal = start_again(&second)
+        .await
+        .expect_err("the node's sink is the first transport's");
     assert!(refusal.to_string().contains("sink is taken"), "{refusal}");
     second.transport.register(info(&b)).expect("registers");
     let errors = Arc::new(Errors::default());
@@ -552,15 +553,7 @@ async fn a_failed_start_leaves_the_transport_unstarted() {
     assert!(said.contains("not started"), "{said}");
     assert!(b.streams.event_stream.is_empty());
 
-    let again = first
-        .transport
-        .start(
-            first.id,
-            make_channels().0,
-            tokio::runtime::Handle::current(),
-        )
-        .await;
-    let refusal = again.expect_err("started once");
+    let refusal = start_again(&first).await.expect_err("started once");
     assert!(refusal.to_string().contains("already started"), "{refusal}");
 }
 
