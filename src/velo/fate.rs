@@ -46,44 +46,43 @@ impl Fate {
 
     /// The frame was dropped before it was written.
     pub(super) fn dropped(&self) {
-        let due = self.transition(|state| match state {
+        self.step(|state| match state {
             State::Offered(report) => (State::DroppedOffered(report), None),
             State::Admitted(report) => (State::Settled, Some(report)),
             other => (other, None),
         });
-        if let Some(report) = due {
-            report();
-        }
     }
 
     /// The frame reached the channel (the fast path, or the admission
     /// resolved `Ok`).
     pub(super) fn admitted(&self) {
-        let due = self.transition(|state| match state {
+        self.step(|state| match state {
             State::Offered(report) => (State::Admitted(report), None),
             State::DroppedOffered(report) => (State::Settled, Some(report)),
             other => (other, None),
         });
-        if let Some(report) = due {
-            report();
-        }
     }
 
     /// The admission failed: velo's backend reports the frame.
     pub(super) fn refused(&self) {
-        drop(self.transition(|_| (State::Settled, None)));
+        self.step(|_| (State::Settled, None));
     }
 
-    /// Runs `step` on the state under the lock; the report it returns is
-    /// made by the caller after unlocking (it calls into velo).
-    fn transition(&self, step: impl FnOnce(State) -> (State, Option<Report>)) -> Option<Report> {
-        let mut state = self
-            .state
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
-        let (next, due) = step(std::mem::replace(&mut *state, State::Settled));
-        *state = next;
-        due
+    /// Runs `transition` on the state under the lock, then makes the report
+    /// it returns, if any, after unlocking (the report calls into velo).
+    fn step(&self, transition: impl FnOnce(State) -> (State, Option<Report>)) {
+        let due = {
+            let mut state = self
+                .state
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner());
+            let (next, due) = transition(std::mem::replace(&mut *state, State::Settled));
+            *state = next;
+            due
+        };
+        if let Some(report) = due {
+            report();
+        }
     }
 }
 
