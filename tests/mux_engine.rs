@@ -784,6 +784,36 @@ async fn an_idle_peer_retires_and_a_later_open_is_not_lost() {
     assert!(stats.epoch_deaths >= 3);
 }
 
+/// Idle retirement counts our own streams too: a node that only opens short
+/// streams toward its peer (the peer opens none back) keeps one epoch for
+/// as long as it does, well past `idle_retire`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_sent_short_streams_back_to_back_does_not_retire() {
+    let config = MuxConfig {
+        idle_retire: Duration::from_millis(100),
+        ..MuxConfig::default()
+    };
+    let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+    let started = std::time::Instant::now();
+    let mut round = 0u64;
+    while started.elapsed() < Duration::from_millis(600) {
+        let key = StreamKey::new(17, round);
+        let mut rx = muxes[1].bind(key).expect("bind");
+        let mut tx = muxes[0].open(B, key).expect("open");
+        tx.send(Bytes::from_static(b"hi")).await.expect("send");
+        tx.finish(Terminal::Finalized).expect("finish");
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(Bytes::from_static(b"hi")))
+        );
+        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        round += 1;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(muxes[0].epoch(B), Some(Epoch(1)), "after {round} streams");
+    assert_eq!(muxes[0].stats().epoch_deaths, 0);
+}
+
 /// A peer task whose peer's closed streams still hold data does not retire
 /// when idle (the count would go with it, and the next epoch would start on
 /// a whole window); once a consumer reads them, it retires as usual.

@@ -110,6 +110,37 @@ async fn messages_arrive_in_order_whole_including_ones_larger_than_a_batch() {
     }
 }
 
+/// Idle retirement counts messages: two peers that only exchange messages
+/// (velo's RPC shape, no streams) keep one epoch well past `idle_retire`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_alone_keep_a_peer_from_retiring() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let config = MuxConfig {
+        idle_retire: Duration::from_millis(100),
+        ..MuxConfig::default()
+    };
+    let a = Mux::new(config.clone(), fabric.dialer(A));
+    let b = Mux::new(config, fabric.dialer(B));
+    fabric.add(A, a.clone());
+    fabric.add(B, b.clone());
+    let sink = Arc::new(Collect::default());
+    assert!(b.set_message_sink(sink.clone()));
+    let (tx, rx) = flume::bounded(8);
+    a.install_messages(B, rx);
+    let started = std::time::Instant::now();
+    let mut sent = 0;
+    while started.elapsed() < Duration::from_millis(600) {
+        tx.send_async(OutboundMessage::new(Bytes::from_static(b"ping")))
+            .await
+            .expect("channel open");
+        sent += 1;
+        until(|| sink.len() == sent).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(a.epoch(B), Some(Epoch(1)), "after {sent} messages");
+    assert_eq!(a.stats().epoch_deaths, 0);
+}
+
 /// The epoch comes up before the receiving side has a sink (velo's
 /// transport installs it at `start`, and a redial may beat that): messages
 /// before the sink are counted as unhandled, and once it is set the same

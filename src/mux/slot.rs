@@ -59,6 +59,13 @@ pub enum RecvError {
     Ended,
 }
 
+/// What a record of `len` bytes takes from credit and budgets, on both
+/// ends: its length, and at least one, so empty records are bounded too
+/// (docs/design.md § "An empty record costs a byte").
+pub(crate) fn record_cost(len: usize) -> usize {
+    len.max(1)
+}
+
 /// Per-peer control shared by every slot to that peer and its task.
 #[derive(Debug)]
 pub(crate) struct PeerControl {
@@ -323,7 +330,7 @@ impl Inlet {
     /// budgets have room; false, with `data` untouched, if not, and then a
     /// producer about to `wait` has the next pop notify it.
     fn try_push(self: &Arc<Self>, data: &mut Option<Bytes>, wait: bool) -> Result<bool, SendError> {
-        let len = data.as_ref().map_or(0, Bytes::len);
+        let len = record_cost(data.as_ref().map_or(0, Bytes::len));
         let mut state = lock(&self.state);
         if let Some(err) = state.closed {
             return Err(err);
@@ -406,11 +413,11 @@ impl Inlet {
                 None => Pop::Empty,
             };
         };
-        if !may_start(next.len()) {
+        if !may_start(record_cost(next.len())) {
             return Pop::Blocked;
         }
         let data = state.queue.pop_front().expect("queue is not empty");
-        state.queued -= data.len();
+        state.queued -= record_cost(data.len());
         let producer_waiting = std::mem::take(&mut state.producer_waiting);
         drop(state);
         if producer_waiting {
@@ -427,7 +434,7 @@ impl Inlet {
         if state.closed.is_some() {
             return;
         }
-        let bytes: usize = records.iter().map(Bytes::len).sum();
+        let bytes: usize = records.iter().map(|r| record_cost(r.len())).sum();
         for record in records.into_iter().rev() {
             state.queue.push_front(record);
         }

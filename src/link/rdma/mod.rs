@@ -137,7 +137,12 @@ impl RdmaConfig {
                 self.recv_depth,
                 self.recv_depth >= Credit::MIN_DEPTH as usize,
             ),
-            ("max_batch", self.max_batch, self.max_batch >= 1),
+            // The hello's floor; a smaller buffer holds no batch header and record.
+            (
+                "max_batch",
+                self.max_batch,
+                self.max_batch >= crate::link::bootstrap::TcpEndpoint::MIN_BATCH as usize,
+            ),
             ("send_buffers", self.send_buffers, self.send_buffers >= 1),
             ("signal_every", self.signal_every, self.signal_every >= 1),
         ];

@@ -24,17 +24,17 @@ use super::held::Held;
 use crate::mux::config::{FlushPolicy, MuxConfig, PeerTerms};
 use crate::mux::message::{MessageSink, OutboundMessage};
 use crate::mux::protocol::{
-    BatchEncoder, BatchView, CloseReason, EncodeError, Epoch, FrameSeq, Lane, Record, RecordBody,
-    SlotId,
+    BatchEncoder, BatchView, CloseReason, Epoch, FrameSeq, Lane, Record, RecordBody, SlotId,
 };
 use crate::mux::slot::{
     Inlet, InletStatus, OpenOutcome, PeerControl, Pop, Pushed, ReceiverWakes, Registry, RxSlot,
-    RxVisit, SendError,
+    RxVisit, SendError, record_cost,
 };
 use crate::mux::stats::Counters;
 use crate::mux::surface::{DropReason, Frame, StreamKey};
 
-/// Smallest first fragment worth starting at the end of a batch.
+/// Smallest first fragment worth starting at the end of a batch (a batch
+/// with no record yet starts any: a smaller one would never go).
 const MIN_FRAGMENT: usize = 256;
 /// Outbound messages the core pulls ahead of writing them.
 const MESSAGES_HELD: usize = 64;
@@ -499,7 +499,8 @@ impl PeerCore {
         !self.messages_out.is_empty() || self.message_partial.is_some()
     }
 
-    /// When this peer has had no live slot since, for idle retirement.
+    /// Since when this peer has had no live slot and no message or slot
+    /// data either way, for idle retirement.
     pub fn idle_since(&self) -> Option<Instant> {
         (self.live_slots() == 0 && self.is_quiet()).then_some(self.idle_since)
     }
@@ -535,6 +536,7 @@ impl PeerCore {
         if control_done {
             self.control_since = None;
         }
+        let control_records = enc.record_count();
         if include_data && control_done && self.write_messages(&mut enc) {
             self.write_data(&mut enc, now);
             if self.ready.is_empty() && !self.has_messages() {
@@ -545,6 +547,10 @@ impl PeerCore {
         }
         if enc.is_empty() {
             return 0;
+        }
+        if enc.record_count() > control_records {
+            // Messages or slot data went out: not idle (§ "Idle retirement").
+            self.idle_since = now;
         }
         self.batch_seq_out = self.batch_seq_out.wrapping_add(1);
         Counters::add(&self.counters.batches_sent, 1);
@@ -652,7 +658,9 @@ impl PeerCore {
             };
             let room = enc.body_room();
             let started = rest.len() != message.body.len();
-            if room == 0 || (!started && room < MIN_FRAGMENT.min(rest.len())) {
+            let too_small_to_start =
+                !started && !enc.is_empty() && room < MIN_FRAGMENT.min(rest.len());
+            if room == 0 || too_small_to_start {
                 self.message_partial = Some((rest, message));
                 return false;
             }
@@ -872,7 +880,7 @@ impl PeerCore {
             if let Some(rest) = slot.partial.take() {
                 let room = enc.body_room();
                 let too_small_to_start =
-                    !slot.partial_started && room < MIN_FRAGMENT.min(rest.len());
+                    !slot.partial_started && !enc.is_empty() && room < MIN_FRAGMENT.min(rest.len());
                 if room == 0 || too_small_to_start {
                     slot.partial = Some(rest);
                     return Fill::Full;
@@ -882,7 +890,8 @@ impl PeerCore {
                 enc.push_data(slot.id, slot.seq, &rest[..n], more)
                     .expect("body_room said it fits");
                 slot.seq = slot.seq.next();
-                slot.credit -= n as i64;
+                // n is 0 only for an empty record, which costs one.
+                slot.credit -= record_cost(n) as i64;
                 slot.sent_since_tick = true;
                 slot.heartbeat_owed = false;
                 *encoded_bytes += n as u64;
@@ -931,8 +940,8 @@ impl PeerCore {
                     return Fill::Blocked;
                 }
                 Pop::Record(data) => {
-                    *peer_credit -= data.len() as i64;
-                    *popped_bytes += data.len();
+                    *peer_credit -= record_cost(data.len()) as i64;
+                    *popped_bytes += record_cost(data.len());
                     if let Some(unposted) = slot.unposted.as_mut() {
                         unposted.records.push(data.clone());
                     }
@@ -950,9 +959,8 @@ impl PeerCore {
                 }
                 Pop::Empty => {
                     if slot.heartbeat_owed {
-                        if let Err(EncodeError::NoRoom { .. }) =
-                            enc.push_heartbeat(slot.id, slot.seq)
-                        {
+                        // No room, or no record left in this batch: the next.
+                        if enc.push_heartbeat(slot.id, slot.seq).is_err() {
                             return Fill::Full;
                         }
                         slot.seq = slot.seq.next();
@@ -1094,7 +1102,10 @@ impl PeerCore {
                 self.goodbye_received = true;
                 Ok(())
             }
-            RecordBody::Message(body) => self.on_message(record.seq, body, record.more),
+            RecordBody::Message(body) => {
+                self.idle_since = now;
+                self.on_message(record.seq, body, record.more)
+            }
             RecordBody::Ping(nonce) => {
                 self.pong_owed = Some(nonce);
                 self.control_since.get_or_insert(now);
@@ -1215,8 +1226,9 @@ impl PeerCore {
         now: Instant,
     ) -> Result<(), ProtocolError> {
         // Every data byte counts against the peer window, held or not: the
-        // sender took it from its peer credit either way.
-        let len = body.len() as u64;
+        // sender took it from its peer credit either way. An empty fragment
+        // is a whole empty record, which costs one.
+        let len = record_cost(body.len()) as u64;
         let peer_window = self.config.peer_window;
         if len > self.peer_unspent {
             return Err(ProtocolError::PeerCreditOverrun {
@@ -1240,6 +1252,9 @@ impl PeerCore {
         let max = self.config.max_record;
         let slot = self.ingress.get_mut(&index).expect("looked up");
         Self::check_seq(slot, seq)?;
+        if body.is_empty() && (more || slot.reassembly.is_some()) {
+            return Err(ProtocolError::BrokenFragment { slot: id });
+        }
         let record = match slot.reassembly.take() {
             None => {
                 if slot.outstanding >= u64::from(window) {
@@ -1256,7 +1271,7 @@ impl PeerCore {
                         max,
                     });
                 }
-                slot.outstanding += body.len() as u64;
+                slot.outstanding += len;
                 if more {
                     slot.reassembly = Some(BytesMut::from(body));
                     return Ok(());
@@ -1264,7 +1279,7 @@ impl PeerCore {
                 Bytes::copy_from_slice(body)
             }
             Some(mut partial) => {
-                slot.outstanding += body.len() as u64;
+                slot.outstanding += len;
                 if partial.len() + body.len() > max {
                     return Err(ProtocolError::RecordTooLarge {
                         slot: id,
@@ -1280,8 +1295,8 @@ impl PeerCore {
                 partial.freeze()
             }
         };
-        let len = record.len() as u64;
-        match slot.rx.push_unwoken(Frame::Data(record), len) {
+        let cost = record_cost(record.len()) as u64;
+        match slot.rx.push_unwoken(Frame::Data(record), cost) {
             Pushed::ReceiverWaiting(waiter) => {
                 self.wake_after_batch.push(waiter);
                 self.handed_over = true;
@@ -1308,7 +1323,21 @@ impl PeerCore {
                 let index = id.index();
                 if let Some(slot) = self.egress_slot(id) {
                     slot.inlet.close(SendError::PeerClosed(reason));
+                    // A record cut short took all of itself from peer credit
+                    // as it started; the peer counts only what arrives.
+                    let unsent = slot.partial.take().map_or(0, |rest| {
+                        let started = std::mem::take(&mut slot.partial_started);
+                        if started {
+                            rest.len()
+                        } else {
+                            record_cost(rest.len())
+                        }
+                    });
                     self.free_slot(index);
+                    if unsent > 0 {
+                        self.peer_credit += unsent as i64;
+                        self.wake_peer_blocked(now);
+                    }
                 }
                 return Ok(());
             }
@@ -1367,13 +1396,18 @@ impl PeerCore {
                 window,
             });
         }
+        self.wake_peer_blocked(now);
+        Ok(())
+    }
+
+    /// Peer credit came back: the slots that waited for it are ready.
+    fn wake_peer_blocked(&mut self, now: Instant) {
         for index in std::mem::take(&mut self.peer_blocked) {
             if let Some(slot) = self.table[index as usize].slot.as_mut() {
                 slot.awaiting_peer_credit = false;
             }
             self.make_ready(index, now);
         }
-        Ok(())
     }
 
     /// Data the peer sent that we let go of (consumed, discarded, or never
@@ -1441,7 +1475,7 @@ mod tests {
     /// Hands the core the peer's next batch, written by `records`.
     fn feed(
         core: &mut PeerCore,
-        records: impl FnOnce(&mut BatchEncoder<'_>) -> Result<(), EncodeError>,
+        records: impl FnOnce(&mut BatchEncoder<'_>) -> Result<(), crate::mux::protocol::EncodeError>,
     ) -> Result<(), ProtocolError> {
         let mut buf = vec![0u8; 1 << 16];
         let mut enc = BatchEncoder::new(&mut buf, core.epoch, core.batch_seq_in, Lane(0))
@@ -1759,6 +1793,139 @@ mod tests {
         feed(&mut core, |enc| enc.push_peer_credit(window)).expect("within the window");
         assert!(core.wants_write(Instant::now()), "the flush still stands");
         assert_eq!(next_batch(&mut core), ["data b\"one\" seq 1"]);
+    }
+
+    /// A record cut short by the receiver (its consumer left mid-record)
+    /// took all of itself from peer credit as it started; the unsent rest
+    /// comes back, so cancelled transfers do not shrink the window for good.
+    #[tokio::test]
+    async fn a_record_the_receiver_cut_short_returns_its_unsent_peer_credit() {
+        let mut core = next_core(Epoch(1), &peer_control());
+        let window = core.config.peer_window;
+        core.set_peer_terms(
+            PeerTerms::announced_by(&core.config),
+            window,
+            Instant::now(),
+        );
+        let full = i64::from(window);
+        assert_eq!(core.peer_credit, full);
+        let mut tx = open(&core, 1);
+        tx.send(Bytes::from(vec![1u8; 10_000]))
+            .await
+            .expect("queued");
+        core.handle_control(Instant::now());
+        let batch = next_batch(&mut core);
+        assert_eq!(batch.len(), 2, "the Open and a first fragment: {batch:?}");
+        core.batch_posted();
+        let sent = core.counters.snapshot().data_bytes_sent as i64;
+        assert!(0 < sent && sent < 10_000);
+        assert_eq!(core.peer_credit, full - 10_000, "taken whole as it started");
+        let slot = SlotId::new(0, 0).expect("the first slot");
+        feed(&mut core, |enc| {
+            enc.push_close(slot, FrameSeq(0), CloseReason::ReceiverGone)
+        })
+        .expect("a close for our slot");
+        assert_eq!(
+            core.peer_credit,
+            full - sent,
+            "only what reached the peer stays out"
+        );
+    }
+
+    /// Empty records cost a byte each on the receiving side too: a peer
+    /// cannot queue them past the slot window (or the peer window).
+    #[tokio::test]
+    async fn empty_records_are_bounded_by_the_slot_window() {
+        let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
+        let mut core = held_core(Epoch(1), &control, &registry, Held::default());
+        let slot = SlotId::new(0, 0).expect("a valid index");
+        let mut seq = 0u32;
+        let outcome = (0..10).try_for_each(|_| {
+            feed(&mut core, |enc| {
+                if seq == 0 {
+                    enc.push_open(slot, FrameSeq(0), 7, 1)?;
+                    seq = 1;
+                }
+                for _ in 0..1000 {
+                    enc.push_data(slot, FrameSeq(seq), &[], false)?;
+                    seq += 1;
+                }
+                Ok(())
+            })
+        });
+        assert!(
+            matches!(
+                outcome,
+                Err(ProtocolError::CreditOverrun { .. } | ProtocolError::PeerCreditOverrun { .. })
+            ),
+            "{outcome:?}"
+        );
+        assert!(core.peer_outstanding() <= 8192);
+    }
+
+    /// An empty fragment is only ever a whole empty record.
+    #[tokio::test]
+    async fn an_empty_fragment_inside_a_record_is_a_protocol_error() {
+        let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
+        let mut core = held_core(Epoch(1), &control, &registry, Held::default());
+        let slot = SlotId::new(0, 0).expect("a valid index");
+        let outcome = feed(&mut core, |enc| {
+            enc.push_open(slot, FrameSeq(0), 7, 1)?;
+            enc.push_data(slot, FrameSeq(1), &[], true)
+        });
+        assert_eq!(outcome, Err(ProtocolError::BrokenFragment { slot }));
+    }
+
+    /// An empty record a producer sends takes a byte of slot budget, so a
+    /// producer of empty records meets backpressure too.
+    #[tokio::test]
+    async fn empty_records_fill_the_slot_budget() {
+        let core = core();
+        let inlet = Inlet::new(StreamKey::new(7, 1), core.control.clone(), 16, 1 << 20);
+        assert!(core.control.admit_egress(16));
+        assert!(inlet.announce());
+        let mut tx = SlotSender::new(inlet);
+        for _ in 0..16 {
+            tx.send(Bytes::new()).await.expect("within the budget");
+        }
+        let seventeenth =
+            tokio::time::timeout(std::time::Duration::from_millis(50), tx.send(Bytes::new())).await;
+        assert!(seventeenth.is_err(), "the budget is full");
+    }
+
+    /// A batch buffer smaller than `MIN_FRAGMENT` still carries records:
+    /// the rule only keeps a batch that already holds one from starting a
+    /// record with little room.
+    #[tokio::test]
+    async fn a_small_batch_buffer_still_starts_records() {
+        let mut core = core();
+        let window = core.config.peer_window;
+        core.set_peer_terms(
+            PeerTerms::announced_by(&core.config),
+            window,
+            Instant::now(),
+        );
+        let mut tx = open(&core, 1);
+        tx.send(Bytes::from(vec![3u8; 300])).await.expect("queued");
+        core.handle_control(Instant::now());
+        let mut buf = vec![0u8; 128];
+        let mut batches = 0;
+        let mut data = 0;
+        while core.wants_write(Instant::now()) && batches < 100 {
+            let len = core.poll_batch(&mut buf, Instant::now());
+            assert!(len > 0, "a batch that wants writing writes");
+            core.batch_posted();
+            let view = BatchView::new_checked(&buf[..len]).expect("valid");
+            data += view
+                .records()
+                .map(|r| match r.body {
+                    RecordBody::Data(d) => d.len(),
+                    _ => 0,
+                })
+                .sum::<usize>();
+            batches += 1;
+        }
+        assert_eq!(data, 300, "the record went out in {batches} batches");
     }
 
     #[tokio::test]

@@ -800,8 +800,10 @@ async fn serve_epoch<L: Link>(
         if let Some(until) = drain_until {
             deadline = deadline.min(until);
         }
+        // Messages waiting in the channel are work the core has not seen.
+        let messages_waiting = messages.as_ref().is_some_and(|rx| !rx.is_empty());
         match core.idle_since() {
-            Some(since) if ending.is_none() => {
+            Some(since) if ending.is_none() && !messages_waiting => {
                 let retire_at = since + config.idle_retire;
                 if now >= retire_at && entry.control.state().dirty_inlets.is_empty() {
                     let until = *idle_goodbye_until.get_or_insert(now + config.shutdown_linger);
