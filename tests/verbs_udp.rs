@@ -448,6 +448,31 @@ async fn a_qp_dropped_as_its_last_receive_completes_still_acknowledges_it() {
     assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::Success);
 }
 
+/// The same when the responder moves its QP to ERR instead (the RDMA link
+/// does on reading the peer's Goodbye): the ACK already owed still goes.
+#[tokio::test]
+async fn a_qp_moved_to_error_as_its_last_receive_completes_still_acknowledges_it() {
+    use qpmux::verbs::{CompletionQueue as _, QueuePair as _};
+    let mut h = UdpHarness::new();
+    let params = verbs_suite::Params {
+        retry_cnt: 1,
+        timeout: 10,
+        ..verbs_suite::Params::default()
+    };
+    let (mut a, b) = verbs_suite::connect(&mut h, params).await;
+    b.post_recv(1, 0, 64);
+    b.recv_cq.req_notify().expect("arm");
+    let notified = b.recv_cq.notified();
+    a.post_send(1, 0, 8, None, true).expect("send");
+    notified.await;
+    let mut wc = [verbs_suite::blank_wc()];
+    assert_eq!(b.recv_cq.poll(&mut wc).expect("poll"), 1);
+    assert_eq!(wc[0].status, qpmux::verbs::WcStatus::Success);
+    b.qp.modify_to_error().expect("to ERR");
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
+    assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::Success);
+}
+
 /// The same with the responder holding its ACKs to coalesce them
 /// (`SoftConfig::ack_delay`, 120 s: capped at a quarter of a 550 s local
 /// ACK timeout, longer than the harness's 60 s failsafe): dropping the QP

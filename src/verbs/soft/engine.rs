@@ -975,7 +975,10 @@ impl QpEngine {
         }
         self.state = QpState::Err;
         self.timers = TimerTable::default();
-        self.responses.clear();
+        // ACKs for what was received stay owed (their receives completed;
+        // the sender must not retry into a dead QP), now unheld.
+        self.responses
+            .retain(|r| matches!(r.aeth.kind, AethKind::Ack { .. }));
         let mut first = status;
         while let Some(wqe) = self.sq.pop_front() {
             match first.take() {
