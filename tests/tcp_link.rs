@@ -362,6 +362,98 @@ async fn batches_sent_before_a_close_arrive_first_then_the_end() {
     .await;
 }
 
+/// A graceful close whose tail is still in our send queue (the peer's
+/// window is full) survives the peer sending after our FIN (a credit grant
+/// for the drain it reads): Linux resets a connection that gets data after
+/// `shutdown(SHUT_RDWR)`, or is closed with data unread, and purges the
+/// unsent tail. So the close half-shuts the write side and reads on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_sends_after_our_close_still_gets_all_we_flushed() {
+    bounded(async {
+        let config = TcpLinkConfig {
+            recv_batches: 1,
+            send_buffers: 64,
+            ..TcpLinkConfig::default()
+        };
+        let (a, b) = link_pair_with_buffers(&config, Some(16 * 1024)).await;
+        // More than b's socket takes, not more than a's send buffer holds
+        // besides: a's writer has it all in its kernel when the close comes.
+        const N: u32 = 40;
+        for i in 0..N {
+            let mut body = [0u8; 1000];
+            body[..4].copy_from_slice(&i.to_be_bytes());
+            post(&a, &body).await;
+        }
+        // b holds its first batch: its reader stalls, its window fills, and
+        // the rest waits in a's queues.
+        let first = b.recv().await.expect("the first batch");
+        a.fail(EpochEnd::Closed);
+        // a's writer puts what fits into its kernel, then closes its side.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        post(&b, b"credit for what I read").await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(first);
+        let mut got = 1u32;
+        let end = loop {
+            match b.recv().await {
+                Ok(batch) => {
+                    assert_eq!(&batch[..4], &got.to_be_bytes()[..], "in order");
+                    got += 1;
+                }
+                Err(end) => break end,
+            }
+        };
+        assert_eq!(got, N, "every batch posted before the close: {end:?}");
+        assert_eq!(b.ended().await, EpochEnd::PeerClosed);
+    })
+    .await;
+}
+
+/// A post whose write fails before a byte leaves (the peer reset, and our
+/// reader, stalled behind a held batch, has not seen it) is refused, so the
+/// mux keeps the batch's messages to report, and the epoch ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_post_into_a_reset_connection_is_refused() {
+    bounded(async {
+        let config = TcpLinkConfig {
+            recv_batches: 1,
+            ..TcpLinkConfig::default()
+        };
+        let listener = tokio::net::TcpListener::bind(any_port())
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (dialed, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let a = TcpLink::new(
+            dialed.expect("connect"),
+            Vec::new(),
+            Epoch(1),
+            &config,
+            config.max_batch,
+        )
+        .expect("link");
+        let peer = accepted.expect("accept").0.into_std().expect("std");
+        peer.set_nonblocking(false).expect("blocking");
+        std::io::Write::write_all(&mut &peer, &[0, 0, 0, 2, 7, 7]).expect("a frame");
+        let held = a.recv().await.expect("the frame");
+        socket2::SockRef::from(&peer)
+            .set_linger(Some(Duration::ZERO))
+            .expect("SO_LINGER 0");
+        drop(peer);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let buf = a.reserve().await.expect("a free buffer");
+        let posted = a.post(buf, 8);
+        assert!(
+            matches!(posted, Err(qpmux::link::LinkError::Ended { .. })),
+            "{posted:?}"
+        );
+        assert_eq!(a.ended().await, EpochEnd::PeerLost);
+        drop(held);
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_link_ends_both_ends_with_their_reasons() {
     bounded(async {

@@ -5,6 +5,7 @@
 //!                                          └► else (or the rest of a partial write) ─► queue ─► writer task ─ writev(…) ─► socket
 //!  recv() ◄─ inbox ◄─ reader task ◄─ read len|batch ◄─ socket   (stops while `recv_batches` are held)
 //!  fail() / socket error / EOF ─► ended (first reason wins) ─► shutdown(Both)
+//!  graceful end ─► writer flushes, shutdown(Write); reader reads out to EOF
 //! ```
 //!
 //! TCP does its own flow control, so a link credit is a free send buffer and
@@ -157,10 +158,19 @@ impl Inner {
     }
 
     fn shutdown_socket(&self) {
-        if let Err(err) = self.socket.shutdown(Shutdown::Both) {
+        self.shutdown(Shutdown::Both);
+    }
+
+    fn shutdown(&self, how: Shutdown) {
+        if let Err(err) = self.socket.shutdown(how) {
             // Already shut or reset by the peer: nothing left to close.
             tracing::trace!(%err, "tcp link shutdown");
         }
+    }
+
+    /// Whether the epoch ended with a graceful close.
+    fn closing_gracefully(&self) -> bool {
+        self.lock().ended.is_some_and(graceful)
     }
 }
 
@@ -320,22 +330,23 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
         // permit if we are not waiting yet, so no waiter is registered
         // before the check (a stale permit costs one more look).
         loop {
-            {
+            let (ended, stalled) = {
                 let mut state = inner.lock();
-                if state.ended.is_some() {
-                    return;
-                }
-                if state.inbox.len() + state.held < inner.recv_batches {
-                    state.reader_stalled = false;
-                    break;
-                }
-                state.reader_stalled = true;
+                let stalled = state.inbox.len() + state.held >= inner.recv_batches;
+                state.reader_stalled = stalled;
+                (state.ended.is_some(), stalled)
+            };
+            if ended {
+                return read_out_close(&inner, &mut rd).await;
+            }
+            if !stalled {
+                break;
             }
             inner.reader.notified().await;
         }
         let read = tokio::select! {
             read = read_batch(&mut rd, inner.recv_max) => read,
-            () = wait_ended(&inner) => return,
+            () = wait_ended(&inner) => return read_out_close(&inner, &mut rd).await,
         };
         match read {
             Ok(Some(batch)) => {
@@ -347,13 +358,18 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
                         .swap(false, std::sync::atomic::Ordering::Relaxed),
                     "injected reader panic"
                 );
-                let mut state = inner.lock();
-                if state.ended.is_some() {
-                    return;
+                let delivered = {
+                    let mut state = inner.lock();
+                    let open = state.ended.is_none();
+                    if open {
+                        state.inbox.push_back(batch);
+                        state.batches_received += 1;
+                    }
+                    open
+                };
+                if !delivered {
+                    return read_out_close(&inner, &mut rd).await;
                 }
-                state.inbox.push_back(batch);
-                state.batches_received += 1;
-                drop(state);
                 inner.wake_recv.notify_waiters();
             }
             Ok(None) => break EpochEnd::PeerClosed,
@@ -364,6 +380,20 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
         }
     };
     inner.end(reason);
+}
+
+/// After a graceful end, reads and discards what the peer still sends until
+/// its EOF (at most `2 × FLUSH_GRACE`: our flush, then its answer). Linux
+/// resets a connection that receives data after `shutdown(SHUT_RD)`, or is
+/// closed with data unread, and purges what our flush left in the send
+/// queue; a peer returning credit for the drain it reads would cut its tail.
+async fn read_out_close<R: tokio::io::AsyncRead + Unpin>(inner: &Inner, rd: &mut R) {
+    if !inner.closing_gracefully() {
+        return;
+    }
+    let mut scratch = vec![0u8; 16 * 1024];
+    let until_eof = async { while let Ok(1..) = rd.read(&mut scratch).await {} };
+    let _ = tokio::time::timeout(FLUSH_GRACE * 2, until_eof).await;
 }
 
 /// One framed batch; `None` on EOF at a frame boundary.
@@ -415,7 +445,13 @@ async fn write_loop(inner: Arc<Inner>) {
             (work, ended)
         };
         if work.is_empty() {
-            if ended.is_some() {
+            if let Some(reason) = ended {
+                if graceful(reason) {
+                    // Flushed: send our FIN and let the reader take the
+                    // peer's last bytes (`read_out_close`).
+                    inner.shutdown(Shutdown::Write);
+                    return;
+                }
                 break;
             }
             notified.await;
@@ -639,8 +675,15 @@ impl Link for TcpLink {
                     return Ok(());
                 }
                 Ok(n) => queued.written = n,
-                // The writer meets it again and ends the epoch.
-                Err(_) => {}
+                // Not a byte left: the batch is not posted (its messages
+                // stay the sender's to report), and the epoch ends.
+                Err(err) => {
+                    state.free.push(queued.buf);
+                    drop(state);
+                    tracing::debug!(epoch = %inner.epoch, %err, "tcp link write failed");
+                    inner.end(end_of_io(&err));
+                    return Err(inner.ended_error(&inner.lock()).expect("ended just now"));
+                }
             }
         }
         state.queue.push_back(queued);
