@@ -233,6 +233,55 @@ async fn a_slow_consumer_does_not_stall_a_fast_one_on_the_same_peer() {
     slow.abort();
 }
 
+/// Slow streams whose producers run ahead fill the peer budget with their
+/// backlogs; a stream that keeps up (nothing queued when it sends) still
+/// queues its records, so the backlog of others never holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backlogs_that_fill_the_peer_budget_do_not_hold_a_stream_that_keeps_up() {
+    let config = MuxConfig {
+        slot_window: 16 * 1024,
+        slot_budget: 64 * 1024,
+        peer_budget: 128 * 1024,
+        ..MuxConfig::default()
+    };
+    let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+    let mut slow = Vec::new();
+    let mut parked = Vec::new();
+    for s in 0..4 {
+        let key = StreamKey::new(2, s);
+        parked.push(muxes[1].bind(key).expect("bind")); // never read
+        let mut tx = muxes[0].open(B, key).expect("open");
+        slow.push(tokio::spawn(async move {
+            let mut n = 0;
+            loop {
+                tx.send(record(3, n, 1024)).await.expect("slow send");
+                n += 1;
+            }
+        }));
+    }
+    // The backlogs outgrow the peer budget (4 × 64 KiB > 128 KiB).
+    until(|| muxes[0].stats().withheld_bytes >= 128 * 1024).await;
+    let fast_key = StreamKey::new(2, 100);
+    let mut fast_rx = muxes[1].bind(fast_key).expect("bind");
+    let mut fast_tx = muxes[0].open(B, fast_key).expect("open");
+    let got = tokio::time::timeout(Duration::from_secs(20), async {
+        let mut got = 0;
+        for n in 0..500u32 {
+            fast_tx.send(record(4, n, 1024)).await.expect("fast send");
+            assert!(matches!(fast_rx.recv().await, Some(Frame::Data(_))));
+            got += 1;
+        }
+        got
+    })
+    .await
+    .expect("the fast stream is not held by the backlogs");
+    assert_eq!(got, 500);
+    for task in &slow {
+        assert!(!task.is_finished(), "the slow streams are parked, not dead");
+        task.abort();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn link_failure_delivers_then_drops_every_live_slot_exactly_once() {
     let (fabric, muxes) = fabric(&[A, B], MuxConfig::default(), MemConfig::default());

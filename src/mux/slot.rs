@@ -328,7 +328,11 @@ impl Inlet {
 
     /// Queues the record in `data` (taking it) if the slot's and the peer's
     /// budgets have room; false, with `data` untouched, if not, and then a
-    /// producer about to `wait` has the next pop notify it.
+    /// producer about to `wait` has the next pop notify it. A slot with
+    /// nothing queued may always queue one record: the peer budget holds
+    /// back slots whose backlog fills it, never one that keeps up
+    /// (docs/design.md § "A stream that keeps up is never held by another's
+    /// backlog").
     fn try_push(self: &Arc<Self>, data: &mut Option<Bytes>, wait: bool) -> Result<bool, SendError> {
         let len = record_cost(data.as_ref().map_or(0, Bytes::len));
         let mut state = lock(&self.state);
@@ -337,7 +341,7 @@ impl Inlet {
         }
         let slot_ok = state.queued == 0 || state.queued + len <= self.slot_budget;
         let peer_queued = self.control.queued.load(Ordering::Acquire);
-        let peer_ok = peer_queued == 0 || peer_queued + len <= self.control.peer_budget;
+        let peer_ok = state.queued == 0 || peer_queued + len <= self.control.peer_budget;
         if !(slot_ok && peer_ok) {
             state.producer_waiting |= wait;
             return Ok(false);
@@ -1087,11 +1091,23 @@ mod tests {
     async fn a_producer_blocked_on_the_peer_budget_wakes_when_another_slot_drains() {
         let control = control(100);
         let (full, other) = (inlet(&control, 1, 1000), inlet(&control, 2, 1000));
-        full.push(record(80)).await.unwrap();
+        full.push(record(70)).await.unwrap();
+        other.push(record(10)).await.unwrap();
         let blocked = other.clone();
         let mut send = tokio::spawn(async move { blocked.push(record(80)).await });
         assert!(still_waiting(&mut send).await, "the peer holds 80 of 100");
         assert_eq!(control.budget_waiters.load(Ordering::Relaxed), 1);
+        // A slot with nothing queued is not held by the others' backlog.
+        let idle = inlet(&control, 3, 1000);
+        idle.push(record(80)).await.unwrap();
+        assert!(
+            still_waiting(&mut send).await,
+            "a backlogged slot still waits"
+        );
+        let Pop::Record(sent) = idle.pop(|_| true) else {
+            panic!("a record is queued");
+        };
+        control.release_budget(sent.len());
         // A release from a different slot than the one waiting.
         let Pop::Record(popped) = full.pop(|_| true) else {
             panic!("a record is queued");
