@@ -1,15 +1,17 @@
 //! A streaming workload any link can run, and the table the demo prints.
 //!
 //! ```text
-//!  producer task ─ per pass: every fast stream sends one record (timestamped) ─► Mux<L> ─► link
-//!  one task per slow stream ─ same pace, blocks when its consumer lags ─────────┘
-//!  consumer per stream ◄─ Mux<L> ◄─ link;  latency = receive time − stamp (fast streams)
+//!  producer task ─ per pass: every timed stream sends one record (stamped) ─► Mux<L> ─► link
+//!  one task per slow stream ─ back to back, held by the path's pushback ─────┘
+//!  consumer per stream ◄─ Mux<L> ◄─ link;  latency = receive time − stamp (timed streams)
 //! ```
 //!
 //! The same workload runs over every link kind, so the report's rows are
-//! comparable when measured in one process, one after the other. Slow
-//! streams (a consumer that sleeps after every record) test head-of-line
-//! blocking: only the fast streams are counted and timed.
+//! comparable when measured in one process, one after the other. Untimed
+//! streams test head-of-line blocking: with slow consumers (each sleeps
+//! after every record) their producers stay blocked on the path's pushback;
+//! idle, they give the baseline the same streams. Only the timed streams
+//! are counted and timed.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,11 +35,15 @@ pub struct Workload {
     pub record_size: usize,
     /// One pass starts every `pace` ([`Pacer`]; `None`: back to back).
     pub pace: Option<Duration>,
-    /// Of each target's streams, how many have a slow consumer (fewer than
-    /// `streams`); their records are neither counted nor timed.
-    pub slow_streams: u64,
-    /// How long a slow consumer sleeps after each record.
-    pub slow_delay: Duration,
+    /// Of each target's streams, how many (the first, fewer than `streams`)
+    /// are untimed: their records are neither counted nor timed.
+    pub untimed_streams: u64,
+    /// `Some(delay)`: after priming, each untimed stream's producer sends
+    /// back to back, held only by the path's pushback, and its consumer
+    /// sleeps `delay` after every record; [`SIDE_FILL`] passes before the
+    /// clock starts, so their windows are full. `None`: the untimed streams
+    /// stay idle after priming (the head-of-line baseline).
+    pub slow_consumer: Option<Duration>,
     /// Call `flush(peer)` for every target after each pass: the forward-pass
     /// shape for a mux under [`crate::mux::FlushPolicy::Manual`].
     pub flush_each_pass: bool,
@@ -52,17 +58,37 @@ impl Workload {
             passes,
             record_size: record_size.max(16),
             pace,
-            slow_streams: 0,
-            slow_delay: Duration::ZERO,
+            untimed_streams: 0,
+            slow_consumer: None,
             flush_each_pass: false,
         }
     }
 
+    /// Whether a run to `targets` targets measures anything: an empty one
+    /// would report zeros that look like measurements.
+    pub fn check(&self, targets: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.timed_streams() > 0 && self.passes > 0 && targets > 0,
+            "a run needs a timed stream, a pass and a target"
+        );
+        Ok(())
+    }
+
+    /// How long a run of this workload may go with nothing arriving before
+    /// it is stuck: [`STALL`], or two paces when that is longer.
+    pub fn patience(&self) -> Duration {
+        STALL.max(self.pace.unwrap_or_default() * 2)
+    }
+
     /// Streams per target whose records are counted and timed.
-    pub fn fast_streams(&self) -> u64 {
-        self.streams.saturating_sub(self.slow_streams)
+    pub fn timed_streams(&self) -> u64 {
+        self.streams.saturating_sub(self.untimed_streams)
     }
 }
+
+/// How long slow consumers' producers run before the clock starts: enough
+/// to fill a window of a few thousand records on every path.
+pub const SIDE_FILL: Duration = Duration::from_millis(100);
 
 /// A path that could not carry the workload's streams (typically a
 /// per-stream transport out of file descriptors): how far it got.
@@ -89,14 +115,23 @@ pub struct Report {
     /// Times the process's threads were put on a CPU meanwhile (each wake-up
     /// of a sleeping thread, each preemption's return): [`process_runs`].
     pub cpu_runs: u64,
-    /// Records per batch on the sending mux.
+    /// Records per batch on the sending mux: the workload's records sent
+    /// meanwhile (timed and slow) over its batches, so a record cut into
+    /// fragments counts once.
     pub records_per_batch: f64,
+    /// Times the sending mux found a slot out of credit from when the slow
+    /// producers started (`None` where the path does not say): above zero
+    /// in a head-of-line cell shows the slow streams were held back.
+    pub credit_stalls: Option<u64>,
     /// Median one-way record latency.
     pub p50: Duration,
     /// 99th percentile one-way record latency.
     pub p99: Duration,
-    /// Peak resident set size during the run, bytes.
+    /// Peak resident set size during the run, bytes (the process's: it
+    /// includes what earlier runs left allocated).
     pub peak_rss: u64,
+    /// Peak RSS less the RSS when the clock started: what this run grew.
+    pub rss_growth: u64,
     /// Open file descriptors at the end of the run.
     pub fds: u64,
     /// Where a record's time went, when [`crate::stages`] were on.
@@ -252,23 +287,34 @@ fn schedstat_sum(field: usize) -> u64 {
 
 /// Peak resident set size of the process in bytes (`VmHWM`).
 pub fn peak_rss() -> u64 {
+    status_kib("VmHWM:") * 1024
+}
+
+/// A `… kB` field of `/proc/self/status`, 0 where there is none.
+fn status_kib(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|status| {
-            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-            Some(kib * 1024)
+            let line = status.lines().find(|l| l.starts_with(field))?;
+            line.split_whitespace().nth(1)?.parse().ok()
         })
         .unwrap_or(0)
 }
 
-/// Resets the peak RSS to the current RSS, so the next cell's peak is its own.
-pub fn reset_peak_rss() {
+/// Resident set size of the process now, bytes (`VmRSS`).
+pub fn current_rss() -> u64 {
+    status_kib("VmRSS:") * 1024
+}
+
+/// Resets the peak RSS to the current RSS, so the next cell's peak is its
+/// own, and returns that RSS (the base of [`Report::rss_growth`]).
+pub fn reset_peak_rss() -> u64 {
     // Linux: writing 5 to clear_refs resets VmHWM. Failure only means the
     // next peak includes earlier ones.
     if let Err(err) = std::fs::write("/proc/self/clear_refs", "5") {
         tracing::debug!(%err, "cannot reset peak RSS");
     }
+    current_rss()
 }
 
 /// Open file descriptors of the process.
@@ -280,73 +326,83 @@ pub fn open_fds() -> u64 {
 const PRIMING_STAMP: u64 = u64::MAX;
 
 /// Runs `workload` from node `a` to node `b` (registering `b` with `a`).
-pub async fn run_nodes<N: Node>(a: &N, b: &N, anchor: u64, workload: Workload) -> Report {
-    let peer = a
-        .register(&b.address())
-        .expect("a node's own address parses");
+pub async fn run_nodes<N: Node>(
+    a: &N,
+    b: &N,
+    anchor: u64,
+    workload: Workload,
+) -> anyhow::Result<Report> {
+    let peer = a.register(&b.address())?;
     run(a.mux(), &[(b.mux(), peer)], anchor, workload).await
 }
 
 /// Runs `workload` from `sender` to every target: each target's mux
 /// receives `workload.streams` streams, which the sender reaches as its
-/// `PeerId`. Every pass sends one record on every stream of every target.
-/// One priming record per fast stream crosses first, outside the clock,
+/// `PeerId`. Every pass sends one record on every timed stream of every
+/// target. One priming record per stream crosses first, outside the clock,
 /// CPU and batch counts, so links are up and slots open when timing starts.
+/// Fails when a send fails or nothing arrives for [`Workload::patience`].
 pub async fn run<L: Link>(
     sender: &Mux<L>,
     targets: &[(&Mux<L>, PeerId)],
     anchor: u64,
     workload: Workload,
-) -> Report {
+) -> anyhow::Result<Report> {
+    workload.check(targets.len())?;
     let origin = Instant::now();
     let received = Arc::new(AtomicU64::new(0));
     let progress = Arc::new(Notify::new());
-    let total = workload.fast_streams() * workload.passes * targets.len() as u64;
-    let fast_total = workload.fast_streams() * targets.len() as u64;
+    let total = workload.timed_streams() * workload.passes * targets.len() as u64;
+    let every_stream = workload.streams * targets.len() as u64;
     let primed = Arc::new(AtomicU64::new(0));
+    let slow_sent = Arc::new(AtomicU64::new(0));
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
     let stage_samples = Arc::new(Mutex::new(Vec::new()));
     let record_size = workload.record_size.max(16);
     let mut consumers = Vec::new();
     let mut senders = Vec::new();
-    let mut slow = Vec::new();
+    let mut untimed_senders = Vec::new();
+    let mut side_tasks = Vec::new();
     for &(receiver, peer) in targets {
         for s in 0..workload.streams {
             let key = StreamKey::new(anchor, s);
-            let mut rx = receiver.bind(key).expect("fresh anchor ids are unbound");
-            let mut tx = sender.open(peer, key).expect("open");
-            if s < workload.slow_streams {
-                let delay = workload.slow_delay;
-                slow.push(tokio::spawn(async move {
-                    while let Some(Frame::Data(_)) = rx.recv().await {
-                        tokio::time::sleep(delay).await;
-                    }
-                }));
-                let pace = workload.pace;
-                slow.push(tokio::spawn(async move {
-                    let record = Bytes::from(vec![0u8; record_size]);
-                    // Ends when aborted, or when the run tears the slot down.
-                    while tx.send(record.clone()).await.is_ok() {
-                        if let Some(pace) = pace {
-                            tokio::time::sleep(pace).await;
+            let mut rx = receiver.bind(key)?;
+            let tx = sender.open(peer, key)?;
+            let (primed, progress) = (primed.clone(), progress.clone());
+            if s < workload.untimed_streams {
+                let delay = workload.slow_consumer;
+                side_tasks.push(tokio::spawn(async move {
+                    while let Some(frame) = rx.recv().await {
+                        match frame {
+                            Frame::Data(record) if stamp_of(&record) == PRIMING_STAMP => {
+                                primed.fetch_add(1, Ordering::Relaxed);
+                                progress.notify_one();
+                            }
+                            Frame::Data(_) | Frame::Heartbeat => {
+                                if let Some(delay) = delay {
+                                    tokio::time::sleep(delay).await;
+                                }
+                            }
+                            _ => break,
                         }
                     }
                 }));
+                untimed_senders.push(tx);
                 continue;
             }
-            let (received, progress, latencies, primed, stage_samples) = (
-                received.clone(),
-                progress.clone(),
-                latencies.clone(),
-                primed.clone(),
-                stage_samples.clone(),
-            );
+            let (received, latencies, stage_samples) =
+                (received.clone(), latencies.clone(), stage_samples.clone());
             consumers.push(tokio::spawn(async move {
                 let mut local = Vec::new();
                 let mut offsets = Vec::new();
                 while let Some(frame) = rx.recv().await {
-                    let Frame::Data(record) = frame else { break };
-                    let stamp = u64::from_be_bytes(record[..8].try_into().expect("stamped"));
+                    let record = match frame {
+                        Frame::Data(record) => record,
+                        // A slot idle for a heartbeat interval (a long pace).
+                        Frame::Heartbeat => continue,
+                        _ => break,
+                    };
+                    let stamp = stamp_of(&record);
                     if stamp == PRIMING_STAMP {
                         primed.fetch_add(1, Ordering::Relaxed);
                         progress.notify_one();
@@ -366,23 +422,37 @@ pub async fn run<L: Link>(
             senders.push(tx);
         }
     }
-    // Every fast stream carries one record end to end before the clock
-    // starts, so no measured record waits on a dial or a slot's first Open.
+    // Every stream carries one record end to end before the clock starts,
+    // so no measured record waits on a dial or a slot's first Open.
     let mut record = vec![0u8; record_size];
     record[..8].copy_from_slice(&PRIMING_STAMP.to_be_bytes());
-    for tx in &mut senders {
-        tx.send(Bytes::copy_from_slice(&record))
-            .await
-            .expect("send");
+    for tx in senders.iter_mut().chain(&mut untimed_senders) {
+        tx.send(Bytes::copy_from_slice(&record)).await?;
     }
     let peers: Vec<PeerId> = targets.iter().map(|&(_, peer)| peer).collect();
     let end_pass = || flush_all(sender, &peers, workload.flush_each_pass);
-    end_pass();
-    while primed.load(Ordering::Relaxed) < fast_total {
-        progress.notified().await;
+    end_pass()?;
+    let patience = workload.patience();
+    if let Err(seen) = until_count(&primed, &progress, every_stream, patience).await {
+        anyhow::bail!("{seen} of {every_stream} streams primed, then none for {patience:?}");
+    }
+    let stalls_before = sender.stats().credit_stalls;
+    if workload.slow_consumer.is_some() {
+        for mut tx in untimed_senders.drain(..) {
+            let slow_sent = slow_sent.clone();
+            let record = Bytes::from(vec![0u8; record_size]);
+            side_tasks.push(tokio::spawn(async move {
+                // Ends when aborted, or when the run tears the slot down.
+                while tx.send(record.clone()).await.is_ok() {
+                    slow_sent.fetch_add(1, Ordering::Relaxed);
+                }
+            }));
+        }
+        tokio::time::sleep(SIDE_FILL).await;
     }
     let before = sender.stats();
-    reset_peak_rss();
+    let slow_before = slow_sent.load(Ordering::Relaxed);
+    let rss_before = reset_peak_rss();
     let cpu_before = process_cpu();
     let runs_before = process_runs();
     let start = Instant::now();
@@ -399,35 +469,37 @@ pub async fn run<L: Link>(
                     let stamp = origin.elapsed().as_nanos() as u64;
                     stages::mark(Stage::Stamped);
                     record[..8].copy_from_slice(&stamp.to_be_bytes());
-                    tx.send(Bytes::copy_from_slice(&record))
-                        .await
-                        .expect("send");
+                    tx.send(Bytes::copy_from_slice(&record)).await?;
                 }
-                flush_all(&sender, &peers, workload.flush_each_pass);
+                flush_all(&sender, &peers, workload.flush_each_pass)?;
             }
-            senders
+            anyhow::Ok(senders)
         })
     };
-    let senders = producer.await.expect("the producer task");
-    while received.load(Ordering::Relaxed) < total {
-        progress.notified().await;
+    // Watched while the producer runs: a producer held for good (a
+    // backlog it cannot pass) is a failed cell, not a hang.
+    if let Err(seen) = until_count(&received, &progress, total, patience).await {
+        producer.abort();
+        anyhow::bail!("{seen} of {total} records arrived, then none for {patience:?}");
     }
+    let senders = producer.await??;
     let elapsed = start.elapsed();
     let cpu = process_cpu().saturating_sub(cpu_before);
     let cpu_runs = process_runs().saturating_sub(runs_before);
     let fds = open_fds();
     let rss = peak_rss();
     let after = sender.stats();
-    for task in slow {
+    let slow_records = slow_sent.load(Ordering::Relaxed) - slow_before;
+    for task in side_tasks {
         task.abort();
     }
     for tx in senders {
-        tx.finish(Terminal::Finalized).expect("finish");
+        tx.finish(Terminal::Finalized)?;
     }
     // Under a manual flush the terminals wait for one too.
-    end_pass();
+    end_pass()?;
     for c in consumers {
-        c.await.expect("consumer");
+        c.await?;
     }
     let lat = std::mem::take(&mut *latencies.lock().await);
     let (p50, p99) = percentiles(lat);
@@ -435,8 +507,7 @@ pub async fn run<L: Link>(
     let stages = (!stage_samples.is_empty()).then(|| stage_medians(&stage_samples));
     let stages_slowest = (!stage_samples.is_empty()).then(|| slowest_stage_medians(&stage_samples));
     let batches = after.batches_sent - before.batches_sent;
-    let records = after.records_sent - before.records_sent;
-    Report {
+    Ok(Report {
         records: total,
         elapsed,
         cpu,
@@ -444,24 +515,59 @@ pub async fn run<L: Link>(
         records_per_batch: if batches == 0 {
             0.0
         } else {
-            records as f64 / batches as f64
+            (total + slow_records) as f64 / batches as f64
         },
+        credit_stalls: Some(after.credit_stalls - stalls_before),
         p50,
         p99,
         peak_rss: rss,
+        rss_growth: rss.saturating_sub(rss_before),
         fds,
         stages,
         stages_slowest,
+    })
+}
+
+/// The shortest a run waits with nothing arriving before it gives up.
+pub const STALL: Duration = Duration::from_secs(5);
+
+/// Waits until `count` reaches `target`, woken by `progress`; `Err(seen)`
+/// once it stops moving for `patience` (a hang turned into a failure, not a
+/// measurement).
+pub async fn until_count(
+    count: &AtomicU64,
+    progress: &Notify,
+    target: u64,
+    patience: Duration,
+) -> Result<(), u64> {
+    loop {
+        let seen = count.load(Ordering::Relaxed);
+        if seen >= target {
+            return Ok(());
+        }
+        if tokio::time::timeout(patience, progress.notified())
+            .await
+            .is_err()
+            && count.load(Ordering::Relaxed) == seen
+        {
+            return Err(seen);
+        }
     }
 }
 
+/// A record's stamp: its first 8 bytes.
+fn stamp_of(record: &[u8]) -> u64 {
+    u64::from_be_bytes(record[..8].try_into().expect("records carry a stamp"))
+}
+
 /// `flush(peer)` for every peer, when the workload flushes its passes.
-fn flush_all<L: Link>(sender: &Mux<L>, peers: &[PeerId], on: bool) {
+fn flush_all<L: Link>(sender: &Mux<L>, peers: &[PeerId], on: bool) -> anyhow::Result<()> {
     if on {
         for &peer in peers {
-            sender.flush(peer).expect("flush");
+            sender.flush(peer)?;
         }
     }
+    Ok(())
 }
 
 /// The median and 99th percentile of latencies in nanoseconds.
@@ -566,14 +672,20 @@ mod tests {
         let a = fabric.node(PeerId(1), MuxConfig::default());
         let b = fabric.node(PeerId(2), MuxConfig::default());
         let workload = Workload {
-            slow_streams: 2,
-            slow_delay: Duration::from_secs(3600),
+            untimed_streams: 2,
+            slow_consumer: Some(Duration::from_secs(3600)),
             ..Workload::new(8, 200, 64, Some(Duration::from_micros(100)))
         };
         let report = tokio::time::timeout(Duration::from_secs(60), run_nodes(&a, &b, 1, workload))
             .await
-            .expect("the fast streams finish");
+            .expect("the fast streams finish")
+            .expect("the run");
         assert_eq!(report.records, 6 * 200);
+        let stalls = report.credit_stalls.expect("a mux says");
+        assert!(
+            stalls >= 2,
+            "each slow stream ran out of credit: {report:?}"
+        );
         a.shutdown();
         b.shutdown();
     }
@@ -602,7 +714,8 @@ mod tests {
         };
         let report = tokio::time::timeout(Duration::from_secs(60), run_nodes(&a, &b, 1, workload))
             .await
-            .expect("every pass is flushed");
+            .expect("every pass is flushed")
+            .expect("the run");
         assert_eq!(report.records, 64 * 20);
         let batches = report.records as f64 / report.records_per_batch;
         assert!(batches <= 20.0, "a pass was cut: {report:?}");

@@ -27,11 +27,11 @@ async fn every_stage_of_a_paced_record_is_marked_in_path_order() {
     b.register(&a.address()).expect("register");
     let paced = Workload::new(1, 200, 64, Some(Duration::from_millis(1)));
 
-    let unmarked = demo::run_nodes(&a, &b, 1, paced).await;
+    let unmarked = demo::run_nodes(&a, &b, 1, paced).await.expect("run");
     assert!(unmarked.stages.is_none(), "no offsets while stages are off");
 
     stages::set_enabled(true);
-    let report = demo::run_nodes(&a, &b, 2, paced).await;
+    let report = demo::run_nodes(&a, &b, 2, paced).await.expect("run");
     stages::set_enabled(false);
     let at = report.stages.expect("offsets while stages are on");
     let [woken, encoded, posted, received, decoding, delivered] =

@@ -90,7 +90,7 @@ impl Row {
     }
 }
 
-async fn mem_row(workload: Workload) -> Report {
+async fn mem_row(workload: Workload) -> anyhow::Result<Report> {
     let fabric = MemFabric::new(MemConfig::default());
     let a = fabric.node(PeerId(1), MuxConfig::default());
     let b = fabric.node(PeerId(2), MuxConfig::default());
@@ -118,7 +118,7 @@ async fn tcp_row(workload: Workload) -> anyhow::Result<Report> {
     let report = demo::run_nodes(&a, &b, 1, workload).await;
     a.shutdown();
     b.shutdown();
-    Ok(report)
+    report
 }
 
 /// The report, and the RNR NAKs both soft devices sent (read while the
@@ -127,7 +127,7 @@ async fn rdma_row(workload: Workload) -> anyhow::Result<(Report, Option<u64>)> {
     let a = super::rdma_node(1).await?;
     let b = super::rdma_node(2).await?;
     b.register(&a.address())?;
-    let report = demo::run_nodes(&a, &b, 1, workload).await;
+    let report = demo::run_nodes(&a, &b, 1, workload).await?;
     tracing::debug!(stats = ?a.device().stats(), "soft device after the rdma row");
     let rnr_naks = a.device().counters().rnr_naks_sent + b.device().counters().rnr_naks_sent;
     a.shutdown();
@@ -150,7 +150,7 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
             args.streams, args.passes
         ));
         let report = match path {
-            "mem" => Ok((mem_row(workload).await, None)),
+            "mem" => mem_row(workload).await.map(|r| (r, None)),
             "qpmux-rdma" => rdma_row(workload).await,
             #[cfg(feature = "velo")]
             "velo-tcp-mux" => {
@@ -184,7 +184,7 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
     println!(
         "qpmux demo: {} streams to one peer, {} B records, forward passes {}",
         args.streams,
-        args.record_size,
+        workload.record_size,
         pass_schedule(&args, &rows)
     );
     println!("(qpmux-rdma: the soft RoCEv2 provider, user space over loopback UDP, against");

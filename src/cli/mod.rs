@@ -136,8 +136,28 @@ pub fn main() -> anyhow::Result<()> {
     })
 }
 
+/// A node address as the hex blob the commands print and take.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The bytes of a hex address blob (surrounding whitespace ignored).
+fn unhex(text: &str) -> anyhow::Result<Vec<u8>> {
+    let text = text.trim();
+    anyhow::ensure!(
+        text.len() % 2 == 0 && text.is_ascii(),
+        "malformed hex address"
+    );
+    (0..text.len())
+        .step_by(2)
+        .map(|i| Ok(u8::from_str_radix(&text[i..i + 2], 16)?))
+        .collect()
+}
+
 /// A progress bar on stderr over `len` steps; hidden under `--json`, and by
-/// indicatif when stderr is not a terminal (then no ticker thread runs).
+/// indicatif when stderr is not a terminal. It redraws only when a step
+/// ends: a steady tick is a thread redrawing meanwhile, whose CPU the
+/// process-wide CPU per record of the cell being measured would count.
 fn progress_bar(len: u64, json: bool) -> ProgressBar {
     if json {
         return ProgressBar::hidden();
@@ -148,9 +168,6 @@ fn progress_bar(len: u64, json: bool) -> ProgressBar {
             .expect("static template")
             .progress_chars("=> "),
     );
-    if !bar.is_hidden() {
-        bar.enable_steady_tick(Duration::from_millis(200));
-    }
     bar
 }
 

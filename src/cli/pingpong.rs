@@ -26,6 +26,7 @@ use clap::{Args as ClapArgs, ValueEnum};
 use indicatif::ProgressBar;
 use serde::Serialize;
 
+use super::{hex, unhex};
 use crate::link::Node;
 use crate::link::rdma::{RdmaNodeConfig, RdmaTransport};
 use crate::link::tcp::{TcpNodeConfig, TcpTransport};
@@ -116,7 +117,7 @@ pub struct PingpongArgs {
     #[arg(long, default_value_t = 2000)]
     pub iters: u64,
     /// Run only the server, listening here; prints its address blob.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["client", "connect"])]
     pub server: Option<std::net::SocketAddr>,
     /// Run only the client, against a server's hex address blob.
     #[arg(long)]
@@ -158,19 +159,6 @@ struct BwRow {
     iterations: u64,
     bw_mib_s: f64,
     msg_rate_mpps: f64,
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> anyhow::Result<Vec<u8>> {
-    let text = text.trim();
-    anyhow::ensure!(text.len() % 2 == 0, "odd-length hex address");
-    (0..text.len())
-        .step_by(2)
-        .map(|i| Ok(u8::from_str_radix(&text[i..i + 2], 16)?))
-        .collect()
 }
 
 async fn tcp_node(id: u64, bind: SocketAddr, handshake: Duration) -> anyhow::Result<TcpTransport> {
@@ -505,7 +493,7 @@ pub async fn run(args: PingpongArgs, json: bool) -> anyhow::Result<()> {
         (TransportKind::Tcp, Provider::Soft) => {
             let local = SocketAddr::new(plan.local, 0);
             if let Some(bind) = args.server {
-                return serve_forever(tcp_node(SERVER_ID, bind, handshake).await?).await;
+                return serve_forever(tcp_node(SERVER_ID, bind, handshake).await?, json).await;
             }
             let client = tcp_node(client_id(), local, handshake).await?;
             let remote = args.client.is_some() || plan.server.is_some();
@@ -568,7 +556,7 @@ where
     let handshake = Duration::from_secs(args.handshake_timeout);
     if let Some(bind) = args.server {
         let node = rdma_node(open(bind.ip()).await?, SERVER_ID, bind, handshake).await?;
-        return serve_forever(node).await;
+        return serve_forever(node, json).await;
     }
     let local = SocketAddr::new(plan.local, 0);
     let client = rdma_node(open(plan.local).await?, client_id(), local, handshake).await?;
@@ -595,8 +583,13 @@ async fn rdma_node<D: Device + 'static>(
     Ok(RdmaTransport::start(device, config).await?)
 }
 
-async fn serve_forever<N: Node>(node: N) -> anyhow::Result<()> {
-    println!("pingpong server; address: {}", hex(&node.address()));
+async fn serve_forever<N: Node>(node: N, json: bool) -> anyhow::Result<()> {
+    let address = hex(&node.address());
+    if json {
+        println!("{}", serde_json::json!({ "address": address }));
+    } else {
+        println!("pingpong server; address: {address}");
+    }
     serve(&node, None).await
 }
 

@@ -28,6 +28,7 @@ use clap::{Args as ClapArgs, ValueEnum};
 use serde::Serialize;
 use tokio::sync::{Notify, watch};
 
+use super::{hex, unhex};
 use crate::link::Node;
 use crate::link::rdma::{RdmaConfig, RdmaNodeConfig, RdmaTransport};
 use crate::mux::{
@@ -405,22 +406,6 @@ impl Shared {
     fn tally(&self, f: impl FnOnce(&mut Verdict)) {
         f(&mut self.verdict.lock().expect("verdict"));
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> anyhow::Result<Vec<u8>> {
-    let text = text.trim();
-    anyhow::ensure!(
-        text.len() % 2 == 0 && text.is_ascii(),
-        "malformed hex address"
-    );
-    (0..text.len())
-        .step_by(2)
-        .map(|i| Ok(u8::from_str_radix(&text[i..i + 2], 16)?))
-        .collect()
 }
 
 /// Writes via a temporary name, so a reader never sees half a blob.

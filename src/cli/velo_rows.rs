@@ -26,13 +26,9 @@ use velo::streaming::StreamFrame;
 use velo::transports::tcp::TcpTransportBuilder;
 
 use crate::demo::{
-    Pacer, Report, StreamWall, Workload, open_fds, peak_rss, percentiles, process_cpu,
-    process_runs, reset_peak_rss,
+    Pacer, Report, SIDE_FILL, StreamWall, Workload, open_fds, peak_rss, percentiles, process_cpu,
+    process_runs, reset_peak_rss, until_count,
 };
-
-/// How long a run may go without a record arriving before it is declared
-/// stuck (a hang turned into a failure, not a measurement).
-const STALL: Duration = Duration::from_secs(5);
 
 /// Which of velo's streaming paths carries the anchors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,24 +78,6 @@ pub async fn velo_tcp(path: VeloPath, peers: u64, workload: Workload) -> anyhow:
     report
 }
 
-/// Waits until `count` reaches `target`, failing when it stops moving for
-/// [`STALL`].
-async fn until_count(count: &AtomicU64, progress: &Notify, target: u64) -> Result<(), u64> {
-    loop {
-        let seen = count.load(Ordering::Relaxed);
-        if seen >= target {
-            return Ok(());
-        }
-        if tokio::time::timeout(STALL, progress.notified())
-            .await
-            .is_err()
-            && count.load(Ordering::Relaxed) == seen
-        {
-            return Err(seen);
-        }
-    }
-}
-
 /// A record: 8-byte stamp (nanoseconds since `origin`), 1 byte "priming".
 /// Stamped in `buf` just before it is sent: `send_bytes` then makes the
 /// frame in one allocation and one copy, as the qpmux rows' send does.
@@ -111,16 +89,17 @@ fn stamp(buf: &mut [u8], origin: Instant, priming: bool) -> &[u8] {
 }
 
 async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::Result<Report> {
+    workload.check(targets.len())?;
     let origin = Instant::now();
     let primed = Arc::new(AtomicU64::new(0));
     let received = Arc::new(AtomicU64::new(0));
     let progress = Arc::new(Notify::new());
     let wanted = workload.streams * targets.len() as u64;
-    let total = workload.fast_streams() * workload.passes * targets.len() as u64;
+    let total = workload.timed_streams() * workload.passes * targets.len() as u64;
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
     let mut senders = Vec::new();
-    // Fast consumers (awaited at the end); slow consumers and producers
-    // (stopped at the end).
+    // Timed consumers (awaited at the end); untimed consumers and slow
+    // producers (stopped at the end).
     let mut tasks = Vec::new();
     let mut slow_tasks = Vec::new();
     let mut slow_senders = Vec::new();
@@ -133,7 +112,7 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
         .iter()
         .flat_map(|t| (0..workload.streams).map(move |s| (t, s)))
     {
-        let slow = s < workload.slow_streams;
+        let untimed = s < workload.untimed_streams;
         // Bytes items on velo's serde-free path (`send_bytes`, `next_bytes`):
         // its fastest for records the application already encoded.
         let mut anchor = consumer.create_anchor::<Bytes>();
@@ -152,14 +131,16 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
             progress.clone(),
             latencies.clone(),
         );
-        let delay = workload.slow_delay;
+        let delay = workload.slow_consumer;
         let consumer = tokio::spawn(async move {
             let mut local = Vec::new();
             while let Some(Ok(StreamFrame::Item(item))) = anchor.next_bytes().await {
                 if item.get(8) == Some(&1) {
                     primed.fetch_add(1, Ordering::Relaxed);
-                } else if slow {
-                    tokio::time::sleep(delay).await;
+                } else if untimed {
+                    if let Some(delay) = delay {
+                        tokio::time::sleep(delay).await;
+                    }
                     continue;
                 } else {
                     let stamp = u64::from_be_bytes(item[..8].try_into().expect("stamped"));
@@ -170,7 +151,7 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
             }
             latencies.lock().await.extend(local);
         });
-        if slow {
+        if untimed {
             slow_tasks.push(consumer);
             slow_senders.push(sender);
         } else {
@@ -187,27 +168,29 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
             return Err(wall(carried, format!("priming send: {err}")).into());
         }
     }
-    if let Err(carried) = until_count(&primed, &progress, wanted).await {
+    let patience = workload.patience();
+    if let Err(carried) = until_count(&primed, &progress, wanted, patience).await {
         abort_all(&tasks);
         abort_all(&slow_tasks);
         let reason = format!(
-            "{} streams silent for {STALL:?} ({} descriptors open)",
+            "{} streams silent for {patience:?} ({} descriptors open)",
             wanted - carried,
             open_fds()
         );
         return Err(wall(carried, reason).into());
     }
-    for tx in slow_senders {
-        let (mut buf, pace) = (buf.clone(), workload.pace);
-        slow_tasks.push(tokio::spawn(async move {
-            while tx.send_bytes(stamp(&mut buf, origin, false)).await.is_ok() {
-                if let Some(pace) = pace {
-                    tokio::time::sleep(pace).await;
-                }
-            }
-        }));
+    if workload.slow_consumer.is_some() {
+        for tx in slow_senders {
+            let mut buf = buf.clone();
+            slow_tasks.push(tokio::spawn(async move {
+                // Held by velo's pushback (its credit window, a socket's
+                // buffer) while the consumer sleeps.
+                while tx.send_bytes(stamp(&mut buf, origin, false)).await.is_ok() {}
+            }));
+        }
+        tokio::time::sleep(SIDE_FILL).await;
     }
-    reset_peak_rss();
+    let rss_before = reset_peak_rss();
     let cpu_before = process_cpu();
     let runs_before = process_runs();
     let start = Instant::now();
@@ -222,12 +205,14 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
         }
         anyhow::Ok(senders)
     });
-    let senders = producer.await??;
-    if let Err(seen) = until_count(&received, &progress, total).await {
+    // Watched while the producer runs, as in `demo::run`.
+    if let Err(seen) = until_count(&received, &progress, total, patience).await {
+        producer.abort();
         abort_all(&tasks);
         abort_all(&slow_tasks);
-        anyhow::bail!("{seen} of {total} records arrived, then none for {STALL:?}");
+        anyhow::bail!("{seen} of {total} records arrived, then none for {patience:?}");
     }
+    let senders = producer.await??;
     let elapsed = start.elapsed();
     let cpu = process_cpu().saturating_sub(cpu_before);
     let cpu_runs = process_runs().saturating_sub(runs_before);
@@ -245,11 +230,14 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
         elapsed,
         cpu,
         cpu_runs,
-        // velo does not expose its batches: NaN, printed as "–".
+        // velo does not expose its batches or its credit stalls: NaN,
+        // printed as "–".
         records_per_batch: f64::NAN,
+        credit_stalls: None,
         p50,
         p99,
         peak_rss: rss,
+        rss_growth: rss.saturating_sub(rss_before),
         fds,
         // velo's internals carry no stage marks.
         stages: None,
