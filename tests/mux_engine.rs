@@ -943,6 +943,19 @@ async fn shutdown_waits_within_the_linger_for_the_credit_a_blocked_slot_needs() 
     shutdown_drains_with(config).await;
 }
 
+/// Under a manual flush, the drain writes what waited for a flush too: it
+/// waited out the linger and dropped it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_under_a_manual_flush_writes_what_was_never_flushed() {
+    let config = MuxConfig {
+        flush: FlushPolicy::Manual {
+            reply_linger: Duration::from_millis(1),
+        },
+        ..MuxConfig::default()
+    };
+    shutdown_drains_with(config).await;
+}
+
 async fn shutdown_drains() {
     shutdown_drains_with(MuxConfig::default()).await;
 }

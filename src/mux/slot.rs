@@ -215,6 +215,17 @@ impl Drop for BudgetWait<'_> {
     }
 }
 
+/// What [`Inlet::try_push`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Room {
+    /// Queued.
+    Pushed,
+    /// The slot's own budget is full: the slot's next pop makes room.
+    SlotFull,
+    /// The peer's budget is full: any of its slots' releases makes room.
+    PeerFull,
+}
+
 /// The producer side of one egress slot.
 #[derive(Debug)]
 pub(crate) struct Inlet {
@@ -304,24 +315,38 @@ impl Inlet {
         let mut data = Some(data);
         // With room, as almost always, no waiter is registered: that is four
         // waiter-list lock round trips per record saved.
-        if self.try_push(&mut data, false)? {
+        if self.try_push(&mut data, false)? == Room::Pushed {
             return Ok(());
         }
-        let _counted = BudgetWait::new(&self.control);
+        // Counted as a peer-budget waiter only while that budget is what
+        // holds it: a producer held by its own slot's backlog is woken by
+        // that slot's pops, not by every batch of the peer's.
+        let mut counted: Option<BudgetWait<'_>> = None;
         loop {
             let slot_space = self.space.notified();
             let peer_space = self.control.budget_space.notified();
             tokio::pin!(slot_space, peer_space);
             slot_space.as_mut().enable();
-            peer_space.as_mut().enable();
+            if counted.is_some() {
+                peer_space.as_mut().enable();
+            }
             // Registered (and counted, and flagged below) before this check,
             // so room freed after it wakes us.
-            if self.try_push(&mut data, true)? {
-                return Ok(());
-            }
-            tokio::select! {
-                _ = slot_space => {}
-                _ = peer_space => {}
+            match self.try_push(&mut data, true)? {
+                Room::Pushed => return Ok(()),
+                Room::SlotFull => {
+                    counted = None;
+                    slot_space.await;
+                }
+                Room::PeerFull if counted.is_none() => {
+                    counted = Some(BudgetWait::new(&self.control));
+                }
+                Room::PeerFull => {
+                    tokio::select! {
+                        _ = slot_space => {}
+                        _ = peer_space => {}
+                    }
+                }
             }
         }
     }
@@ -333,7 +358,7 @@ impl Inlet {
     /// back slots whose backlog fills it, never one that keeps up
     /// (docs/design.md § "A stream that keeps up is never held by another's
     /// backlog").
-    fn try_push(self: &Arc<Self>, data: &mut Option<Bytes>, wait: bool) -> Result<bool, SendError> {
+    fn try_push(self: &Arc<Self>, data: &mut Option<Bytes>, wait: bool) -> Result<Room, SendError> {
         let len = record_cost(data.as_ref().map_or(0, Bytes::len));
         let mut state = lock(&self.state);
         if let Some(err) = state.closed {
@@ -344,10 +369,14 @@ impl Inlet {
         let peer_ok = state.queued == 0 || peer_queued + len <= self.control.peer_budget;
         if !(slot_ok && peer_ok) {
             state.producer_waiting |= wait;
-            return Ok(false);
+            return Ok(if slot_ok {
+                Room::PeerFull
+            } else {
+                Room::SlotFull
+            });
         }
         let Some(record) = data.take() else {
-            return Ok(true);
+            return Ok(Room::Pushed);
         };
         state.queue.push_back(record);
         state.queued += len;
@@ -355,7 +384,7 @@ impl Inlet {
         Counters::add(&self.control.counters.withheld_bytes, len as u64);
         // A retired peer cannot happen here: the slot is live in its table.
         self.mark_dirty(&mut state);
-        Ok(true)
+        Ok(Room::Pushed)
     }
 
     async fn closed(&self) -> SendError {

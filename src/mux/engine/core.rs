@@ -62,6 +62,9 @@ struct EgressSlot {
     awaiting_peer_credit: bool,
     heartbeat_owed: bool,
     sent_since_tick: bool,
+    /// Under a manual flush: a flush found this slot out of credit, so the
+    /// grant that unblocks it carries the flush on.
+    blocked_in_flush: bool,
 }
 
 /// The records and terminal a slot put into the batch that also carries its
@@ -326,6 +329,12 @@ impl PeerCore {
     }
 
     // ---- inputs ----
+
+    /// Flushes as `Mux::flush` does (a shutdown drain writes what waited
+    /// for a flush).
+    pub fn request_flush(&mut self) {
+        self.flush_requested = true;
+    }
 
     /// Takes the coalesced control that producers, consumers and `flush` left.
     pub fn handle_control(&mut self, now: Instant) {
@@ -715,6 +724,7 @@ impl PeerCore {
             awaiting_peer_credit: false,
             heartbeat_owed: false,
             sent_since_tick: false,
+            blocked_in_flush: false,
         });
         self.live_egress += 1;
         self.opens_owed.push_back(index);
@@ -837,7 +847,9 @@ impl PeerCore {
             };
             match self.fill_slot(index, enc) {
                 Fill::Full => {
-                    self.ready.push_front(index);
+                    // To the back: a long record takes turns with the other
+                    // ready slots instead of holding the link until it ends.
+                    self.ready.push_back(index);
                     return;
                 }
                 Fill::Blocked | Fill::Idle => {
@@ -870,6 +882,7 @@ impl PeerCore {
         let peer_credit = &mut self.peer_credit;
         let peer_blocked = &mut self.peer_blocked;
         let peer_window = self.egress_peer_window;
+        let flushing = self.flush_requested;
         let Some(slot) = self.table[index as usize].slot.as_mut() else {
             return Fill::Idle;
         };
@@ -955,6 +968,7 @@ impl PeerCore {
                 }
                 Pop::Blocked => {
                     Counters::add(&counters.credit_stalls, 1);
+                    slot.blocked_in_flush |= flushing;
                     return Fill::Blocked;
                 }
                 Pop::Empty => {
@@ -1383,6 +1397,9 @@ impl PeerCore {
                 window,
             });
         }
+        // What a flush could not send for want of credit goes when it comes.
+        let flush_carried = std::mem::take(&mut slot.blocked_in_flush);
+        self.flush_requested |= flush_carried;
         self.make_ready(index, now);
         Ok(())
     }
@@ -1926,6 +1943,77 @@ mod tests {
             batches += 1;
         }
         assert_eq!(data, 300, "the record went out in {batches} batches");
+    }
+
+    /// Under a manual flush, records a flush found short of slot credit go
+    /// when the grant comes, without another flush.
+    #[tokio::test]
+    async fn a_manual_flush_that_meets_no_slot_credit_holds_until_the_grant() {
+        let mut core = next_core(Epoch(1), &peer_control());
+        core.config = Arc::new(MuxConfig {
+            flush: FlushPolicy::Manual {
+                reply_linger: std::time::Duration::from_secs(3600),
+            },
+            ..(*core.config).clone()
+        });
+        let terms = PeerTerms {
+            slot_window: 1024,
+            ..PeerTerms::announced_by(&core.config)
+        };
+        core.set_peer_terms(terms, core.config.peer_window, Instant::now());
+        let mut tx = open(&core, 1);
+        for byte in [1u8, 2, 3] {
+            tx.send(Bytes::from(vec![byte; 600])).await.expect("queued");
+        }
+        core.control.request_flush();
+        core.handle_control(Instant::now());
+        let first = next_batch(&mut core);
+        assert_eq!(first.len(), 3, "the Open and two records: {first:?}");
+        core.batch_posted();
+        assert!(
+            !core.wants_write(Instant::now()),
+            "the third waits for credit"
+        );
+        let slot = SlotId::new(0, 0).expect("the first slot");
+        feed(&mut core, |enc| enc.push_credit(slot, 1024)).expect("within the window");
+        assert!(core.wants_write(Instant::now()), "the flush carries on");
+        let second = next_batch(&mut core);
+        assert_eq!(second.len(), 1, "the third record: {second:?}");
+    }
+
+    /// A record many batches long takes turns with the other ready slots:
+    /// a small record queued behind it goes in the next batch, not after it.
+    #[tokio::test]
+    async fn a_long_record_takes_turns_with_other_slots() {
+        let mut core = core();
+        let window = core.config.peer_window;
+        core.set_peer_terms(
+            PeerTerms::announced_by(&core.config),
+            window,
+            Instant::now(),
+        );
+        let mut long = open(&core, 1);
+        let mut short = open(&core, 2);
+        long.send(Bytes::from(vec![1u8; 40_000]))
+            .await
+            .expect("queued");
+        short
+            .send(Bytes::from_static(b"small"))
+            .await
+            .expect("queued");
+        core.handle_control(Instant::now());
+        let mut batches = Vec::new();
+        for _ in 0..3 {
+            batches.push(next_batch(&mut core));
+            core.batch_posted();
+        }
+        assert!(
+            batches
+                .concat()
+                .iter()
+                .any(|r| r.starts_with("data b\"small\"")),
+            "{batches:?}"
+        );
     }
 
     #[tokio::test]

@@ -781,8 +781,10 @@ async fn serve_epoch<L: Link>(
         if shared.shutdown.load(Ordering::Acquire) {
             // Write what is already queued (bounded by the linger), then say goodbye.
             let until = *drain_until.get_or_insert(now + config.shutdown_linger);
-            // Take what producers queued before the shutdown, then judge.
+            // Take what producers queued before the shutdown, then judge;
+            // under a manual flush, what waits for one goes too.
             core.handle_control(now);
+            core.request_flush();
             // A slot waiting for credit is not done: the peer's consumer
             // may return it within the linger.
             let quiet = core.is_quiet() && !core.has_withheld();
