@@ -331,7 +331,9 @@ pub trait EpochMaker: Send + Sync + 'static {
     /// True once `link`'s epoch has ended.
     fn is_ended(link: &Self::Link) -> bool;
 
-    /// True if `link` carried any batch (its failure is fresh: no backoff).
+    /// True if the peer sent a batch on `link`: it took part in the epoch,
+    /// so the epoch's end is fresh news (no backoff). A batch we sent
+    /// proves nothing: it only reached our own kernel or send queue.
     fn carried_traffic(link: &Self::Link) -> bool;
 }
 
@@ -391,8 +393,7 @@ impl EpochMaker for TcpEpochs {
     }
 
     fn carried_traffic(link: &TcpLink) -> bool {
-        let stats = link.stats();
-        stats.batches_received > 0 || stats.batches_sent > 0
+        link.stats().batches_received > 0
     }
 }
 
