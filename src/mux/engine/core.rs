@@ -36,6 +36,12 @@ use crate::mux::surface::{DropReason, Frame, StreamKey};
 /// Smallest first fragment worth starting at the end of a batch (a batch
 /// with no record yet starts any: a smaller one would never go).
 const MIN_FRAGMENT: usize = 256;
+/// Free slot indices held back from reuse: a freed index comes back only
+/// after this many others were freed, so its (index, generation) returns
+/// after 256 × this many slots, not 256 (a late close or grant for an
+/// earlier use could otherwise land on a live slot: docs/design.md
+/// § "Slot ids come back late").
+const REUSE_AFTER: usize = 64;
 /// Outbound messages the core pulls ahead of writing them.
 const MESSAGES_HELD: usize = 64;
 
@@ -116,7 +122,8 @@ pub(crate) struct PeerCore {
     counters: Arc<Counters>,
 
     table: Vec<IndexEntry>,
-    free: Vec<u32>,
+    /// Freed indices, oldest first; reused only once [`REUSE_AFTER`] wait.
+    free: VecDeque<u32>,
     by_inlet: HashMap<usize, u32>,
     live_egress: usize,
     ready: VecDeque<u32>,
@@ -222,7 +229,7 @@ impl PeerCore {
             registry,
             counters,
             table: Vec::new(),
-            free: Vec::new(),
+            free: VecDeque::new(),
             by_inlet: HashMap::new(),
             live_egress: 0,
             ready: VecDeque::new(),
@@ -694,17 +701,17 @@ impl PeerCore {
             inlet.close(SendError::PeerClosed(CloseReason::Refused));
             return;
         }
-        let index = match self.free.pop() {
-            Some(index) => index,
-            None => {
-                let index = self.table.len() as u32;
-                if index > SlotId::MAX_INDEX {
-                    inlet.close(SendError::PeerClosed(CloseReason::Refused));
-                    return;
-                }
-                self.table.push(IndexEntry::default());
-                index
-            }
+        // A fresh index while there are few free ones; the oldest free one
+        // otherwise, or when the table cannot grow.
+        let fresh = self.table.len() as u32;
+        let index = if self.free.len() < REUSE_AFTER && fresh <= SlotId::MAX_INDEX {
+            self.table.push(IndexEntry::default());
+            fresh
+        } else if let Some(index) = self.free.pop_front() {
+            index
+        } else {
+            inlet.close(SendError::PeerClosed(CloseReason::Refused));
+            return;
         };
         let entry = &mut self.table[index as usize];
         let id = SlotId::new(index, entry.generation).expect("index checked above");
@@ -748,7 +755,7 @@ impl PeerCore {
             slot.inlet.release_slot();
             self.by_inlet.remove(&(Arc::as_ptr(&slot.inlet) as usize));
             entry.generation = entry.generation.wrapping_add(1);
-            self.free.push(index);
+            self.free.push_back(index);
             self.live_egress -= 1;
         }
     }
@@ -2014,6 +2021,43 @@ mod tests {
                 .any(|r| r.starts_with("data b\"small\"")),
             "{batches:?}"
         );
+    }
+
+    /// Short streams one after another do not bring a slot id back soon: a
+    /// late close or grant for an earlier stream cannot land on a live one.
+    #[tokio::test]
+    async fn slot_ids_come_back_only_after_many_streams() {
+        let mut core = core();
+        let window = core.config.peer_window;
+        core.set_peer_terms(
+            PeerTerms::announced_by(&core.config),
+            window,
+            Instant::now(),
+        );
+        let mut seen = std::collections::HashSet::new();
+        for session in 0..600 {
+            let mut tx = open(&core, session);
+            tx.send(Bytes::from_static(b"x")).await.expect("queued");
+            tx.finish(Terminal::Finalized).expect("finish");
+            core.handle_control(Instant::now());
+            let mut buf = vec![0u8; 4096];
+            let len = core.poll_batch(&mut buf, Instant::now());
+            core.batch_posted();
+            let view = BatchView::new_checked(&buf[..len]).expect("valid");
+            let opened: Vec<SlotId> = view
+                .records()
+                .filter(|r| matches!(r.body, RecordBody::Open { .. }))
+                .map(|r| r.slot)
+                .collect();
+            assert_eq!(opened.len(), 1);
+            assert!(
+                seen.insert(opened[0]),
+                "stream {session} reused {:?}",
+                opened[0]
+            );
+            assert_eq!(core.live_slots(), 0, "its terminal is out");
+        }
+        assert!(core.table.len() <= 1 + REUSE_AFTER, "the table stays small");
     }
 
     #[tokio::test]
