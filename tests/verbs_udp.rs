@@ -646,7 +646,7 @@ async fn active_mtu_follows_link_mtu() {
     assert_eq!(dev.query_port().active_mtu, Mtu::Mtu1024);
     if let Ok(lo) = interface_mtu("lo") {
         assert!(lo >= 1500, "loopback MTU {lo}");
-        assert!(Mtu::for_link_mtu(lo).is_some());
+        assert!(Mtu::for_link_mtu(lo, false).is_some());
     }
 }
 
@@ -666,7 +666,7 @@ async fn active_mtu_follows_the_bind_interface() {
     assert_eq!(bind_interface_mtu(localhost), Some(lo));
     let other = "127.0.0.2".parse().expect("literal");
     assert_eq!(bind_interface_mtu(other), Some(lo), "127/8 is on lo");
-    let expected = Mtu::for_link_mtu(lo)
+    let expected = Mtu::for_link_mtu(lo, false)
         .expect("lo fits a RoCE MTU")
         .min(Mtu::Mtu4096);
     let dev = SoftDevice::open_udp(UdpConfig::default())

@@ -201,10 +201,11 @@ impl Mtu {
         }
     }
 
-    /// The largest IB MTU whose RoCEv2 packet (IPv4 20, UDP 8, BTH 12,
-    /// ImmDt 4, ICRC 4) fits a link of `link_mtu` bytes.
-    pub fn for_link_mtu(link_mtu: usize) -> Option<Mtu> {
-        let room = link_mtu.checked_sub(20 + 8 + 12 + 4 + 4)?;
+    /// The largest IB MTU whose RoCEv2 packet (IPv4 20 or IPv6 40, UDP 8,
+    /// BTH 12, ImmDt 4, ICRC 4) fits a link of `link_mtu` bytes.
+    pub fn for_link_mtu(link_mtu: usize, ipv6: bool) -> Option<Mtu> {
+        let ip = if ipv6 { 40 } else { 20 };
+        let room = link_mtu.checked_sub(ip + 8 + 12 + 4 + 4)?;
         [
             Mtu::Mtu4096,
             Mtu::Mtu2048,
@@ -867,10 +868,13 @@ mod tests {
 
     #[test]
     fn mtu_for_link_mtu() {
-        assert_eq!(Mtu::for_link_mtu(1500), Some(Mtu::Mtu1024));
-        assert_eq!(Mtu::for_link_mtu(9000), Some(Mtu::Mtu4096));
-        assert_eq!(Mtu::for_link_mtu(65536), Some(Mtu::Mtu4096));
-        assert_eq!(Mtu::for_link_mtu(100), None);
+        assert_eq!(Mtu::for_link_mtu(1500, false), Some(Mtu::Mtu1024));
+        assert_eq!(Mtu::for_link_mtu(9000, false), Some(Mtu::Mtu4096));
+        assert_eq!(Mtu::for_link_mtu(65536, true), Some(Mtu::Mtu4096));
+        assert_eq!(Mtu::for_link_mtu(100, false), None);
+        // 2100 fits 2048 + 48 over IPv4, not the 20 more IPv6 needs.
+        assert_eq!(Mtu::for_link_mtu(2100, false), Some(Mtu::Mtu2048));
+        assert_eq!(Mtu::for_link_mtu(2100, true), Some(Mtu::Mtu1024));
     }
 
     #[test]

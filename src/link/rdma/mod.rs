@@ -211,6 +211,9 @@ pub struct LinkStats {
     pub credit_only_sent: u64,
     /// Signaled send WRs posted.
     pub signaled_sends: u64,
+    /// Signaled send WRs that completed successfully: the peer's RC
+    /// acknowledged them, and every SEND before them.
+    pub sends_acked: u64,
     /// Batches received.
     pub batches_received: u64,
     /// Credit-only messages received.

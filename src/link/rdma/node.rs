@@ -402,7 +402,10 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
     }
 
     fn carried_traffic(link: &RdmaLink<D>) -> bool {
-        link.stats().batches_received > 0
+        // A SEND the peer's RC acknowledged proves it too (our posts alone
+        // do not).
+        let stats = link.stats();
+        stats.batches_received > 0 || stats.sends_acked > 0
     }
 }
 

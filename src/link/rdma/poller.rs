@@ -199,7 +199,10 @@ fn on_send_completion<D: Device>(st: &mut State<D>, wc: &WorkCompletion) -> Opti
         drop(chunk); // back to the pool
     }
     match wc.status {
-        WcStatus::Success => None,
+        WcStatus::Success => {
+            st.stats.sends_acked += 1;
+            None
+        }
         status @ (WcStatus::LocLenErr
         | WcStatus::LocQpOpErr
         | WcStatus::LocProtErr

@@ -164,7 +164,9 @@ fn active_mtu(config: &UdpConfig) -> Result<Mtu, VerbsError> {
         .or_else(|| bind_interface_mtu(config.bind.ip()));
     match link {
         Some(link) => {
-            let fits = Mtu::for_link_mtu(link).ok_or(VerbsError::InvalidAttr {
+            let ip = config.bind.ip();
+            let ipv6 = matches!(ip, IpAddr::V6(v6) if v6.to_ipv4_mapped().is_none());
+            let fits = Mtu::for_link_mtu(link, ipv6).ok_or(VerbsError::InvalidAttr {
                 attr: "link_mtu below the smallest RoCE MTU",
             })?;
             Ok(fits.min(config.soft.active_mtu))
