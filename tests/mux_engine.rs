@@ -804,6 +804,19 @@ async fn credit_returns_on_drain_not_on_a_timer() {
     assert!(muxes[1].stats().credit_updates_sent > 10);
 }
 
+/// One record on a fresh stream from A (`muxes[0]`) to B, finished and read.
+async fn short_stream(muxes: &[Mux<MemLink>], key: StreamKey) {
+    let mut rx = muxes[1].bind(key).expect("bind");
+    let mut tx = muxes[0].open(B, key).expect("open");
+    tx.send(Bytes::from_static(b"hi")).await.expect("send");
+    tx.finish(Terminal::Finalized).expect("finish");
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Data(Bytes::from_static(b"hi")))
+    );
+    assert_eq!(rx.recv().await, Some(Frame::Finalized));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_peer_retires_and_a_later_open_is_not_lost() {
     let config = MuxConfig {
@@ -812,16 +825,7 @@ async fn an_idle_peer_retires_and_a_later_open_is_not_lost() {
     };
     let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
     for round in 0..3u64 {
-        let key = StreamKey::new(11, round);
-        let mut rx = muxes[1].bind(key).expect("bind");
-        let mut tx = muxes[0].open(B, key).expect("open");
-        tx.send(Bytes::from_static(b"hi")).await.expect("send");
-        tx.finish(Terminal::Finalized).expect("finish");
-        assert_eq!(
-            rx.recv().await,
-            Some(Frame::Data(Bytes::from_static(b"hi")))
-        );
-        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        short_stream(&muxes, StreamKey::new(11, round)).await;
         // Both ends go idle, close the link gracefully and retire their tasks.
         until(|| muxes[0].peer_count() == 0 && muxes[1].peer_count() == 0).await;
     }
@@ -846,16 +850,7 @@ async fn a_peer_sent_short_streams_back_to_back_does_not_retire() {
     let started = std::time::Instant::now();
     let mut round = 0u64;
     while started.elapsed() < Duration::from_millis(600) {
-        let key = StreamKey::new(17, round);
-        let mut rx = muxes[1].bind(key).expect("bind");
-        let mut tx = muxes[0].open(B, key).expect("open");
-        tx.send(Bytes::from_static(b"hi")).await.expect("send");
-        tx.finish(Terminal::Finalized).expect("finish");
-        assert_eq!(
-            rx.recv().await,
-            Some(Frame::Data(Bytes::from_static(b"hi")))
-        );
-        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        short_stream(&muxes, StreamKey::new(17, round)).await;
         round += 1;
         tokio::time::sleep(Duration::from_millis(5)).await;
     }

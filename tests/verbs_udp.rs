@@ -427,6 +427,20 @@ async fn ping_over_ipv6_loopback() {
 /// owes, so the requester's send completes `Success`, not `RetryExcErr`.
 #[tokio::test]
 async fn a_qp_dropped_as_its_last_receive_completes_still_acknowledges_it() {
+    acknowledged_after_the_last_receive(drop).await;
+}
+
+/// The same when the responder moves its QP to ERR instead (the RDMA link
+/// does on reading the peer's Goodbye): the ACK already owed still goes.
+#[tokio::test]
+async fn a_qp_moved_to_error_as_its_last_receive_completes_still_acknowledges_it() {
+    use qpmux::verbs::QueuePair as _;
+    acknowledged_after_the_last_receive(|b| b.qp.modify_to_error().expect("to ERR")).await;
+}
+
+/// The responder sees its receive complete, then `end`s its QP before the
+/// driver's next turn; the requester's send must still complete `Success`.
+async fn acknowledged_after_the_last_receive(end: impl FnOnce(verbs_suite::Endpoint<SoftDevice>)) {
     use qpmux::verbs::CompletionQueue as _;
     let mut h = UdpHarness::new();
     let params = verbs_suite::Params {
@@ -443,32 +457,7 @@ async fn a_qp_dropped_as_its_last_receive_completes_still_acknowledges_it() {
     let mut wc = [verbs_suite::blank_wc()];
     assert_eq!(b.recv_cq.poll(&mut wc).expect("poll"), 1);
     assert_eq!(wc[0].status, qpmux::verbs::WcStatus::Success);
-    drop(b);
-    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
-    assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::Success);
-}
-
-/// The same when the responder moves its QP to ERR instead (the RDMA link
-/// does on reading the peer's Goodbye): the ACK already owed still goes.
-#[tokio::test]
-async fn a_qp_moved_to_error_as_its_last_receive_completes_still_acknowledges_it() {
-    use qpmux::verbs::{CompletionQueue as _, QueuePair as _};
-    let mut h = UdpHarness::new();
-    let params = verbs_suite::Params {
-        retry_cnt: 1,
-        timeout: 10,
-        ..verbs_suite::Params::default()
-    };
-    let (mut a, b) = verbs_suite::connect(&mut h, params).await;
-    b.post_recv(1, 0, 64);
-    b.recv_cq.req_notify().expect("arm");
-    let notified = b.recv_cq.notified();
-    a.post_send(1, 0, 8, None, true).expect("send");
-    notified.await;
-    let mut wc = [verbs_suite::blank_wc()];
-    assert_eq!(b.recv_cq.poll(&mut wc).expect("poll"), 1);
-    assert_eq!(wc[0].status, qpmux::verbs::WcStatus::Success);
-    b.qp.modify_to_error().expect("to ERR");
+    end(b);
     assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
     assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::Success);
 }

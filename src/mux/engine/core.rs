@@ -1543,6 +1543,30 @@ mod tests {
             .collect()
     }
 
+    /// A core whose peer granted it its whole peer window.
+    fn credited_core() -> PeerCore {
+        let mut core = core();
+        let window = core.config.peer_window;
+        core.set_peer_terms(
+            PeerTerms::announced_by(&core.config),
+            window,
+            Instant::now(),
+        );
+        core
+    }
+
+    /// A core under `FlushPolicy::Manual` (owed control waits an hour).
+    fn manual_core() -> PeerCore {
+        let mut core = next_core(Epoch(1), &peer_control());
+        core.config = Arc::new(MuxConfig {
+            flush: FlushPolicy::Manual {
+                reply_linger: std::time::Duration::from_secs(3600),
+            },
+            ..(*core.config).clone()
+        });
+        core
+    }
+
     fn ended(epoch: u64) -> DropReason {
         DropReason::EpochEnded {
             epoch: Epoch(epoch),
@@ -1790,13 +1814,7 @@ mod tests {
     /// stays pending, and the record goes out when the grant comes.
     #[tokio::test]
     async fn a_manual_flush_that_meets_no_peer_credit_holds_until_the_grant() {
-        let mut core = next_core(Epoch(1), &peer_control());
-        core.config = Arc::new(MuxConfig {
-            flush: FlushPolicy::Manual {
-                reply_linger: std::time::Duration::from_secs(3600),
-            },
-            ..(*core.config).clone()
-        });
+        let mut core = manual_core();
         let window = core.config.peer_window;
         let terms = PeerTerms {
             peer_credit: 0,
@@ -1824,14 +1842,8 @@ mod tests {
     /// comes back, so cancelled transfers do not shrink the window for good.
     #[tokio::test]
     async fn a_record_the_receiver_cut_short_returns_its_unsent_peer_credit() {
-        let mut core = next_core(Epoch(1), &peer_control());
-        let window = core.config.peer_window;
-        core.set_peer_terms(
-            PeerTerms::announced_by(&core.config),
-            window,
-            Instant::now(),
-        );
-        let full = i64::from(window);
+        let mut core = credited_core();
+        let full = i64::from(core.config.peer_window);
         assert_eq!(core.peer_credit, full);
         let mut tx = open(&core, 1);
         tx.send(Bytes::from(vec![1u8; 10_000]))
@@ -1922,13 +1934,7 @@ mod tests {
     /// record with little room.
     #[tokio::test]
     async fn a_small_batch_buffer_still_starts_records() {
-        let mut core = core();
-        let window = core.config.peer_window;
-        core.set_peer_terms(
-            PeerTerms::announced_by(&core.config),
-            window,
-            Instant::now(),
-        );
+        let mut core = credited_core();
         let mut tx = open(&core, 1);
         tx.send(Bytes::from(vec![3u8; 300])).await.expect("queued");
         core.handle_control(Instant::now());
@@ -1956,13 +1962,7 @@ mod tests {
     /// when the grant comes, without another flush.
     #[tokio::test]
     async fn a_manual_flush_that_meets_no_slot_credit_holds_until_the_grant() {
-        let mut core = next_core(Epoch(1), &peer_control());
-        core.config = Arc::new(MuxConfig {
-            flush: FlushPolicy::Manual {
-                reply_linger: std::time::Duration::from_secs(3600),
-            },
-            ..(*core.config).clone()
-        });
+        let mut core = manual_core();
         let terms = PeerTerms {
             slot_window: 1024,
             ..PeerTerms::announced_by(&core.config)
@@ -1992,13 +1992,7 @@ mod tests {
     /// a small record queued behind it goes in the next batch, not after it.
     #[tokio::test]
     async fn a_long_record_takes_turns_with_other_slots() {
-        let mut core = core();
-        let window = core.config.peer_window;
-        core.set_peer_terms(
-            PeerTerms::announced_by(&core.config),
-            window,
-            Instant::now(),
-        );
+        let mut core = credited_core();
         let mut long = open(&core, 1);
         let mut short = open(&core, 2);
         long.send(Bytes::from(vec![1u8; 40_000]))
@@ -2027,13 +2021,7 @@ mod tests {
     /// late close or grant for an earlier stream cannot land on a live one.
     #[tokio::test]
     async fn slot_ids_come_back_only_after_many_streams() {
-        let mut core = core();
-        let window = core.config.peer_window;
-        core.set_peer_terms(
-            PeerTerms::announced_by(&core.config),
-            window,
-            Instant::now(),
-        );
+        let mut core = credited_core();
         let mut seen = std::collections::HashSet::new();
         for session in 0..600 {
             let mut tx = open(&core, session);
