@@ -352,8 +352,8 @@ impl Inlet {
     }
 
     /// Queues the record in `data` (taking it) if the slot's and the peer's
-    /// budgets have room; false, with `data` untouched, if not, and then a
-    /// producer about to `wait` has the next pop notify it. A slot with
+    /// budgets have room; if not, says which is full, leaves `data`
+    /// untouched, and has the next pop notify a producer about to `wait`. A slot with
     /// nothing queued may always queue one record: the peer budget holds
     /// back slots whose backlog fills it, never one that keeps up
     /// (docs/design.md § "A stream that keeps up is never held by another's
