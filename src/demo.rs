@@ -359,10 +359,11 @@ pub async fn run<L: Link>(
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
     let stage_samples = Arc::new(Mutex::new(Vec::new()));
     let record_size = workload.record_size.max(16);
-    let mut consumers = Vec::new();
+    // Both abort their tasks when dropped, so a run that fails leaves none.
+    let mut consumers = tokio::task::JoinSet::new();
     let mut senders = Vec::new();
     let mut untimed_senders = Vec::new();
-    let mut side_tasks = Vec::new();
+    let mut side_tasks = tokio::task::JoinSet::new();
     for &(receiver, peer) in targets {
         for s in 0..workload.streams {
             let key = StreamKey::new(anchor, s);
@@ -371,7 +372,7 @@ pub async fn run<L: Link>(
             let (primed, progress) = (primed.clone(), progress.clone());
             if s < workload.untimed_streams {
                 let delay = workload.slow_consumer;
-                side_tasks.push(tokio::spawn(async move {
+                side_tasks.spawn(async move {
                     while let Some(frame) = rx.recv().await {
                         match frame {
                             Frame::Data(record) if stamp_of(&record) == PRIMING_STAMP => {
@@ -386,13 +387,13 @@ pub async fn run<L: Link>(
                             _ => break,
                         }
                     }
-                }));
+                });
                 untimed_senders.push(tx);
                 continue;
             }
             let (received, latencies, stage_samples) =
                 (received.clone(), latencies.clone(), stage_samples.clone());
-            consumers.push(tokio::spawn(async move {
+            consumers.spawn(async move {
                 let mut local = Vec::new();
                 let mut offsets = Vec::new();
                 while let Some(frame) = rx.recv().await {
@@ -418,7 +419,7 @@ pub async fn run<L: Link>(
                 }
                 latencies.lock().await.extend(local);
                 stage_samples.lock().await.extend(offsets);
-            }));
+            });
             senders.push(tx);
         }
     }
@@ -441,12 +442,12 @@ pub async fn run<L: Link>(
         for mut tx in untimed_senders.drain(..) {
             let slow_sent = slow_sent.clone();
             let record = Bytes::from(vec![0u8; record_size]);
-            side_tasks.push(tokio::spawn(async move {
+            side_tasks.spawn(async move {
                 // Ends when aborted, or when the run tears the slot down.
                 while tx.send(record.clone()).await.is_ok() {
                     slow_sent.fetch_add(1, Ordering::Relaxed);
                 }
-            }));
+            });
         }
         tokio::time::sleep(SIDE_FILL).await;
     }
@@ -459,7 +460,7 @@ pub async fn run<L: Link>(
     // The producer is a runtime task, as an application's is, not the
     // thread blocked in `block_on` (whose every send would wake a worker
     // from another thread): docs/benchmarks.md § "The producer is a task".
-    let producer = {
+    let mut producer = {
         let (sender, peers) = (sender.clone(), peers.clone());
         tokio::spawn(async move {
             let mut pacer = Pacer::new(workload.pace);
@@ -477,12 +478,26 @@ pub async fn run<L: Link>(
         })
     };
     // Watched while the producer runs: a producer held for good (a
-    // backlog it cannot pass) is a failed cell, not a hang.
-    if let Err(seen) = until_count(&received, &progress, total, patience).await {
-        producer.abort();
-        anyhow::bail!("{seen} of {total} records arrived, then none for {patience:?}");
-    }
-    let senders = producer.await??;
+    // backlog it cannot pass) is a failed cell, not a hang, and a producer
+    // that fails says why at once.
+    let watch = until_count(&received, &progress, total, patience);
+    tokio::pin!(watch);
+    let stalled =
+        |seen| anyhow::anyhow!("{seen} of {total} records arrived, then none for {patience:?}");
+    let senders = tokio::select! {
+        done = &mut producer => {
+            let senders = done??;
+            watch.await.map_err(stalled)?;
+            senders
+        }
+        watched = &mut watch => {
+            if let Err(seen) = watched {
+                producer.abort();
+                return Err(stalled(seen));
+            }
+            producer.await??
+        }
+    };
     let elapsed = start.elapsed();
     let cpu = process_cpu().saturating_sub(cpu_before);
     let cpu_runs = process_runs().saturating_sub(runs_before);
@@ -490,16 +505,14 @@ pub async fn run<L: Link>(
     let rss = peak_rss();
     let after = sender.stats();
     let slow_records = slow_sent.load(Ordering::Relaxed) - slow_before;
-    for task in side_tasks {
-        task.abort();
-    }
+    side_tasks.abort_all();
     for tx in senders {
         tx.finish(Terminal::Finalized)?;
     }
     // Under a manual flush the terminals wait for one too.
     end_pass()?;
-    for c in consumers {
-        c.await?;
+    while let Some(consumer) = consumers.join_next().await {
+        consumer?;
     }
     let lat = std::mem::take(&mut *latencies.lock().await);
     let (p50, p99) = percentiles(lat);

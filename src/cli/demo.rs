@@ -127,12 +127,12 @@ async fn rdma_row(workload: Workload) -> anyhow::Result<(Report, Option<u64>)> {
     let a = super::rdma_node(1).await?;
     let b = super::rdma_node(2).await?;
     b.register(&a.address())?;
-    let report = demo::run_nodes(&a, &b, 1, workload).await?;
+    let report = demo::run_nodes(&a, &b, 1, workload).await;
     tracing::debug!(stats = ?a.device().stats(), "soft device after the rdma row");
     let rnr_naks = a.device().counters().rnr_naks_sent + b.device().counters().rnr_naks_sent;
     a.shutdown();
     b.shutdown();
-    Ok((report, Some(rnr_naks)))
+    Ok((report?, Some(rnr_naks)))
 }
 
 pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {

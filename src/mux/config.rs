@@ -41,7 +41,10 @@ pub struct MuxConfig {
     pub peer_window: u32,
     /// Bytes a producer may queue on one slot before `send` waits. Default 1 MiB.
     pub slot_budget: usize,
-    /// Bytes all producers may queue toward one peer. Default 8 MiB.
+    /// Bytes all producers may queue toward one peer. Default 8 MiB. A slot
+    /// with nothing queued may pass it by one record, so a backlog on other
+    /// slots never holds a stream that keeps up (docs/design.md § "A stream
+    /// that keeps up is never held by another's backlog").
     pub peer_budget: usize,
     /// Backstop sweep that returns any drained-but-unreturned credit. Default 200 ms.
     pub credit_sweep: Duration,

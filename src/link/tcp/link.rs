@@ -394,6 +394,8 @@ async fn read_out_close<R: tokio::io::AsyncRead + Unpin>(inner: &Inner, rd: &mut
     let mut scratch = vec![0u8; 16 * 1024];
     let until_eof = async { while let Ok(1..) = rd.read(&mut scratch).await {} };
     let _ = tokio::time::timeout(FLUSH_GRACE * 2, until_eof).await;
+    // A peer that never closed its side is cut, not left half-open.
+    inner.shutdown_socket();
 }
 
 /// One framed batch; `None` on EOF at a frame boundary.

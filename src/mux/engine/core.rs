@@ -69,8 +69,9 @@ struct EgressSlot {
     heartbeat_owed: bool,
     sent_since_tick: bool,
     /// Under a manual flush: a flush found this slot out of credit, so the
-    /// grant that unblocks it carries the flush on.
-    blocked_in_flush: bool,
+    /// grant that unblocks it carries the flush on, for this slot only,
+    /// until its queue is empty.
+    flush_owed: bool,
 }
 
 /// The records and terminal a slot put into the batch that also carries its
@@ -196,6 +197,9 @@ pub(crate) struct PeerCore {
     /// when its handshake said, else ours.
     egress_window: u32,
     flush_requested: bool,
+    /// Under a manual flush: a slot that owes the rest of a flush got
+    /// credit and is ready (see `EgressSlot::flush_owed`).
+    flush_owed_ready: bool,
     control_since: Option<Instant>,
     data_since: Option<Instant>,
     sweep_at: Instant,
@@ -266,6 +270,7 @@ impl PeerCore {
             wake_after_batch: ReceiverWakes::default(),
             egress_window,
             flush_requested: false,
+            flush_owed_ready: false,
             control_since: None,
             data_since: None,
             idle_since: now,
@@ -488,7 +493,7 @@ impl PeerCore {
                 control || (data && self.data_since.is_some_and(|t| now >= t + max_linger))
             }
             FlushPolicy::Manual { reply_linger } => {
-                (self.flush_requested && (control || data))
+                ((self.flush_requested || self.flush_owed_ready) && (control || data))
                     || (control && self.control_since.is_some_and(|t| now >= t + reply_linger))
             }
         }
@@ -539,8 +544,11 @@ impl PeerCore {
             FlushPolicy::AutoLinger { max_linger } => {
                 self.data_since.is_some_and(|t| now >= t + max_linger)
             }
-            FlushPolicy::Manual { .. } => self.flush_requested,
+            FlushPolicy::Manual { .. } => self.flush_requested || self.flush_owed_ready,
         };
+        // A carried flush sends only the slots that owe one, no messages.
+        let only_owed =
+            matches!(self.config.flush, FlushPolicy::Manual { .. }) && !self.flush_requested;
         let mut enc = match BatchEncoder::new(buf, self.epoch, self.batch_seq_out, Lane(0)) {
             Ok(enc) => enc,
             Err(err) => {
@@ -553,8 +561,11 @@ impl PeerCore {
             self.control_since = None;
         }
         let control_records = enc.record_count();
-        if include_data && control_done && self.write_messages(&mut enc) {
-            self.write_data(&mut enc, now);
+        if include_data && control_done && (only_owed || self.write_messages(&mut enc)) {
+            let full = self.write_data(&mut enc, now, only_owed);
+            if only_owed && !full {
+                self.flush_owed_ready = false;
+            }
             if self.ready.is_empty() && !self.has_messages() {
                 self.data_since = None;
                 // A flush that met no peer credit holds until a grant comes.
@@ -731,7 +742,7 @@ impl PeerCore {
             awaiting_peer_credit: false,
             heartbeat_owed: false,
             sent_since_tick: false,
-            blocked_in_flush: false,
+            flush_owed: false,
         });
         self.live_egress += 1;
         self.opens_owed.push_back(index);
@@ -846,18 +857,29 @@ impl PeerCore {
         true
     }
 
-    fn write_data(&mut self, enc: &mut BatchEncoder<'_>, now: Instant) {
+    /// Fills the batch from the ready slots in turn (`only_owed`: only those
+    /// that owe a flush); true if it stopped because the batch is full.
+    fn write_data(&mut self, enc: &mut BatchEncoder<'_>, now: Instant, only_owed: bool) -> bool {
         let rounds = self.ready.len();
         for _ in 0..rounds {
             let Some(index) = self.ready.pop_front() else {
                 break;
             };
+            let owes = self.table[index as usize]
+                .slot
+                .as_ref()
+                .is_some_and(|slot| slot.flush_owed);
+            if only_owed && !owes {
+                // Waits, ready, for the next flush.
+                self.ready.push_back(index);
+                continue;
+            }
             match self.fill_slot(index, enc) {
                 Fill::Full => {
                     // To the back: a long record takes turns with the other
                     // ready slots instead of holding the link until it ends.
                     self.ready.push_back(index);
-                    return;
+                    return true;
                 }
                 Fill::Blocked | Fill::Idle => {
                     if let Some(slot) = self.table[index as usize].slot.as_mut() {
@@ -880,6 +902,7 @@ impl PeerCore {
         if !self.ready.is_empty() {
             self.data_since.get_or_insert(now);
         }
+        false
     }
 
     fn fill_slot(&mut self, index: u32, enc: &mut BatchEncoder<'_>) -> Fill {
@@ -889,7 +912,8 @@ impl PeerCore {
         let peer_credit = &mut self.peer_credit;
         let peer_blocked = &mut self.peer_blocked;
         let peer_window = self.egress_peer_window;
-        let flushing = self.flush_requested;
+        let flushing =
+            matches!(self.config.flush, FlushPolicy::Manual { .. }) && self.flush_requested;
         let Some(slot) = self.table[index as usize].slot.as_mut() else {
             return Fill::Idle;
         };
@@ -975,10 +999,11 @@ impl PeerCore {
                 }
                 Pop::Blocked => {
                     Counters::add(&counters.credit_stalls, 1);
-                    slot.blocked_in_flush |= flushing;
+                    slot.flush_owed |= flushing;
                     return Fill::Blocked;
                 }
                 Pop::Empty => {
+                    slot.flush_owed = false;
                     if slot.heartbeat_owed {
                         // No room, or no record left in this batch: the next.
                         if enc.push_heartbeat(slot.id, slot.seq).is_err() {
@@ -1405,8 +1430,7 @@ impl PeerCore {
             });
         }
         // What a flush could not send for want of credit goes when it comes.
-        let flush_carried = std::mem::take(&mut slot.blocked_in_flush);
-        self.flush_requested |= flush_carried;
+        self.flush_owed_ready |= slot.flush_owed;
         self.make_ready(index, now);
         Ok(())
     }
@@ -1981,11 +2005,29 @@ mod tests {
             !core.wants_write(Instant::now()),
             "the third waits for credit"
         );
+        // Queued after the flush on another slot: it waits for the next one.
+        let mut later = open(&core, 2);
+        later
+            .send(Bytes::from_static(b"later"))
+            .await
+            .expect("queued");
+        core.handle_control(Instant::now());
         let slot = SlotId::new(0, 0).expect("the first slot");
         feed(&mut core, |enc| enc.push_credit(slot, 1024)).expect("within the window");
         assert!(core.wants_write(Instant::now()), "the flush carries on");
         let second = next_batch(&mut core);
-        assert_eq!(second.len(), 1, "the third record: {second:?}");
+        let data: Vec<&String> = second.iter().filter(|r| r.starts_with("data")).collect();
+        assert_eq!(data.len(), 1, "the third record only");
+        assert!(data[0].starts_with("data b\"\\x03"), "{second:?}");
+        core.batch_posted();
+        assert!(next_batch(&mut core).is_empty(), "the later slot waits");
+        core.control.request_flush();
+        core.handle_control(Instant::now());
+        let third = next_batch(&mut core);
+        assert!(
+            third.iter().any(|r| r.starts_with("data b\"later\"")),
+            "{third:?}"
+        );
     }
 
     /// A record many batches long takes turns with the other ready slots:
