@@ -27,7 +27,7 @@ use velo::transports::tcp::TcpTransportBuilder;
 
 use crate::demo::{
     Pacer, Report, SIDE_FILL, StreamWall, Workload, open_fds, peak_rss, percentiles, process_cpu,
-    process_runs, reset_peak_rss, until_count,
+    process_runs, producer_watched, reset_peak_rss, until_count,
 };
 
 /// Which of velo's streaming paths carries the anchors.
@@ -195,7 +195,7 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
     let runs_before = process_runs();
     let start = Instant::now();
     // A runtime task, as in `demo::run` (the qpmux rows).
-    let producer = tokio::spawn(async move {
+    let mut producer = tokio::spawn(async move {
         let mut pacer = Pacer::new(workload.pace);
         for _ in 0..workload.passes {
             pacer.start_pass().await;
@@ -206,13 +206,19 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
         anyhow::Ok(senders)
     });
     // Watched while the producer runs, as in `demo::run`.
+    let senders = match producer_watched(&mut producer, &received, patience).await {
+        Ok(senders) => senders?,
+        Err(err) => {
+            abort_all(&tasks);
+            abort_all(&slow_tasks);
+            return Err(err);
+        }
+    };
     if let Err(seen) = until_count(&received, &progress, total, patience).await {
-        producer.abort();
         abort_all(&tasks);
         abort_all(&slow_tasks);
         anyhow::bail!("{seen} of {total} records arrived, then none for {patience:?}");
     }
-    let senders = producer.await??;
     let elapsed = start.elapsed();
     let cpu = process_cpu().saturating_sub(cpu_before);
     let cpu_runs = process_runs().saturating_sub(runs_before);
