@@ -172,6 +172,9 @@ pub(crate) struct PeerCore {
     /// until the post succeeds, so a failed post reports them.
     messages_in_batch: Vec<OutboundMessage>,
     message_seq_out: FrameSeq,
+    /// Messages and slot data take turns to go first in a batch while both
+    /// wait, so a steady flow of either cannot hold the other back.
+    data_goes_first: bool,
     message_seq_in: FrameSeq,
     message_reassembly: Option<BytesMut>,
     /// Where inbound messages go: the mux's slot, read at each message, so
@@ -271,6 +274,7 @@ impl PeerCore {
             egress_window,
             flush_requested: false,
             flush_owed_ready: false,
+            data_goes_first: false,
             control_since: None,
             data_since: None,
             idle_since: now,
@@ -561,10 +565,26 @@ impl PeerCore {
             self.control_since = None;
         }
         let control_records = enc.record_count();
-        if include_data && control_done && (only_owed || self.write_messages(&mut enc)) {
-            let full = self.write_data(&mut enc, now, only_owed);
-            if only_owed && !full {
-                self.flush_owed_ready = false;
+        if include_data && control_done {
+            let messages = !only_owed && self.has_messages();
+            let data = !self.ready.is_empty();
+            let data_first = self.data_goes_first || !messages;
+            if messages && data {
+                self.data_goes_first = !self.data_goes_first;
+            }
+            if messages && !data_first {
+                self.write_messages(&mut enc);
+            }
+            // Small records may still fill what a message left too short
+            // to start in.
+            if enc.body_room() > 0 {
+                let full = self.write_data(&mut enc, now, only_owed);
+                if only_owed && !full {
+                    self.flush_owed_ready = false;
+                }
+            }
+            if messages && data_first {
+                self.write_messages(&mut enc);
             }
             if self.ready.is_empty() && !self.has_messages() {
                 self.data_since = None;
@@ -2055,6 +2075,72 @@ mod tests {
                 .concat()
                 .iter()
                 .any(|r| r.starts_with("data b\"small\"")),
+            "{batches:?}"
+        );
+    }
+
+    fn message(len: usize) -> OutboundMessage {
+        OutboundMessage {
+            body: Bytes::from(vec![7u8; len]),
+            on_fail: None,
+        }
+    }
+
+    fn has_message(batch: &[String]) -> bool {
+        batch.iter().any(|r| r.starts_with("Message("))
+    }
+
+    /// A flow of messages that fills every batch does not hold slot data
+    /// back: the two take turns to go first.
+    #[tokio::test]
+    async fn a_flood_of_messages_does_not_hold_slot_data_back() {
+        let mut core = credited_core();
+        let mut tx = open(&core, 1);
+        tx.send(Bytes::from_static(b"small")).await.expect("queued");
+        core.handle_control(Instant::now());
+        // Each fills every batch it is in, to the last byte.
+        for _ in 0..2 {
+            core.handle_message(message(40_000), Instant::now());
+        }
+        let first = next_batch(&mut core);
+        core.batch_posted();
+        let second = next_batch(&mut core);
+        core.batch_posted();
+        assert!(
+            has_message(&first) && has_message(&second),
+            "{first:?} {second:?}"
+        );
+        assert!(
+            [first, second]
+                .concat()
+                .iter()
+                .any(|r| r.starts_with("data b\"small\"")),
+            "the record waited behind the messages"
+        );
+    }
+
+    /// Slot data that fills every batch does not hold messages back either.
+    #[tokio::test]
+    async fn slot_data_that_fills_every_batch_does_not_hold_messages_back() {
+        let mut core = credited_core();
+        let mut senders = Vec::new();
+        for session in 0..8 {
+            let mut tx = open(&core, session);
+            tx.send(Bytes::from(vec![1u8; 4000])).await.expect("queued");
+            senders.push(tx);
+        }
+        core.handle_control(Instant::now());
+        core.handle_message(message(64), Instant::now());
+        let mut batches = Vec::new();
+        for _ in 0..3 {
+            batches.push(next_batch(&mut core));
+            core.batch_posted();
+        }
+        assert!(batches.iter().any(|b| has_message(b)), "{batches:?}");
+        assert!(
+            batches
+                .iter()
+                .all(|b| b.iter().any(|r| r.starts_with("data"))),
             "{batches:?}"
         );
     }
