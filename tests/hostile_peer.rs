@@ -619,7 +619,7 @@ async fn an_open_flood_past_max_slots_per_peer_is_refused_and_counted() {
 
 #[test]
 fn an_immediate_claiming_more_returned_credit_than_granted_is_refused() {
-    // The RDMA link maps this to EpochEnd::Fault(LinkFault::CreditOverclaim)
+    // The RDMA link maps this to EpochEnd::Violation(LinkCreditOverclaim)
     // (tests/rdma_link.rs, a_peer_claiming_credit_it_never_had_ends_the_epoch);
     // here the rule itself, over every claim size.
     for sent in 0..8u32 {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use qpmux::link::rdma::{CreditSnapshot, PreparedEnd, RdmaConfig, RdmaLink, pair};
 use qpmux::link::{EpochEnd, Link, LinkError, LinkFault};
-use qpmux::mux::Epoch;
+use qpmux::mux::{Epoch, ProtocolError};
 use qpmux::verbs::soft::SoftDevice;
 use qpmux::verbs::soft::udp::UdpConfig;
 use qpmux::verbs::{
@@ -439,7 +439,7 @@ async fn hostile_peer(payload_len: usize, imm: u32) -> EpochEnd {
 async fn a_peer_claiming_credit_it_never_had_ends_the_epoch() {
     assert_eq!(
         hostile_peer(16, 5).await,
-        EpochEnd::Fault(LinkFault::CreditOverclaim {
+        EpochEnd::Violation(ProtocolError::LinkCreditOverclaim {
             claimed: 5,
             granted: 0
         })

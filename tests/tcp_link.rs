@@ -10,7 +10,8 @@ use qpmux::link::bootstrap::ClusterKey;
 use qpmux::link::tcp::{ConnectError, TcpLink, TcpLinkConfig, TcpNode, TcpNodeConfig};
 use qpmux::link::{EpochEnd, Link, LinkFault};
 use qpmux::mux::{
-    DropReason, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, SendError, StreamKey, Terminal,
+    DropReason, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, ProtocolError, SendError,
+    StreamKey, Terminal,
 };
 use rand::{Rng, SeedableRng};
 
@@ -669,7 +670,10 @@ async fn an_oversized_frame_from_the_peer_ends_the_epoch() {
         assert_eq!(&link.recv().await.expect("the good frame")[..], b"fine!");
         assert_eq!(
             link.ended().await,
-            EpochEnd::Fault(LinkFault::Io(std::io::ErrorKind::InvalidData))
+            EpochEnd::Violation(ProtocolError::FrameTooLarge {
+                len: u32::MAX as usize,
+                max: config.max_batch,
+            })
         );
     })
     .await;

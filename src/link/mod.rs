@@ -46,7 +46,8 @@ pub enum EpochEnd {
     /// The local transport failed (an error completion, a failed post).
     #[error("transport fault: {0}")]
     Fault(LinkFault),
-    /// The peer broke the protocol; the mux ended the epoch.
+    /// The peer broke the protocol: the mux's batches, or the link's
+    /// framing, credit or liveness rules.
     #[error("peer violated the protocol: {0}")]
     Violation(#[from] ProtocolError),
     /// A newer connection to the same peer replaced this one.
@@ -75,14 +76,6 @@ pub enum LinkFault {
     /// Posting a work request failed.
     #[error("post failed")]
     PostFailed,
-    /// The peer returned more link credit than it was ever given.
-    #[error("peer returned {claimed} credits, at most {granted} were granted")]
-    CreditOverclaim {
-        /// Cumulative credits the peer claimed.
-        claimed: u32,
-        /// Cumulative credits we ever granted.
-        granted: u32,
-    },
     /// A socket or device I/O error.
     #[error("i/o error: {0:?}")]
     Io(std::io::ErrorKind),

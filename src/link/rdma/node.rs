@@ -36,7 +36,8 @@ use crate::link::bootstrap::{BootstrapError, ClusterKey, Endpoint, EndpointKind,
 use crate::link::tcp::{
     ConnectError, Connector, ConnectorConfig, EpochMaker, TcpLinkConfig, configure,
 };
-use crate::link::{EpochEnd, Link, LinkFault, Node, RegisterError};
+use crate::link::{EpochEnd, Link, Node, RegisterError};
+use crate::mux::engine::ProtocolError;
 use crate::mux::protocol::Epoch;
 use crate::mux::{Mux, MuxConfig, PeerId};
 use crate::unwind::spawn_catching;
@@ -434,7 +435,7 @@ async fn liveness<D: Device + 'static>(
         read = stream.read(&mut buf) => match read {
             Ok(0) => Some(EpochEnd::PeerClosed),
             // Nothing may follow the ready on this connection.
-            Ok(_) => Some(EpochEnd::Fault(LinkFault::Io(io::ErrorKind::InvalidData))),
+            Ok(_) => Some(EpochEnd::Violation(ProtocolError::LivenessTraffic)),
             Err(err) => {
                 tracing::debug!(%err, "liveness connection failed");
                 Some(EpochEnd::PeerLost)
@@ -565,5 +566,46 @@ impl<D: Device + 'static> Node for RdmaTransport<D> {
 
     fn shutdown(&self) {
         self.node.shutdown_after(&self.mux);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncWriteExt;
+
+    use super::*;
+    use crate::link::rdma::pair;
+    use crate::verbs::soft::SoftDevice;
+    use crate::verbs::soft::udp::UdpConfig;
+
+    /// Nothing may follow the ready on the liveness connection: a byte there
+    /// is the peer's violation, not a fault of this end.
+    #[tokio::test]
+    async fn a_byte_on_the_liveness_connection_is_the_peers_violation() {
+        let device = || SoftDevice::open_udp(UdpConfig::default());
+        let (da, db) = (
+            device().await.expect("device"),
+            device().await.expect("device"),
+        );
+        let (link, _peer) = pair(&da, &db, Epoch(1), RdmaConfig::strict()).expect("pair");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (dialed, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let ctl = Arc::new(Liveness {
+            wake: Notify::new(),
+            sever: AtomicBool::new(false),
+        });
+        let table = Arc::new(Mutex::new(HashMap::new()));
+        let held = accepted.expect("accept").0;
+        let task = tokio::spawn(liveness(link.clone(), held, ctl, 1, table));
+        let mut remote = dialed.expect("connect");
+        remote.write_all(b"x").await.expect("write");
+        task.await.expect("the liveness task ends");
+        assert_eq!(
+            link.ended().await,
+            EpochEnd::Violation(ProtocolError::LivenessTraffic)
+        );
     }
 }

@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex, PoisonError, TryLockError};
 
 use super::{RECV_TAG, Shared, State, fault_of, ibv_status};
 use crate::link::{EpochEnd, LinkFault};
+use crate::mux::engine::ProtocolError;
 use crate::verbs::{
     CompletionHandler, CompletionQueue, Device, QpState, Qpn, QueuePair, WcOpcode, WcStatus,
     WorkCompletion,
@@ -106,14 +107,16 @@ impl<D: Device + 'static> Shared<D> {
                 // After a peer's violation nothing more from it is delivered.
                 let hostile = matches!(
                     st.ended.or(end),
-                    Some(EpochEnd::Fault(LinkFault::CreditOverclaim { .. }))
+                    Some(EpochEnd::Violation(
+                        ProtocolError::LinkCreditOverclaim { .. }
+                    ))
                 );
                 self.on_recv_completion(&mut st, wc, hostile, &mut reposts, &mut received)
             } else {
-                on_send_completion(&mut st, wc)
+                on_send_completion(&mut st, wc).map(EpochEnd::Fault)
             };
-            if let Some(fault) = fault {
-                end.get_or_insert(EpochEnd::Fault(fault));
+            if let Some(reason) = fault {
+                end.get_or_insert(reason);
             }
         }
         if st.ended.is_none() && end.is_none() {
@@ -139,7 +142,7 @@ impl<D: Device + 'static> Shared<D> {
         }
     }
 
-    /// One receive completion; returns the fault it ends the epoch with.
+    /// One receive completion; returns how it ends the epoch, if it does.
     fn on_recv_completion(
         &self,
         st: &mut State<D>,
@@ -147,13 +150,13 @@ impl<D: Device + 'static> Shared<D> {
         hostile: bool,
         reposts: &mut Vec<usize>,
         received: &mut bool,
-    ) -> Option<LinkFault> {
+    ) -> Option<EpochEnd> {
         let idx = (wc.wr_id & !RECV_TAG) as usize;
         st.recv_posted = st.recv_posted.saturating_sub(1);
         if wc.status != WcStatus::Success {
-            return Some(LinkFault::Completion {
+            return Some(EpochEnd::Fault(LinkFault::Completion {
                 status: ibv_status(wc.status),
-            });
+            }));
         }
         if hostile {
             return None;
@@ -161,17 +164,17 @@ impl<D: Device + 'static> Shared<D> {
         let len = wc.byte_len as usize;
         if idx >= self.recv_mrs.len() || len > self.config.max_batch {
             // The provider enforces both; a peer must never get past them.
-            return Some(LinkFault::Completion {
+            return Some(EpochEnd::Fault(LinkFault::Completion {
                 status: ibv_status(WcStatus::LocLenErr),
-            });
+            }));
         }
         st.credit.on_receive();
         if let Some(imm) = wc.imm {
             if let Err(over) = st.credit.on_peer_imm(imm) {
-                return Some(LinkFault::CreditOverclaim {
+                return Some(EpochEnd::Violation(ProtocolError::LinkCreditOverclaim {
                     claimed: over.claimed,
                     granted: over.granted,
-                });
+                }));
             }
         }
         if len == 0 {

@@ -26,6 +26,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Notify;
 
 use crate::link::{EpochEnd, Link, LinkError, LinkFault};
+use crate::mux::engine::ProtocolError;
 use crate::mux::protocol::Epoch;
 use crate::stages::{self, Stage};
 use crate::unwind::spawn_catching;
@@ -373,9 +374,12 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
                 inner.wake_recv.notify_waiters();
             }
             Ok(None) => break EpochEnd::PeerClosed,
-            Err(err) => {
+            Err(ReadError::Io(err)) => {
                 tracing::debug!(epoch = %inner.epoch, %err, "tcp link read failed");
                 break end_of_io(&err);
+            }
+            Err(ReadError::TooLarge { len, max }) => {
+                break EpochEnd::Violation(ProtocolError::FrameTooLarge { len, max });
             }
         }
     };
@@ -398,20 +402,29 @@ async fn read_out_close<R: tokio::io::AsyncRead + Unpin>(inner: &Inner, rd: &mut
     inner.shutdown_socket();
 }
 
+/// Why reading a frame failed: the socket, or the peer's framing.
+enum ReadError {
+    Io(io::Error),
+    TooLarge { len: usize, max: usize },
+}
+
+impl From<io::Error> for ReadError {
+    fn from(err: io::Error) -> Self {
+        ReadError::Io(err)
+    }
+}
+
 /// One framed batch; `None` on EOF at a frame boundary.
 async fn read_batch<R: tokio::io::AsyncBufRead + Unpin>(
     rd: &mut R,
     max: usize,
-) -> io::Result<Option<Vec<u8>>> {
+) -> Result<Option<Vec<u8>>, ReadError> {
     if rd.fill_buf().await?.is_empty() {
         return Ok(None);
     }
     let len = rd.read_u32().await? as usize;
     if len > max {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("batch of {len} bytes exceeds {max}"),
-        ));
+        return Err(ReadError::TooLarge { len, max });
     }
     let mut batch = vec![0u8; len];
     rd.read_exact(&mut batch).await?;

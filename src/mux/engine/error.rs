@@ -105,4 +105,26 @@ pub enum ProtocolError {
         /// The limit.
         limit: u32,
     },
+    /// The link's framing, not a batch: a TCP frame header announcing more
+    /// bytes than this end's receive buffers hold.
+    #[error("link frame of {len} bytes exceeds the {max}-byte receive buffer")]
+    FrameTooLarge {
+        /// The length the frame announced.
+        len: usize,
+        /// The receive buffer's length.
+        max: usize,
+    },
+    /// The link's credit: the peer returned more RDMA link credit (receive
+    /// posts) than it was ever given.
+    #[error("peer returned {claimed} link credits, at most {granted} were granted")]
+    LinkCreditOverclaim {
+        /// Cumulative credits the peer claimed.
+        claimed: u32,
+        /// Cumulative credits we ever granted.
+        granted: u32,
+    },
+    /// Bytes on the RDMA link's liveness connection, where nothing may
+    /// follow the handshake's ready.
+    #[error("bytes on the liveness connection")]
+    LivenessTraffic,
 }
