@@ -455,7 +455,7 @@ struct NodeInner<E: EpochMaker> {
     epoch_floor: AtomicU64,
     mux: OnceLock<Mux<E::Link>>,
     counters: Counters,
-    last_refusal: Mutex<Option<ConnectError>>,
+    refusals: Mutex<Refusals>,
     shutdown: AtomicBool,
     shutdown_notify: Notify,
     handshakes: Arc<Semaphore>,
@@ -463,9 +463,32 @@ struct NodeInner<E: EpochMaker> {
     pending_by_source: Mutex<HashMap<IpAddr, usize>>,
 }
 
-/// One handshake counted against its source IP until dropped. Entries exist
-/// only while counted, and each holds a global handshake permit, so the map
-/// never has more than `max_pending_handshakes` entries.
+/// Refusals logged at WARN at most this often; the rest at DEBUG, and the
+/// next WARN says how many (`suppressed`).
+const REFUSAL_WARN_EVERY: Duration = Duration::from_secs(1);
+
+/// The last refused incoming connection, and the WARN gate over them.
+#[derive(Debug, Default)]
+struct Refusals {
+    last: Option<ConnectError>,
+    quiet_until: Option<Instant>,
+    suppressed: u64,
+}
+
+impl Refusals {
+    /// Records a refusal; `Some(refusals not logged at WARN since the last
+    /// WARN)` when this one should be.
+    fn note(&mut self, err: ConnectError, now: Instant) -> Option<u64> {
+        self.last = Some(err);
+        if self.quiet_until.is_some_and(|until| now < until) {
+            self.suppressed += 1;
+            return None;
+        }
+        self.quiet_until = Some(now + REFUSAL_WARN_EVERY);
+        Some(std::mem::take(&mut self.suppressed))
+    }
+}
+
 /// The source a handshake's share is counted against: an IPv4 address
 /// (also when mapped into IPv6), or an IPv6 address's /64, since one host
 /// is usually given a whole /64 and could otherwise be many sources.
@@ -479,6 +502,9 @@ fn source_of(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// One handshake counted against its source IP until dropped. Entries exist
+/// only while counted, and each holds a global handshake permit, so the map
+/// never has more than `max_pending_handshakes` entries.
 struct SourcePermit<E: EpochMaker> {
     inner: Arc<NodeInner<E>>,
     source: IpAddr,
@@ -519,10 +545,23 @@ impl<E: EpochMaker> Drop for SourcePermit<E> {
 impl<E: EpochMaker> NodeInner<E> {
     /// Closes an accepted connection without a word, counted and logged.
     fn shed(&self, err: ConnectError, remote: SocketAddr) {
-        *self.last_refusal.lock().expect("node state poisoned") = Some(err);
         bump(&self.counters.handshakes_shed);
+        self.refuse(err, remote, "handshake shed; connection closed");
+    }
+
+    /// Counts and logs a refused incoming connection: at WARN at most once
+    /// per [`REFUSAL_WARN_EVERY`], so a flood of them cannot flood the log.
+    fn refuse(&self, err: ConnectError, remote: SocketAddr, what: &'static str) {
         bump(&self.counters.refused);
-        tracing::warn!(%remote, %err, "handshake shed; connection closed");
+        let warn = self
+            .refusals
+            .lock()
+            .expect("node state poisoned")
+            .note(err, Instant::now());
+        match warn {
+            Some(suppressed) => tracing::warn!(%remote, %err, suppressed, "{what}"),
+            None => tracing::debug!(%remote, %err, "{what}"),
+        }
     }
 
     fn peers(&self) -> MutexGuard<'_, Peers<E>> {
@@ -690,7 +729,7 @@ impl<E: EpochMaker> Connector<E> {
             epoch_floor: AtomicU64::new(0),
             mux: OnceLock::new(),
             counters: Counters::default(),
-            last_refusal: Mutex::new(None),
+            refusals: Mutex::default(),
             shutdown: AtomicBool::new(false),
             shutdown_notify: Notify::new(),
             handshakes: Arc::new(Semaphore::new(max_pending)),
@@ -827,7 +866,11 @@ impl<E: EpochMaker> Connector<E> {
 
     /// Why the last refused incoming connection was refused.
     pub fn last_refusal(&self) -> Option<ConnectError> {
-        *self.inner.last_refusal.lock().expect("node state poisoned")
+        self.inner
+            .refusals
+            .lock()
+            .expect("node state poisoned")
+            .last
     }
 
     /// Dials `peer` now (ignoring backoff) and installs the link. While it
@@ -1223,11 +1266,7 @@ async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListe
             match result {
                 Ok(epoch) => tracing::debug!(%remote, %epoch, "accepted"),
                 Err(err) if err.is_benign() => tracing::debug!(%remote, %err, "declined"),
-                Err(err) => {
-                    *inner.last_refusal.lock().expect("node state poisoned") = Some(err);
-                    bump(&inner.counters.refused);
-                    tracing::warn!(%remote, %err, "refused an incoming connection");
-                }
+                Err(err) => inner.refuse(err, remote, "refused an incoming connection"),
             }
         });
     }
@@ -1374,8 +1413,9 @@ fn decide<E: EpochMaker>(
 
 #[cfg(test)]
 mod tests {
-    use super::source_of;
+    use super::{ConnectError, REFUSAL_WARN_EVERY, Refusals, source_of};
     use std::net::IpAddr;
+    use tokio::time::Instant;
 
     fn ip(text: &str) -> IpAddr {
         text.parse().expect("an address")
@@ -1396,6 +1436,29 @@ mod tests {
         assert_ne!(
             source_of(ip("2001:db8:1:2::1")),
             source_of(ip("2001:db8:1:3::1"))
+        );
+    }
+
+    /// A flood of refused connections logs one WARN per interval, and the
+    /// next says how many went to DEBUG; every one is still the last refusal.
+    #[test]
+    fn refusals_warn_once_per_interval_and_count_the_rest() {
+        let mut refusals = Refusals::default();
+        let start = Instant::now();
+        assert_eq!(refusals.note(ConnectError::Timeout, start), Some(0));
+        for _ in 0..5 {
+            assert_eq!(refusals.note(ConnectError::Timeout, start), None);
+        }
+        let refused = ConnectError::Io(std::io::ErrorKind::ConnectionReset);
+        assert_eq!(refusals.note(refused, start + REFUSAL_WARN_EVERY / 2), None);
+        assert_eq!(refusals.last, Some(refused));
+        assert_eq!(
+            refusals.note(ConnectError::Timeout, start + REFUSAL_WARN_EVERY),
+            Some(6)
+        );
+        assert_eq!(
+            refusals.note(ConnectError::Timeout, start + REFUSAL_WARN_EVERY * 3),
+            Some(0)
         );
     }
 }
