@@ -263,7 +263,10 @@ impl Link for MemLink {
         let data = buf.data.take().expect("a send buffer is posted once");
         let mut state = self.shared.lock();
         if let Some(err) = self.shared.ended_for(&state, self.end) {
-            state.ends[self.end].free_buffers.push(data);
+            // Not posted: the buffer and its credit stay with this end.
+            let end = &mut state.ends[self.end];
+            end.free_buffers.push(data);
+            end.credits += 1;
             return Err(err);
         }
         let peer = 1 - self.end;

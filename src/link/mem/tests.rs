@@ -209,3 +209,18 @@ async fn oversized_post_is_refused() {
     // The refused buffer's credit came back.
     assert_eq!(a.credit_state().held, 1);
 }
+
+#[tokio::test]
+async fn a_post_into_an_ended_epoch_keeps_its_credit() {
+    let (a, _b) = pair(Epoch(1), config(2));
+    let buf = a.reserve().await.expect("credit");
+    a.fail(EpochEnd::PeerLost);
+    assert!(matches!(
+        a.post(buf, 8),
+        Err(LinkError::Ended {
+            reason: EpochEnd::PeerLost,
+            ..
+        })
+    ));
+    assert_eq!(a.credit_state().held, 2);
+}
