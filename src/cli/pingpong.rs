@@ -116,6 +116,10 @@ pub struct PingpongArgs {
     /// Iterations per size.
     #[arg(long, default_value_t = 2000)]
     pub iters: u64,
+    /// Untimed round trips before the timed ones, at each size (latency
+    /// test): the first ones pay for cold caches and buffer growth.
+    #[arg(long, default_value_t = 100)]
+    pub warmup: u64,
     /// Run only the server, listening here; prints its address blob.
     #[arg(long, conflicts_with_all = ["client", "connect"])]
     pub server: Option<std::net::SocketAddr>,
@@ -331,15 +335,29 @@ async fn serve_session<N: Node>(node: &N, peer: PeerId, session: u64) -> anyhow:
     Ok(())
 }
 
+/// One size's run, as the client measures it.
+#[derive(Clone, Copy, Debug)]
+struct Measure {
+    test: Test,
+    size: usize,
+    iters: u64,
+    /// Untimed round trips first (latency test only).
+    warmup: u64,
+}
+
 async fn client<N: Node>(
     node: &N,
     server: PeerId,
     session: u64,
-    test: Test,
-    size: usize,
-    iters: u64,
+    measure: Measure,
     bar: &ProgressBar,
 ) -> anyhow::Result<(Vec<Duration>, Duration)> {
+    let Measure {
+        test,
+        size,
+        iters,
+        warmup,
+    } = measure;
     let mut rx = node.mux().bind(StreamKey::new(PONG_ANCHOR, session))?;
     let mut tx = node
         .mux()
@@ -354,18 +372,24 @@ async fn client<N: Node>(
     // Only the latency test keeps a sample per iteration.
     let samples = if test == Test::Lat { iters as usize } else { 0 };
     let mut one_way = Vec::with_capacity(samples);
-    let start = Instant::now();
+    let mut start = Instant::now();
     match test {
         Test::Lat => {
-            for i in 1..=iters {
+            // i = 0: an untimed warm-up round trip (the server echoes it too).
+            for i in std::iter::repeat_n(0, warmup as usize).chain(1..=iters) {
+                if i == 1 {
+                    start = Instant::now();
+                }
                 let sent = Instant::now();
                 tx.send(record.clone()).await?;
                 match next_reply(node, dropped_before, &mut rx).await? {
                     Some(Frame::Data(echo)) if echo.len() == size => {}
                     other => anyhow::bail!("bad echo: {other:?}"),
                 }
-                one_way.push(sent.elapsed() / 2);
-                step(bar, i);
+                if i > 0 {
+                    one_way.push(sent.elapsed() / 2);
+                    step(bar, i);
+                }
             }
             tx.finish(Terminal::Finalized)?;
         }
@@ -674,9 +698,12 @@ async fn run_client<N: Node>(
             &client_node,
             server_peer,
             run | n,
-            args.test,
-            size,
-            args.iters,
+            Measure {
+                test: args.test,
+                size,
+                iters: args.iters,
+                warmup: args.warmup,
+            },
             &bar,
         );
         let (samples, elapsed) = tokio::select! {
