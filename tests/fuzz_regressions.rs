@@ -312,6 +312,24 @@ fn hand_driven_device_receives_acks_and_drops_garbage() {
     let stats = h.dev.stats();
     assert_eq!((stats.rx_malformed, stats.rx_unknown_qp), (1, 1));
 
+    // A well-formed SEND for our QP at the expected PSN, but from another
+    // address than the connected peer's, or outside our partition, is
+    // dropped before it reaches the QP: the good one below still finds the
+    // PSN and the buffer unused.
+    let spoofed = sealed(
+        &ctx(3, 1),
+        request(Opcode::SendOnly, h.qp.qp_num(), h.peer_psn, None),
+        b"evil",
+        |_| {},
+    );
+    fuzzing::handle_datagram(&h.dev, now, gid(3), 4791, &spoofed);
+    let mut other_partition = request(Opcode::SendOnly, h.qp.qp_num(), h.peer_psn, None);
+    other_partition.bth.pkey = 0x8001;
+    let foreign = sealed(&ctx(2, 1), other_partition, b"evil", |_| {});
+    fuzzing::handle_datagram(&h.dev, now, gid(2), 4791, &foreign);
+    let stats = h.dev.stats();
+    assert_eq!((stats.rx_wrong_source, stats.rx_bad_pkey), (1, 1));
+
     // A good SEND_ONLY lands in the posted buffer and is acknowledged.
     let good = sealed(
         &ctx(2, 1),

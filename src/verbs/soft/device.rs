@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 use super::Instant;
 use super::cq::CqShared;
 use super::engine::{CqSide, QpCounters, QpEngine};
-use super::wire::{Bth, IcrcContext, Packet};
+use super::wire::{Bth, DEFAULT_PKEY, IcrcContext, Packet};
 use crate::verbs::{Gid, Mtu, QpCaps, Qpn};
 
 /// Datagram counters of one device.
@@ -35,6 +35,11 @@ pub struct DeviceStats {
     pub rx_malformed: u64,
     /// Datagrams for a QPN this device does not have.
     pub rx_unknown_qp: u64,
+    /// Datagrams for a connected QP from another address than its peer's
+    /// GID (rxe's address check drops these too).
+    pub rx_wrong_source: u64,
+    /// Datagrams whose P_Key is not this port's partition.
+    pub rx_bad_pkey: u64,
     /// Datagrams emitted.
     pub tx_datagrams: u64,
     /// Of those, put on the wire by `post_send` itself rather than the
@@ -68,6 +73,13 @@ pub(crate) struct QpEntry {
     pub engine: QpEngine,
     send_cq: Arc<CqShared>,
     recv_cq: Arc<CqShared>,
+}
+
+/// A P_Key matches the port's (the default, a full member) when the low 15
+/// bits agree and are not the invalid key 0 (IBA 10.9.3).
+fn pkey_matches(pkey: u16) -> bool {
+    let key = pkey & 0x7fff;
+    key != 0 && key == DEFAULT_PKEY & 0x7fff
 }
 
 /// One datagram `poll_transmit` produced.
@@ -262,6 +274,19 @@ impl DeviceCore {
             self.stats.rx_unknown_qp += 1;
             return;
         };
+        // An RC QP hears only the peer it was connected to, on our partition.
+        if entry
+            .engine
+            .path()
+            .is_some_and(|path| path.tx_ctx.dst != src)
+        {
+            self.stats.rx_wrong_source += 1;
+            return;
+        }
+        if !pkey_matches(bth.pkey()) {
+            self.stats.rx_bad_pkey += 1;
+            return;
+        }
         let ctx = IcrcContext {
             src,
             dst: self.gid,
