@@ -107,6 +107,7 @@ fn hello_with_windows(
     body.extend_from_slice(&windows.0.to_be_bytes());
     body.extend_from_slice(&windows.1.to_be_bytes());
     body.extend_from_slice(&windows.2.to_be_bytes());
+    body.extend_from_slice(&(16u32 << 20).to_be_bytes()); // max record
     body.push(0); // no MAC
     let mut out = (body.len() as u32).to_be_bytes().to_vec();
     out.extend_from_slice(&body);

@@ -152,6 +152,8 @@ fn assert_latency_rows(rows: &serde_json::Value, sizes: &[u64], iters: u64) {
 fn pingpong_measures_latency_and_bandwidth_in_one_process() {
     let lat = qpmux_json(&["pingpong", "--iters", "200", "--size", "64,4096"]);
     assert_latency_rows(&lat, &[64, 4096], 200);
+    let cold = qpmux_json(&["pingpong", "--iters", "50", "--warmup", "0", "--size", "64"]);
+    assert_latency_rows(&cold, &[64], 50);
 
     for transport in ["rdma", "tcp"] {
         let bw = qpmux_json(&[

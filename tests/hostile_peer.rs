@@ -43,6 +43,54 @@ async fn dropped(rx: &mut qpmux::mux::SlotReceiver) {
     assert_eq!(rx.recv().await, None);
 }
 
+/// A link's own verdict (a TCP link's on an oversized frame header) comes
+/// after the batches it completed: they reach their consumers before the
+/// `Dropped`, and the offence is counted once. Eight epochs, since which of
+/// the peer task's waits sees the end first is drawn each time.
+#[tokio::test]
+async fn batches_a_link_completed_before_its_violation_are_delivered() {
+    bounded(async {
+        for session in 0..8 {
+            let mut arena = Arena::new(MuxConfig::default()).await;
+            let key = StreamKey::new(EVIL.0, session);
+            let mut rx = arena.target.bind(key).expect("bind");
+            // The target has something to write too, so its wake-up, which
+            // meets the ended link in `reserve`, races the batch.
+            let mut ours = arena
+                .target
+                .open(EVIL, StreamKey::new(TARGET.0, session))
+                .expect("open");
+            ours.send(Bytes::from_static(b"ours"))
+                .await
+                .expect("queued");
+            let slot = slot(0, 0);
+            arena
+                .evil
+                .post(|enc| {
+                    enc.push_open(slot, FrameSeq(0), key.anchor.0, key.session.0)
+                        .expect("fits");
+                    enc.push_data(slot, FrameSeq(1), b"before", false)
+                        .expect("fits");
+                })
+                .await;
+            let violation = ProtocolError::FrameTooLarge {
+                len: u32::MAX as usize,
+                max: 65536,
+            };
+            arena.evil.link_verdict(EpochEnd::Violation(violation));
+            assert_eq!(
+                rx.recv().await,
+                Some(Frame::Data(Bytes::from_static(b"before"))),
+                "epoch {session}"
+            );
+            dropped(&mut rx).await;
+            until(|| arena.target.stats().epoch_deaths == 1).await;
+            assert_eq!(arena.target.stats().protocol_violations, 1);
+        }
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_record_for_a_never_opened_slot_is_dropped_counted_and_answered() {
     bounded(async {
@@ -678,6 +726,46 @@ async fn honest_round(from: &Mux<TcpLink>, to: &Mux<TcpLink>, session: u64) {
         Some(Frame::Data(Bytes::from_static(b"honest")))
     );
     assert_eq!(rx.recv().await, Some(Frame::Finalized));
+}
+
+/// A TCP frame header announcing more than the target's `max_batch` is the
+/// peer's violation, counted; the batch the link completed before it still
+/// reaches its consumer, and then the stream hears its `Dropped`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_before_an_oversized_tcp_frame_is_delivered_and_the_frame_is_a_counted_violation() {
+    bounded(async {
+        use qpmux::mux::protocol::{BatchEncoder, Lane};
+        use tokio::io::AsyncWriteExt;
+
+        let (target_node, target) = tcp_node(TARGET).await;
+        let key = StreamKey::new(EVIL.0, 1);
+        let mut rx = target.bind(key).expect("bind");
+        let dialer = HostileDialer::connect(target_node.local_addr()).await;
+        let (epoch, mut stream) = dialer
+            .establish(Some(KEY), EVIL, TARGET, Epoch::default())
+            .await
+            .expect("a link");
+        let mut batch = vec![0u8; 1024];
+        let mut enc = BatchEncoder::new(&mut batch, epoch, 0, Lane(0)).expect("fits");
+        let slot = slot(0, 0);
+        enc.push_open(slot, FrameSeq(0), key.anchor.0, key.session.0)
+            .expect("fits");
+        enc.push_data(slot, FrameSeq(1), b"before", false)
+            .expect("fits");
+        let len = enc.finish();
+        let mut frames = (len as u32).to_be_bytes().to_vec();
+        frames.extend_from_slice(&batch[..len]);
+        frames.extend_from_slice(&u32::MAX.to_be_bytes());
+        stream.write_all(&frames).await.expect("write");
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(Bytes::from_static(b"before")))
+        );
+        assert!(matches!(rx.recv().await, Some(Frame::Dropped(_))));
+        until(|| target.stats().protocol_violations == 1).await;
+        drop(stream);
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -450,7 +450,7 @@ async fn a_peer_claiming_credit_it_never_had_ends_the_epoch() {
 async fn a_batch_larger_than_the_receive_buffer_ends_the_epoch() {
     assert_eq!(
         hostile_peer(8192, 0).await,
-        EpochEnd::Fault(LinkFault::Completion { status: 1 })
+        EpochEnd::Violation(ProtocolError::SendTooLarge { max: 4096 })
     );
 }
 

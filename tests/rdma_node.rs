@@ -390,6 +390,7 @@ fn hello_to(listener: PeerId) -> Handshake {
             slot_window: 256 * 1024,
             peer_window: 64 << 20,
             peer_credit: 64 << 20,
+            max_record: 16 << 20,
         },
         Some(listener),
         fresh_nonce(),

@@ -957,6 +957,33 @@ async fn a_listener_giving_up_after_the_dialers_ready_costs_one_relink() {
     assert_eq!(b_node.stats().established, 1, "B installed only the second");
 }
 
+/// An epoch that ended in the peer's violation is not fresh news: the next
+/// dial waits out a backoff although the epoch carried batches (a peer that
+/// breaks the protocol after one good batch was redialled at once, every
+/// epoch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_whose_epoch_ended_in_a_violation_is_redialled_after_a_backoff() {
+    bounded(async {
+        let wait = Duration::from_secs(60);
+        let (a_node, a) = node_backing_off(A, wait).await;
+        let (b_node, b) = node(B, None).await;
+        a_node.register(B, b_node.local_addr());
+        let mut rx = one_stream(&a, B, &b, StreamKey::new(44, 1), 3).await;
+        assert_eq!(in_order_to_finalized(&mut rx).await.0, 3);
+        let link = a_node.link(B).expect("the link");
+        // B's grants for what it read: the epoch carried traffic both ways.
+        until(|| link.stats().batches_received > 0).await;
+        link.fail(EpochEnd::Violation(ProtocolError::FrameTooLarge {
+            len: 1 << 30,
+            max: 65536,
+        }));
+        until(|| a.epoch(B).is_none()).await;
+        a_node.dialer().want_link(B);
+        assert_eq!(a_node.backoff(B), wait);
+    })
+    .await;
+}
+
 /// A forgotten peer (`Node::unregister`) is not dialled again, also when the
 /// forgetting comes while a dial waits out its backoff, and a slot to it
 /// still wants a link.

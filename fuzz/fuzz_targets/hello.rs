@@ -89,6 +89,7 @@ fn fields(node: PeerId, proposes: u64, rdma: bool, credit: u32) -> HelloFields {
         slot_window: 256 * 1024,
         peer_window: 64 << 20,
         peer_credit: credit % ((64 << 20) + 1),
+        max_record: 16 << 20,
     }
 }
 

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!  client ─ slot (HELO, 0) ─► server: address blob, (run, sessions); open until the run ends
-//!  server ─ slot (PONG, run) ─► client: "ok" (the warm-up round trip); finished
+//!  server ─ slot (PONG, run) ─► client: "ok" (the run's first round trip); finished
 //!                                        once the client has finished its hello
 //!  per size n = 1..=sessions:
 //!    client ─ slot (PING, run | n) ─► server: mode ("lat" | "bw"), then records
@@ -372,14 +372,11 @@ async fn client<N: Node>(
     // Only the latency test keeps a sample per iteration.
     let samples = if test == Test::Lat { iters as usize } else { 0 };
     let mut one_way = Vec::with_capacity(samples);
-    let mut start = Instant::now();
+    let start = Instant::now();
     match test {
         Test::Lat => {
-            // i = 0: an untimed warm-up round trip (the server echoes it too).
+            // i = 0: one of `--warmup` untimed round trips (the server echoes it too).
             for i in std::iter::repeat_n(0, warmup as usize).chain(1..=iters) {
-                if i == 1 {
-                    start = Instant::now();
-                }
                 let sent = Instant::now();
                 tx.send(record.clone()).await?;
                 match next_reply(node, dropped_before, &mut rx).await? {

@@ -102,6 +102,9 @@ pub struct PeerTerms {
     /// epoch ([`Mux::peer_room`](crate::mux::Mux::peer_room) on its side).
     /// At most `peer_window`; 0 is allowed (we wait for its first grant).
     pub peer_credit: u32,
+    /// The peer's [`MuxConfig::max_record`]: the largest record or message
+    /// we may send it (a larger one would end the epoch there). Never 0.
+    pub max_record: u32,
 }
 
 impl PeerTerms {
@@ -111,6 +114,7 @@ impl PeerTerms {
             slot_window: config.slot_window,
             peer_window: config.peer_window,
             peer_credit: config.peer_window,
+            max_record: u32::try_from(config.max_record).unwrap_or(u32::MAX),
         }
     }
 }

@@ -88,6 +88,9 @@ pub struct Stats {
     pub slots_carried: u64,
     /// Protocol violations by peers (each also ends an epoch).
     pub protocol_violations: u64,
+    /// Outbound messages larger than the peer's `max_record`, reported to
+    /// their senders instead of written (the peer would end the epoch).
+    pub messages_too_large: u64,
     /// Panics caught in a peer task (a bug here, or in the message sink it
     /// called); each ended its epoch ([`crate::link::EpochEnd::Internal`]),
     /// or, outside an epoch, restarted the task.
@@ -134,6 +137,7 @@ impl Stats {
             ("qpmux_slots_dropped_total", self.slots_dropped),
             ("qpmux_slots_carried_total", self.slots_carried),
             ("qpmux_protocol_violations_total", self.protocol_violations),
+            ("qpmux_messages_too_large_total", self.messages_too_large),
             ("qpmux_peer_task_panics_total", self.peer_task_panics),
             ("qpmux_drops_unknown_slot_total", self.drops.unknown_slot),
             (
@@ -193,6 +197,7 @@ pub(crate) struct Counters {
     pub slots_dropped: AtomicU64,
     pub slots_carried: AtomicU64,
     pub protocol_violations: AtomicU64,
+    pub messages_too_large: AtomicU64,
     pub peer_task_panics: AtomicU64,
     pub opens_refused: AtomicU64,
     pub unknown_slot: AtomicU64,
@@ -243,6 +248,7 @@ impl Counters {
             slots_dropped: get(&self.slots_dropped),
             slots_carried: get(&self.slots_carried),
             protocol_violations: get(&self.protocol_violations),
+            messages_too_large: get(&self.messages_too_large),
             peer_task_panics: get(&self.peer_task_panics),
             opens_refused: get(&self.opens_refused),
             drops: DropCounts {

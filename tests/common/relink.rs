@@ -58,7 +58,10 @@ impl<E: EpochMaker> Dialing<'_, E> {
     async fn live_link(&self, peer: PeerId, what: &str) -> E::Link {
         let mut live = None;
         within(self.relink_bound(), what, || {
-            live = self.node.link(peer).filter(|link| !E::is_ended(link));
+            live = self
+                .node
+                .link(peer)
+                .filter(|link| E::end_reason(link).is_none());
             live.is_some()
         })
         .await;

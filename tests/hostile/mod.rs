@@ -371,6 +371,12 @@ impl HostileMem {
         self.target_end.ended().await
     }
 
+    /// The target's link ends the epoch itself with `reason`, as a link
+    /// does on a violation of its own rules (framing, link credit).
+    pub fn link_verdict(&self, reason: EpochEnd) {
+        self.target_end.fail(reason);
+    }
+
     /// True once the liar's epoch is over.
     pub fn is_ended(&self) -> bool {
         self.link.is_ended()
@@ -543,6 +549,7 @@ impl HostileDialer {
             slot_window: 256 * 1024,
             peer_window: 64 << 20,
             peer_credit: 64 << 20,
+            max_record: 16 << 20,
         };
         let key = key.map(|k| ClusterKey::new(k).expect("key length"));
         let mut hs = Handshake::dialer(key, fields, Some(to), fresh_nonce());

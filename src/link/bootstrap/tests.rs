@@ -22,6 +22,7 @@ fn tcp(node: PeerId, proposed: u64) -> HelloFields {
         slot_window: 4096 * (node.0 as u32 + 1),
         peer_window: (1 << 20) * (node.0 as u32 + 1),
         peer_credit: (1 << 19) * (node.0 as u32 + 1),
+        max_record: (1 << 18) * (node.0 as u32 + 1),
     }
 }
 
@@ -249,6 +250,12 @@ fn zero_windows_are_named() {
     assert_eq!(
         listener_error(&framed(&dialer_hello_body(&fields))),
         BootstrapError::BadField("slot window")
+    );
+    let mut fields = tcp(D, 0);
+    fields.max_record = 0;
+    assert_eq!(
+        listener_error(&framed(&dialer_hello_body(&fields))),
+        BootstrapError::BadField("max record")
     );
     let mut fields = tcp(D, 0);
     fields.peer_window = 0;

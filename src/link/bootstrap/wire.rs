@@ -12,7 +12,7 @@ use crate::mux::protocol::Epoch;
 /// Largest message body accepted or sent.
 pub const MAX_MESSAGE: usize = 4096;
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Leading bytes of a challenge and a hello.
 pub const MAGIC: [u8; 4] = *b"QPMX";
 /// Bytes in a nonce.
@@ -275,6 +275,10 @@ pub struct HelloFields {
     /// may yet receive on a live epoch (`Mux::peer_room`). At most
     /// `peer_window`.
     pub peer_credit: u32,
+    /// The largest record or message the sender accepts (its
+    /// `MuxConfig::max_record`); the receiver of the hello sends none
+    /// larger. Never 0.
+    pub max_record: u32,
 }
 
 /// A decoded hello.
@@ -430,6 +434,10 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
             if peer_credit > peer_window {
                 return Err(BootstrapError::BadField("peer credit"));
             }
+            let max_record = r.u32()?;
+            if max_record == 0 {
+                return Err(BootstrapError::BadField("max record"));
+            }
             let (mac, signed_len) = mac_trailer(body, &mut r)?;
             Ok(Message::Hello(HelloMessage {
                 fields: HelloFields {
@@ -440,6 +448,7 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
                     slot_window,
                     peer_window,
                     peer_credit,
+                    max_record,
                 },
                 echo,
                 nonce,
@@ -487,6 +496,7 @@ pub(crate) fn hello_signed(fields: &HelloFields, echo: &Nonce, nonce: &Nonce) ->
     out.extend_from_slice(&fields.slot_window.to_be_bytes());
     out.extend_from_slice(&fields.peer_window.to_be_bytes());
     out.extend_from_slice(&fields.peer_credit.to_be_bytes());
+    out.extend_from_slice(&fields.max_record.to_be_bytes());
     out
 }
 

@@ -398,8 +398,8 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
         Ok(link)
     }
 
-    fn is_ended(link: &RdmaLink<D>) -> bool {
-        link.end_reason().is_some()
+    fn end_reason(link: &RdmaLink<D>) -> Option<EpochEnd> {
+        link.end_reason()
     }
 
     fn carried_traffic(link: &RdmaLink<D>) -> bool {

@@ -153,6 +153,13 @@ impl<D: Device + 'static> Shared<D> {
     ) -> Option<EpochEnd> {
         let idx = (wc.wr_id & !RECV_TAG) as usize;
         st.recv_posted = st.recv_posted.saturating_sub(1);
+        if wc.status == WcStatus::LocLenErr {
+            // Every receive buffer is the announced `max_batch` long: the
+            // peer sent more than it was told it may.
+            return Some(EpochEnd::Violation(ProtocolError::SendTooLarge {
+                max: self.config.max_batch,
+            }));
+        }
         if wc.status != WcStatus::Success {
             return Some(EpochEnd::Fault(LinkFault::Completion {
                 status: ibv_status(wc.status),

@@ -283,7 +283,12 @@ impl TcpLink {
 
     /// True once the epoch has ended.
     pub fn is_ended(&self) -> bool {
-        self.inner().lock().ended.is_some()
+        self.end_reason().is_some()
+    }
+
+    /// Why the epoch ended, once it has.
+    pub fn end_reason(&self) -> Option<EpochEnd> {
+        self.inner().lock().ended
     }
 
     /// The remote address, if the socket knew it.

@@ -328,8 +328,8 @@ pub trait EpochMaker: Send + Sync + 'static {
         epoch: Epoch,
     ) -> Result<Self::Link, ConnectError>;
 
-    /// True once `link`'s epoch has ended.
-    fn is_ended(link: &Self::Link) -> bool;
+    /// Why `link`'s epoch ended, once it has.
+    fn end_reason(link: &Self::Link) -> Option<EpochEnd>;
 
     /// True if the peer sent a batch on `link`: it took part in the epoch,
     /// so the epoch's end is fresh news (no backoff). A batch we sent
@@ -388,8 +388,8 @@ impl EpochMaker for TcpEpochs {
         Ok(TcpLink::new(stream, prefix, epoch, &self.link, peer_max)?)
     }
 
-    fn is_ended(link: &TcpLink) -> bool {
-        link.is_ended()
+    fn end_reason(link: &TcpLink) -> Option<EpochEnd> {
+        link.end_reason()
     }
 
     fn carried_traffic(link: &TcpLink) -> bool {
@@ -463,23 +463,30 @@ struct NodeInner<E: EpochMaker> {
     pending_by_source: Mutex<HashMap<IpAddr, usize>>,
 }
 
-/// Refusals logged at WARN at most this often; the rest at DEBUG, and the
-/// next WARN says how many (`suppressed`).
+/// Refusals logged at WARN at most this often, per kind; the rest at DEBUG,
+/// and the next WARN says how many (`suppressed`).
 const REFUSAL_WARN_EVERY: Duration = Duration::from_secs(1);
 
-/// The last refused incoming connection, and the WARN gate over them.
+/// The last refused incoming connection, and a WARN gate per kind: a
+/// flood of shed connections does not hide a refused handshake.
 #[derive(Debug, Default)]
 struct Refusals {
     last: Option<ConnectError>,
+    refused: WarnGate,
+    shed: WarnGate,
+}
+
+/// At most one WARN per [`REFUSAL_WARN_EVERY`].
+#[derive(Debug, Default)]
+struct WarnGate {
     quiet_until: Option<Instant>,
     suppressed: u64,
 }
 
-impl Refusals {
-    /// Records a refusal; `Some(refusals not logged at WARN since the last
-    /// WARN)` when this one should be.
-    fn note(&mut self, err: ConnectError, now: Instant) -> Option<u64> {
-        self.last = Some(err);
+impl WarnGate {
+    /// `Some(events not logged at WARN since the last WARN)` when this one
+    /// should be.
+    fn admit(&mut self, now: Instant) -> Option<u64> {
         if self.quiet_until.is_some_and(|until| now < until) {
             self.suppressed += 1;
             return None;
@@ -546,18 +553,29 @@ impl<E: EpochMaker> NodeInner<E> {
     /// Closes an accepted connection without a word, counted and logged.
     fn shed(&self, err: ConnectError, remote: SocketAddr) {
         bump(&self.counters.handshakes_shed);
-        self.refuse(err, remote, "handshake shed; connection closed");
+        self.refuse(err, remote, true);
     }
 
-    /// Counts and logs a refused incoming connection: at WARN at most once
-    /// per [`REFUSAL_WARN_EVERY`], so a flood of them cannot flood the log.
-    fn refuse(&self, err: ConnectError, remote: SocketAddr, what: &'static str) {
+    /// Counts and logs a refused incoming connection (`shed`: closed before
+    /// its challenge): at WARN at most once per [`REFUSAL_WARN_EVERY`] per
+    /// kind, so a flood of them cannot flood the log.
+    fn refuse(&self, err: ConnectError, remote: SocketAddr, shed: bool) {
         bump(&self.counters.refused);
-        let warn = self
-            .refusals
-            .lock()
-            .expect("node state poisoned")
-            .note(err, Instant::now());
+        let warn = {
+            let mut refusals = self.refusals.lock().expect("node state poisoned");
+            refusals.last = Some(err);
+            let gate = if shed {
+                &mut refusals.shed
+            } else {
+                &mut refusals.refused
+            };
+            gate.admit(Instant::now())
+        };
+        let what = if shed {
+            "handshake shed; connection closed"
+        } else {
+            "refused an incoming connection"
+        };
         match warn {
             Some(suppressed) => tracing::warn!(%remote, %err, suppressed, "{what}"),
             None => tracing::debug!(%remote, %err, "{what}"),
@@ -569,7 +587,10 @@ impl<E: EpochMaker> NodeInner<E> {
     }
 
     fn live(state: &PeerState<E::Link>) -> bool {
-        state.current.as_ref().is_some_and(|l| !E::is_ended(l))
+        state
+            .current
+            .as_ref()
+            .is_some_and(|l| E::end_reason(l).is_none())
     }
 
     /// `peer`'s entry, made if there is none. A new entry's epochs start
@@ -651,6 +672,7 @@ impl<E: EpochMaker> NodeInner<E> {
             slot_window: config.slot_window,
             peer_window: config.peer_window,
             peer_credit: mux.map_or(config.peer_window, |mux| mux.peer_room(peer)),
+            max_record: PeerTerms::announced_by(config).max_record,
         }
     }
 }
@@ -944,12 +966,14 @@ impl<E: EpochMaker> Dialer for NodeDialer<E> {
             return;
         }
         if let Some(previous) = state.current.take() {
-            if E::carried_traffic(&previous) {
+            let violated = matches!(E::end_reason(&previous), Some(EpochEnd::Violation(_)));
+            if E::carried_traffic(&previous) && !violated {
                 // The path worked: this is a fresh failure, redial at once.
                 state.backoff = Duration::ZERO;
                 state.retry_at = None;
             } else {
-                // Up and dead before a batch: a failed attempt like a failed dial.
+                // Up and dead before a batch, or the peer broke the protocol
+                // (it would again): a failed attempt like a failed dial.
                 inner.back_off(state);
             }
         }
@@ -1215,6 +1239,7 @@ fn install<E: EpochMaker>(
         slot_window: established.peer.slot_window,
         peer_window: established.peer.peer_window,
         peer_credit: established.peer.peer_credit,
+        max_record: established.peer.max_record,
     };
     mux.attach_with_terms(peer, link, terms, granted);
     Ok(established.epoch)
@@ -1266,7 +1291,7 @@ async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListe
             match result {
                 Ok(epoch) => tracing::debug!(%remote, %epoch, "accepted"),
                 Err(err) if err.is_benign() => tracing::debug!(%remote, %err, "declined"),
-                Err(err) => inner.refuse(err, remote, "refused an incoming connection"),
+                Err(err) => inner.refuse(err, remote, false),
             }
         });
     }
@@ -1413,7 +1438,7 @@ fn decide<E: EpochMaker>(
 
 #[cfg(test)]
 mod tests {
-    use super::{ConnectError, REFUSAL_WARN_EVERY, Refusals, source_of};
+    use super::{REFUSAL_WARN_EVERY, WarnGate, source_of};
     use std::net::IpAddr;
     use tokio::time::Instant;
 
@@ -1440,25 +1465,17 @@ mod tests {
     }
 
     /// A flood of refused connections logs one WARN per interval, and the
-    /// next says how many went to DEBUG; every one is still the last refusal.
+    /// next says how many went to DEBUG.
     #[test]
     fn refusals_warn_once_per_interval_and_count_the_rest() {
-        let mut refusals = Refusals::default();
+        let mut gate = WarnGate::default();
         let start = Instant::now();
-        assert_eq!(refusals.note(ConnectError::Timeout, start), Some(0));
+        assert_eq!(gate.admit(start), Some(0));
         for _ in 0..5 {
-            assert_eq!(refusals.note(ConnectError::Timeout, start), None);
+            assert_eq!(gate.admit(start), None);
         }
-        let refused = ConnectError::Io(std::io::ErrorKind::ConnectionReset);
-        assert_eq!(refusals.note(refused, start + REFUSAL_WARN_EVERY / 2), None);
-        assert_eq!(refusals.last, Some(refused));
-        assert_eq!(
-            refusals.note(ConnectError::Timeout, start + REFUSAL_WARN_EVERY),
-            Some(6)
-        );
-        assert_eq!(
-            refusals.note(ConnectError::Timeout, start + REFUSAL_WARN_EVERY * 3),
-            Some(0)
-        );
+        assert_eq!(gate.admit(start + REFUSAL_WARN_EVERY / 2), None);
+        assert_eq!(gate.admit(start + REFUSAL_WARN_EVERY), Some(6));
+        assert_eq!(gate.admit(start + REFUSAL_WARN_EVERY * 3), Some(0));
     }
 }

@@ -1,10 +1,11 @@
 //! One peer's mux state for one epoch, without I/O: batches and control in,
-//! batches out. The driver (`driver.rs`) adds the link and the clock.
+//! batches out. The peer task (`mod.rs`) adds the link and the clock.
 //!
 //! ```text
 //!  handle_control ◄─ dirty inlets / dirty rx slots / flush kicks (PeerControl)
 //!  handle_batch   ◄─ a received batch: deliver, grant, close, or a ProtocolError
-//!  poll_batch     ─► control owed (pong, closes, grants, opens), then data round-robin
+//!  poll_batch     ─► control owed (pong, closes, grants, opens), then messages and
+//!                     slot data (round-robin), taking turns to go first
 //!  handle_timeout ◄─ credit sweep, heartbeats;  poll_timeout ─► next deadline
 //!  credit: a record starts on slot credit > 0 and peer credit ≥ its length;
 //!          every data byte in counts against our peer window until consumed
@@ -140,6 +141,9 @@ pub(crate) struct PeerCore {
     peer_credit: i64,
     /// The peer's window, from its handshake (else ours).
     egress_peer_window: u32,
+    /// The largest record or message the peer takes, from its handshake
+    /// (else ours).
+    egress_max_record: usize,
     /// Slots whose next record waits for peer credit, in the order they met it.
     peer_blocked: Vec<u32>,
 
@@ -226,6 +230,7 @@ impl PeerCore {
         let counters = control.counters.clone();
         let egress_window = config.slot_window;
         let egress_peer_window = config.peer_window;
+        let egress_max_record = config.max_record;
         held.settle();
         let core = PeerCore {
             epoch,
@@ -245,6 +250,7 @@ impl PeerCore {
             closed_in_batch: Vec::new(),
             peer_credit: i64::from(egress_peer_window),
             egress_peer_window,
+            egress_max_record,
             peer_blocked: Vec::new(),
             ingress: HashMap::new(),
             by_rx: HashMap::new(),
@@ -299,6 +305,14 @@ impl PeerCore {
 
     /// Queues an outbound message (the driver pulls from the epoch's channel).
     pub fn handle_message(&mut self, message: OutboundMessage, now: Instant) {
+        let (len, max) = (message.body.len(), self.egress_max_record);
+        if len > max {
+            // The peer would end the epoch on it: reported to its sender
+            // (dropped armed) instead.
+            Counters::add(&self.counters.messages_too_large, 1);
+            tracing::debug!(len, max, "message larger than the peer's max_record");
+            return;
+        }
         self.messages_out.push_back(message);
         self.data_since.get_or_insert(now);
     }
@@ -326,6 +340,7 @@ impl PeerCore {
         debug_assert!(self.live_egress == 0, "set before any slot opens");
         self.egress_window = terms.slot_window;
         self.egress_peer_window = terms.peer_window;
+        self.egress_max_record = terms.max_record as usize;
         self.peer_credit = i64::from(terms.peer_credit.min(terms.peer_window));
         self.peer_unspent = u64::from(granted);
         self.grant_peer_room(now);
@@ -575,13 +590,11 @@ impl PeerCore {
             if messages && !data_first {
                 self.write_messages(&mut enc);
             }
-            // Small records may still fill what a message left too short
-            // to start in.
-            if enc.body_room() > 0 {
-                let full = self.write_data(&mut enc, now, only_owed);
-                if only_owed && !full {
-                    self.flush_owed_ready = false;
-                }
+            // Small records, heartbeats and closes may still fit where a
+            // message was too short to start.
+            let full = self.write_data(&mut enc, now, only_owed);
+            if only_owed && !full {
+                self.flush_owed_ready = false;
             }
             if messages && data_first {
                 self.write_messages(&mut enc);
@@ -932,6 +945,7 @@ impl PeerCore {
         let peer_credit = &mut self.peer_credit;
         let peer_blocked = &mut self.peer_blocked;
         let peer_window = self.egress_peer_window;
+        let max_record = self.egress_max_record;
         let flushing =
             matches!(self.config.flush, FlushPolicy::Manual { .. }) && self.flush_requested;
         let Some(slot) = self.table[index as usize].slot.as_mut() else {
@@ -980,18 +994,29 @@ impl PeerCore {
             // bounds what a peer can make us hold").
             let slot_credit = slot.credit > 0;
             let mut short = None;
+            let mut too_large = None;
             let gate = |len: usize| {
+                if len > max_record {
+                    too_large = Some(len);
+                    return false;
+                }
                 let fits = (len as i64) <= *peer_credit;
                 if slot_credit && !fits {
                     short = Some(len);
                 }
                 slot_credit && fits
             };
-            match slot.inlet.pop(gate) {
-                Pop::Blocked if short.is_some_and(|len| len > peer_window as usize) => {
-                    // More than the peer will ever hold of ours: it can never go.
-                    let len = short.expect("checked");
-                    let max = peer_window as usize;
+            let popped = slot.inlet.pop(gate);
+            // More than the peer takes as one record, or will ever hold of
+            // ours: it can never go.
+            let never = too_large.map(|len| (len, max_record)).or_else(|| {
+                short
+                    .filter(|&len| len > peer_window as usize)
+                    .map(|len| (len, peer_window as usize))
+            });
+            match popped {
+                Pop::Blocked if never.is_some() => {
+                    let (len, max) = never.expect("checked");
                     slot.inlet.close(SendError::TooLarge { len, max });
                     slot.terminal = Some(CloseReason::SenderDropped);
                 }
@@ -2119,7 +2144,8 @@ mod tests {
         );
     }
 
-    /// Slot data that fills every batch does not hold messages back either.
+    /// Slot data that fills every batch does not hold messages back either,
+    /// and the turn passes back and forth while both wait.
     #[tokio::test]
     async fn slot_data_that_fills_every_batch_does_not_hold_messages_back() {
         let mut core = credited_core();
@@ -2130,19 +2156,70 @@ mod tests {
             senders.push(tx);
         }
         core.handle_control(Instant::now());
-        core.handle_message(message(64), Instant::now());
+        for _ in 0..2 {
+            core.handle_message(message(40_000), Instant::now());
+        }
         let mut batches = Vec::new();
-        for _ in 0..3 {
+        for _ in 0..6 {
             batches.push(next_batch(&mut core));
             core.batch_posted();
         }
-        assert!(batches.iter().any(|b| has_message(b)), "{batches:?}");
+        let with_messages = batches.iter().filter(|b| has_message(b)).count();
+        let with_data = batches
+            .iter()
+            .filter(|b| b.iter().any(|r| r.starts_with("data")))
+            .count();
+        assert!(with_messages >= 3 && with_data >= 3, "{batches:?}");
+    }
+
+    /// A record or message larger than the peer's `max_record` (the peer
+    /// would end the epoch on it) is refused here: the stream closes with
+    /// `TooLarge`, the message is reported to its sender, neither is written.
+    #[tokio::test]
+    async fn a_record_or_message_past_the_peers_max_record_is_refused_here() {
+        let mut core = core();
+        let terms = PeerTerms {
+            max_record: 1000,
+            ..PeerTerms::announced_by(&core.config)
+        };
+        core.set_peer_terms(terms, core.config.peer_window, Instant::now());
+        let mut tx = open(&core, 1);
+        tx.send(Bytes::from(vec![1u8; 1001]))
+            .await
+            .expect("queued: our own max_record is larger");
+        let reports = Arc::new(AtomicUsize::new(0));
+        let mut big = counted(&reports);
+        big.body = Bytes::from(vec![2u8; 1001]);
+        core.handle_message(big, Instant::now());
+        assert_eq!(reports.load(Ordering::SeqCst), 1, "reported at once");
+        core.handle_message(message(1000), Instant::now());
+        core.handle_control(Instant::now());
+        let mut written = Vec::new();
+        for _ in 0..3 {
+            written.extend(next_batch(&mut core));
+            core.batch_posted();
+        }
         assert!(
-            batches
-                .iter()
-                .all(|b| b.iter().any(|r| r.starts_with("data"))),
-            "{batches:?}"
+            !written.iter().any(|r| r.starts_with("data")),
+            "{written:?}"
         );
+        assert!(
+            written.iter().any(|r| r.starts_with("close")),
+            "{written:?}"
+        );
+        assert_eq!(
+            written.iter().filter(|r| r.starts_with("Message(")).count(),
+            1,
+            "only the message that fits"
+        );
+        assert_eq!(
+            tx.send(Bytes::from_static(b"x")).await,
+            Err(SendError::TooLarge {
+                len: 1001,
+                max: 1000
+            })
+        );
+        assert_eq!(core.counters.snapshot().messages_too_large, 1);
     }
 
     /// Short streams one after another do not bring a slot id back soon: a

@@ -114,6 +114,13 @@ pub enum ProtocolError {
         /// The receive buffer's length.
         max: usize,
     },
+    /// An RDMA SEND longer than the receive buffers this end announced (the
+    /// receive completed with a local length error).
+    #[error("RDMA send longer than the {max}-byte receive buffers")]
+    SendTooLarge {
+        /// The receive buffer's length.
+        max: usize,
+    },
     /// The link's credit: the peer returned more RDMA link credit (receive
     /// posts) than it was ever given.
     #[error("peer returned {claimed} link credits, at most {granted} were granted")]
@@ -127,4 +134,19 @@ pub enum ProtocolError {
     /// follow the handshake's ready.
     #[error("bytes on the liveness connection")]
     LivenessTraffic,
+}
+
+impl ProtocolError {
+    /// Whether a link found it (framing, link credit, liveness) rather than
+    /// the mux in a batch: the batches the link completed before it are
+    /// sound.
+    pub fn is_link_level(&self) -> bool {
+        matches!(
+            self,
+            ProtocolError::FrameTooLarge { .. }
+                | ProtocolError::SendTooLarge { .. }
+                | ProtocolError::LinkCreditOverclaim { .. }
+                | ProtocolError::LivenessTraffic
+        )
+    }
 }

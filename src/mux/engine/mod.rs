@@ -689,12 +689,14 @@ async fn run_epoch<L: Link>(
         if let EpochEnd::Violation(violation) = end {
             Counters::add(&shared.counters.protocol_violations, 1);
             tracing::warn!(peer = ?entry.control.peer, epoch = %core.epoch(), %violation,
-                "peer violated the mux protocol; ending the epoch");
+                "peer violated the protocol; ending the epoch");
         }
         link.fail(end);
         // Every batch the link completed is delivered before any Dropped; not
-        // after a violation, since the peer is no longer trusted.
-        if !matches!(end, EpochEnd::Violation(_)) {
+        // after a violation in one of them, since the peer is no longer
+        // trusted. A link's own verdict came after the batches it completed
+        // (it delivers none past the offence), so those are delivered.
+        if !matches!(end, EpochEnd::Violation(v) if !v.is_link_level()) {
             while let Ok(batch) = link.recv().await {
                 if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
                     // E.g. records after a Goodbye: the epoch is over already,
