@@ -768,6 +768,51 @@ async fn a_batch_before_an_oversized_tcp_frame_is_delivered_and_the_frame_is_a_c
     .await;
 }
 
+/// A peer that sends a batch breaking the protocol and closes at once is
+/// redialled only after a backoff, though its link records the close
+/// first and the batch counts as traffic: the connector asks the mux for
+/// its verdict.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_violates_and_closes_is_redialled_after_a_backoff() {
+    bounded(async {
+        use qpmux::mux::protocol::{BatchEncoder, Lane};
+        use tokio::io::AsyncWriteExt;
+
+        let wait = Duration::from_secs(60);
+        let config = TcpNodeConfig {
+            key: ClusterKey::new(KEY),
+            backoff_min: wait,
+            backoff_max: wait,
+            ..TcpNodeConfig::new(TARGET)
+        };
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let (target_node, target) = TcpNode::start(config, any, MuxConfig::default())
+            .await
+            .expect("bind");
+        // Where the target would redial the liar: a listener that never answers.
+        let mute = tokio::net::TcpListener::bind(any).await.expect("bind");
+        target_node.register(EVIL, mute.local_addr().expect("addr"));
+        let dialer = HostileDialer::connect(target_node.local_addr()).await;
+        let (epoch, mut stream) = dialer
+            .establish(Some(KEY), EVIL, TARGET, Epoch::default())
+            .await
+            .expect("a link");
+        let mut batch = vec![0u8; 256];
+        let mut enc = BatchEncoder::new(&mut batch, Epoch(epoch.0 + 7), 0, Lane(0)).expect("fits");
+        enc.push_ping(1).expect("fits");
+        let len = enc.finish();
+        let mut frame = (len as u32).to_be_bytes().to_vec();
+        frame.extend_from_slice(&batch[..len]);
+        stream.write_all(&frame).await.expect("write");
+        drop(stream);
+        until(|| target.stats().protocol_violations == 1).await;
+        until(|| target.epoch(EVIL).is_none()).await;
+        target_node.dialer().want_link(EVIL);
+        assert_eq!(target_node.backoff(EVIL), wait);
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_hellos_are_refused_by_name_and_the_honest_peer_keeps_its_epoch() {
     bounded(async {

@@ -114,7 +114,8 @@ impl PeerTerms {
             slot_window: config.slot_window,
             peer_window: config.peer_window,
             peer_credit: config.peer_window,
-            max_record: u32::try_from(config.max_record).unwrap_or(u32::MAX),
+            // 0 would make the peer refuse the hello; it takes empty records.
+            max_record: u32::try_from(config.max_record.max(1)).unwrap_or(u32::MAX),
         }
     }
 }

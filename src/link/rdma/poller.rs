@@ -105,12 +105,7 @@ impl<D: Device + 'static> Shared<D> {
         for wc in wcs {
             let fault = if wc.wr_id & RECV_TAG != 0 {
                 // After a peer's violation nothing more from it is delivered.
-                let hostile = matches!(
-                    st.ended.or(end),
-                    Some(EpochEnd::Violation(
-                        ProtocolError::LinkCreditOverclaim { .. }
-                    ))
-                );
+                let hostile = matches!(st.ended.or(end), Some(EpochEnd::Violation(_)));
                 self.on_recv_completion(&mut st, wc, hostile, &mut reposts, &mut received)
             } else {
                 on_send_completion(&mut st, wc).map(EpochEnd::Fault)

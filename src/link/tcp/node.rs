@@ -966,7 +966,11 @@ impl<E: EpochMaker> Dialer for NodeDialer<E> {
             return;
         }
         if let Some(previous) = state.current.take() {
-            let violated = matches!(E::end_reason(&previous), Some(EpochEnd::Violation(_)));
+            let violated = matches!(E::end_reason(&previous), Some(EpochEnd::Violation(_)))
+                || inner
+                    .mux
+                    .get()
+                    .is_some_and(|mux| mux.ended_in_violation(peer, previous.epoch()));
             if E::carried_traffic(&previous) && !violated {
                 // The path worked: this is a fresh failure, redial at once.
                 state.backoff = Duration::ZERO;

@@ -907,7 +907,14 @@ impl PeerCore {
                 self.ready.push_back(index);
                 continue;
             }
+            let records_before = enc.record_count();
             match self.fill_slot(index, enc) {
+                Fill::Full if enc.record_count() == records_before => {
+                    // No room for it at all: it keeps its turn for the next
+                    // batch (a message may have filled this one).
+                    self.ready.push_front(index);
+                    return true;
+                }
                 Fill::Full => {
                     // To the back: a long record takes turns with the other
                     // ready slots instead of holding the link until it ends.
@@ -2170,6 +2177,38 @@ mod tests {
             .filter(|b| b.iter().any(|r| r.starts_with("data")))
             .count();
         assert!(with_messages >= 3 && with_data >= 3, "{batches:?}");
+    }
+
+    /// Batches that messages fill to the last byte do not cost a slot its
+    /// turn: with two long records and long messages, both slots send.
+    #[tokio::test]
+    async fn every_slot_keeps_its_turn_beside_messages_that_fill_batches() {
+        let mut core = credited_core();
+        let mut senders = Vec::new();
+        for session in 1..=2u8 {
+            let mut tx = open(&core, u64::from(session));
+            tx.send(Bytes::from(vec![session; 40_000]))
+                .await
+                .expect("queued");
+            senders.push(tx);
+        }
+        core.handle_control(Instant::now());
+        for _ in 0..2 {
+            core.handle_message(message(40_000), Instant::now());
+        }
+        let mut written = Vec::new();
+        for _ in 0..8 {
+            written.extend(next_batch(&mut core));
+            core.batch_posted();
+        }
+        for byte in ["\\x01", "\\x02"] {
+            assert!(
+                written
+                    .iter()
+                    .any(|r| r.starts_with(&format!("data b\"{byte}"))),
+                "no data from the slot of {byte}: {written:?}"
+            );
+        }
     }
 
     /// A record or message larger than the peer's `max_record` (the peer

@@ -79,6 +79,8 @@ struct PeerEntry<L> {
     incoming: Mutex<Option<(L, Opening)>>,
     link_arrived: Notify,
     epoch: Mutex<Option<Epoch>>,
+    /// The last epoch this mux ended over the peer's protocol violation.
+    violated_in: Mutex<Option<Epoch>>,
 }
 
 /// What the two hellos of an epoch said about peer credit and windows.
@@ -244,6 +246,16 @@ impl<L: Link> Mux<L> {
         stale
     }
 
+    /// Whether this mux ended `peer`'s epoch `epoch` over a protocol
+    /// violation: the link may have recorded another end first (the peer
+    /// closed right after its offending batch), and a connector deciding
+    /// how soon to redial wants the verdict.
+    pub fn ended_in_violation(&self, peer: PeerId, epoch: Epoch) -> bool {
+        lock(&self.shared.peers)
+            .get(&peer)
+            .is_some_and(|entry| *lock(&entry.violated_in) == Some(epoch))
+    }
+
     /// Withdraws `peer`'s message channel without asking for a link: the
     /// channel an epoch serves is dropped at the peer task's next turn, and
     /// one no epoch has taken yet is returned, to be dropped outside the
@@ -326,6 +338,7 @@ impl<L: Link> Mux<L> {
             incoming: Mutex::new(None),
             link_arrived: Notify::new(),
             epoch: Mutex::new(None),
+            violated_in: Mutex::new(None),
         });
         peers.insert(peer, entry.clone());
         drop(peers);
@@ -687,6 +700,7 @@ async fn run_epoch<L: Link>(
     let served = CatchPanic(Box::pin(async {
         let end = serve_epoch(shared, entry, &link, &mut core, &mut messages).await;
         if let EpochEnd::Violation(violation) = end {
+            *lock(&entry.violated_in) = Some(core.epoch());
             Counters::add(&shared.counters.protocol_violations, 1);
             tracing::warn!(peer = ?entry.control.peer, epoch = %core.epoch(), %violation,
                 "peer violated the protocol; ending the epoch");
