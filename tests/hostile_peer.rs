@@ -714,6 +714,22 @@ async fn tcp_node(id: PeerId) -> (TcpNode, Mux<TcpLink>) {
         .expect("bind")
 }
 
+/// One TCP link frame (length, then the batch `build` writes) of batch 0
+/// stamped `epoch`.
+fn tcp_frame(
+    epoch: Epoch,
+    build: impl FnOnce(&mut qpmux::mux::protocol::BatchEncoder<'_>),
+) -> Vec<u8> {
+    use qpmux::mux::protocol::{BatchEncoder, Lane};
+    let mut batch = vec![0u8; 1024];
+    let mut enc = BatchEncoder::new(&mut batch, epoch, 0, Lane(0)).expect("fits");
+    build(&mut enc);
+    let len = enc.finish();
+    let mut frame = (len as u32).to_be_bytes().to_vec();
+    frame.extend_from_slice(&batch[..len]);
+    frame
+}
+
 /// A record from the honest node reaches the target on the running epoch.
 async fn honest_round(from: &Mux<TcpLink>, to: &Mux<TcpLink>, session: u64) {
     let key = StreamKey::new(HONEST_TCP.0, session);
@@ -734,7 +750,6 @@ async fn honest_round(from: &Mux<TcpLink>, to: &Mux<TcpLink>, session: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_before_an_oversized_tcp_frame_is_delivered_and_the_frame_is_a_counted_violation() {
     bounded(async {
-        use qpmux::mux::protocol::{BatchEncoder, Lane};
         use tokio::io::AsyncWriteExt;
 
         let (target_node, target) = tcp_node(TARGET).await;
@@ -745,16 +760,13 @@ async fn a_batch_before_an_oversized_tcp_frame_is_delivered_and_the_frame_is_a_c
             .establish(Some(KEY), EVIL, TARGET, Epoch::default())
             .await
             .expect("a link");
-        let mut batch = vec![0u8; 1024];
-        let mut enc = BatchEncoder::new(&mut batch, epoch, 0, Lane(0)).expect("fits");
         let slot = slot(0, 0);
-        enc.push_open(slot, FrameSeq(0), key.anchor.0, key.session.0)
-            .expect("fits");
-        enc.push_data(slot, FrameSeq(1), b"before", false)
-            .expect("fits");
-        let len = enc.finish();
-        let mut frames = (len as u32).to_be_bytes().to_vec();
-        frames.extend_from_slice(&batch[..len]);
+        let mut frames = tcp_frame(epoch, |enc| {
+            enc.push_open(slot, FrameSeq(0), key.anchor.0, key.session.0)
+                .expect("fits");
+            enc.push_data(slot, FrameSeq(1), b"before", false)
+                .expect("fits");
+        });
         frames.extend_from_slice(&u32::MAX.to_be_bytes());
         stream.write_all(&frames).await.expect("write");
         assert_eq!(
@@ -775,7 +787,6 @@ async fn a_batch_before_an_oversized_tcp_frame_is_delivered_and_the_frame_is_a_c
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_violates_and_closes_is_redialled_after_a_backoff() {
     bounded(async {
-        use qpmux::mux::protocol::{BatchEncoder, Lane};
         use tokio::io::AsyncWriteExt;
 
         let wait = Duration::from_secs(60);
@@ -797,12 +808,9 @@ async fn a_peer_that_violates_and_closes_is_redialled_after_a_backoff() {
             .establish(Some(KEY), EVIL, TARGET, Epoch::default())
             .await
             .expect("a link");
-        let mut batch = vec![0u8; 256];
-        let mut enc = BatchEncoder::new(&mut batch, Epoch(epoch.0 + 7), 0, Lane(0)).expect("fits");
-        enc.push_ping(1).expect("fits");
-        let len = enc.finish();
-        let mut frame = (len as u32).to_be_bytes().to_vec();
-        frame.extend_from_slice(&batch[..len]);
+        let frame = tcp_frame(Epoch(epoch.0 + 7), |enc| {
+            enc.push_ping(1).expect("fits");
+        });
         stream.write_all(&frame).await.expect("write");
         drop(stream);
         until(|| target.stats().protocol_violations == 1).await;

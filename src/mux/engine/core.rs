@@ -2118,6 +2118,30 @@ mod tests {
         }
     }
 
+    /// Slots `sessions`, each with one record of `len` bytes of its session
+    /// number queued, then `messages` messages of 40,000 bytes (ten batches
+    /// each): both kinds wait, each enough to fill every batch.
+    async fn records_and_long_messages(
+        core: &mut PeerCore,
+        sessions: std::ops::RangeInclusive<u8>,
+        len: usize,
+        messages: usize,
+    ) -> Vec<SlotSender> {
+        let mut senders = Vec::new();
+        for session in sessions {
+            let mut tx = open(core, u64::from(session));
+            tx.send(Bytes::from(vec![session; len]))
+                .await
+                .expect("queued");
+            senders.push(tx);
+        }
+        core.handle_control(Instant::now());
+        for _ in 0..messages {
+            core.handle_message(message(40_000), Instant::now());
+        }
+        senders
+    }
+
     fn has_message(batch: &[String]) -> bool {
         batch.iter().any(|r| r.starts_with("Message("))
     }
@@ -2156,16 +2180,7 @@ mod tests {
     #[tokio::test]
     async fn slot_data_that_fills_every_batch_does_not_hold_messages_back() {
         let mut core = credited_core();
-        let mut senders = Vec::new();
-        for session in 0..8 {
-            let mut tx = open(&core, session);
-            tx.send(Bytes::from(vec![1u8; 4000])).await.expect("queued");
-            senders.push(tx);
-        }
-        core.handle_control(Instant::now());
-        for _ in 0..2 {
-            core.handle_message(message(40_000), Instant::now());
-        }
+        let _senders = records_and_long_messages(&mut core, 1..=8, 4000, 2).await;
         let mut batches = Vec::new();
         for _ in 0..6 {
             batches.push(next_batch(&mut core));
@@ -2184,18 +2199,7 @@ mod tests {
     #[tokio::test]
     async fn every_slot_keeps_its_turn_beside_messages_that_fill_batches() {
         let mut core = credited_core();
-        let mut senders = Vec::new();
-        for session in 1..=2u8 {
-            let mut tx = open(&core, u64::from(session));
-            tx.send(Bytes::from(vec![session; 40_000]))
-                .await
-                .expect("queued");
-            senders.push(tx);
-        }
-        core.handle_control(Instant::now());
-        for _ in 0..2 {
-            core.handle_message(message(40_000), Instant::now());
-        }
+        let _senders = records_and_long_messages(&mut core, 1..=2, 40_000, 2).await;
         let mut written = Vec::new();
         for _ in 0..8 {
             written.extend(next_batch(&mut core));
