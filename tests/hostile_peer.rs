@@ -808,6 +808,14 @@ async fn a_peer_that_violates_and_closes_is_redialled_after_a_backoff() {
             .establish(Some(KEY), EVIL, TARGET, Epoch::default())
             .await
             .expect("a link");
+        // The target has something to write too: its reserve or post may meet
+        // the close first, and the drain after it finds the violation.
+        let mut ours = target
+            .open(EVIL, StreamKey::new(TARGET.0, 1))
+            .expect("open");
+        ours.send(Bytes::from_static(b"ours"))
+            .await
+            .expect("queued");
         let frame = tcp_frame(Epoch(epoch.0 + 7), |enc| {
             enc.push_ping(1).expect("fits");
         });

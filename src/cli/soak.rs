@@ -230,6 +230,10 @@ struct Counters {
     rx_datagrams: u64,
     tx_datagrams: u64,
     rx_malformed: u64,
+    /// Datagrams for a QP from another address than its peer's.
+    rx_wrong_source: u64,
+    /// Datagrams outside the port's partition.
+    rx_bad_pkey: u64,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -860,6 +864,8 @@ fn sample_counters(node: &Soft, shared: &Shared) {
             rx_datagrams: device.rx_datagrams,
             tx_datagrams: device.tx_datagrams,
             rx_malformed: device.rx_malformed,
+            rx_wrong_source: device.rx_wrong_source,
+            rx_bad_pkey: device.rx_bad_pkey,
         }
     });
 }

@@ -103,7 +103,8 @@ pub struct PeerTerms {
     /// At most `peer_window`; 0 is allowed (we wait for its first grant).
     pub peer_credit: u32,
     /// The peer's [`MuxConfig::max_record`]: the largest record or message
-    /// we may send it (a larger one would end the epoch there). Never 0.
+    /// we may send it (a larger one would end the epoch there); 0 takes
+    /// empty records only.
     pub max_record: u32,
 }
 
@@ -114,8 +115,7 @@ impl PeerTerms {
             slot_window: config.slot_window,
             peer_window: config.peer_window,
             peer_credit: config.peer_window,
-            // 0 would make the peer refuse the hello; it takes empty records.
-            max_record: u32::try_from(config.max_record.max(1)).unwrap_or(u32::MAX),
+            max_record: u32::try_from(config.max_record).unwrap_or(u32::MAX),
         }
     }
 }

@@ -251,12 +251,7 @@ fn zero_windows_are_named() {
         listener_error(&framed(&dialer_hello_body(&fields))),
         BootstrapError::BadField("slot window")
     );
-    let mut fields = tcp(D, 0);
-    fields.max_record = 0;
-    assert_eq!(
-        listener_error(&framed(&dialer_hello_body(&fields))),
-        BootstrapError::BadField("max record")
-    );
+
     let mut fields = tcp(D, 0);
     fields.peer_window = 0;
     assert_eq!(

@@ -277,7 +277,7 @@ pub struct HelloFields {
     pub peer_credit: u32,
     /// The largest record or message the sender accepts (its
     /// `MuxConfig::max_record`); the receiver of the hello sends none
-    /// larger. Never 0.
+    /// larger (0: empty records only).
     pub max_record: u32,
 }
 
@@ -435,9 +435,6 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
                 return Err(BootstrapError::BadField("peer credit"));
             }
             let max_record = r.u32()?;
-            if max_record == 0 {
-                return Err(BootstrapError::BadField("max record"));
-            }
             let (mac, signed_len) = mac_trailer(body, &mut r)?;
             Ok(Message::Hello(HelloMessage {
                 fields: HelloFields {

@@ -714,7 +714,9 @@ async fn run_epoch<L: Link>(
             while let Ok(batch) = link.recv().await {
                 if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
                     // E.g. records after a Goodbye: the epoch is over already,
-                    // but the offence is still the peer's and is counted.
+                    // but the offence is still the peer's, counted, and the
+                    // verdict a connector asks for before it redials.
+                    *lock(&entry.violated_in) = Some(core.epoch());
                     Counters::add(&shared.counters.protocol_violations, 1);
                     tracing::warn!(peer = ?entry.control.peer, epoch = %core.epoch(), %violation,
                         "peer violated the mux protocol while its epoch ended");
