@@ -60,7 +60,8 @@ pub struct MuxConfig {
     /// epochs); further opens for new keys are refused. Default 16,384, so
     /// no one peer can fill the node's registry of 2^20 streams.
     pub max_unbound_per_peer: u32,
-    /// Largest logical record (reassembled from fragments). Default 16 MiB.
+    /// Largest logical record (reassembled from fragments); 0 acts as 1.
+    /// Default 16 MiB.
     pub max_record: usize,
     /// On shutdown, how long a peer task keeps writing what producers had
     /// already queued before it says goodbye. Default 1 s.
@@ -103,8 +104,7 @@ pub struct PeerTerms {
     /// At most `peer_window`; 0 is allowed (we wait for its first grant).
     pub peer_credit: u32,
     /// The peer's [`MuxConfig::max_record`]: the largest record or message
-    /// we may send it (a larger one would end the epoch there); 0 takes
-    /// empty records only.
+    /// we may send it (a larger one would end the epoch there); 0 acts as 1.
     pub max_record: u32,
 }
 
@@ -115,7 +115,7 @@ impl PeerTerms {
             slot_window: config.slot_window,
             peer_window: config.peer_window,
             peer_credit: config.peer_window,
-            max_record: u32::try_from(config.max_record).unwrap_or(u32::MAX),
+            max_record: u32::try_from(config.max_record.max(1)).unwrap_or(u32::MAX),
         }
     }
 }

@@ -277,7 +277,7 @@ pub struct HelloFields {
     pub peer_credit: u32,
     /// The largest record or message the sender accepts (its
     /// `MuxConfig::max_record`); the receiver of the hello sends none
-    /// larger (0: empty records only).
+    /// larger (0 acts as 1).
     pub max_record: u32,
 }
 

@@ -305,7 +305,7 @@ impl PeerCore {
 
     /// Queues an outbound message (the driver pulls from the epoch's channel).
     pub fn handle_message(&mut self, message: OutboundMessage, now: Instant) {
-        let (len, max) = (message.body.len(), self.egress_max_record);
+        let (len, max) = (message.body.len(), self.egress_max_record.max(1));
         if len > max {
             // The peer would end the epoch on it: reported to its sender
             // (dropped armed) instead.
@@ -952,7 +952,9 @@ impl PeerCore {
         let peer_credit = &mut self.peer_credit;
         let peer_blocked = &mut self.peer_blocked;
         let peer_window = self.egress_peer_window;
-        let max_record = self.egress_max_record;
+        // The gate sees a record's cost (an empty record costs 1), and a
+        // limit of 0 acts as 1 on both ends.
+        let max_record = self.egress_max_record.max(1);
         let flushing =
             matches!(self.config.flush, FlushPolicy::Manual { .. }) && self.flush_requested;
         let Some(slot) = self.table[index as usize].slot.as_mut() else {
@@ -1228,7 +1230,7 @@ impl PeerCore {
             });
         }
         self.message_seq_in = seq.next();
-        let max = self.config.max_record;
+        let max = self.config.max_record.max(1);
         if self.message_reassembly.is_none() && body.len() > max {
             return Err(ProtocolError::RecordTooLarge {
                 slot: zero,
@@ -1347,7 +1349,7 @@ impl PeerCore {
             return Ok(());
         };
         let window = self.config.slot_window;
-        let max = self.config.max_record;
+        let max = self.config.max_record.max(1);
         let slot = self.ingress.get_mut(&index).expect("looked up");
         Self::check_seq(slot, seq)?;
         if body.is_empty() && (more || slot.reassembly.is_some()) {
@@ -2263,6 +2265,29 @@ mod tests {
             })
         );
         assert_eq!(core.counters.snapshot().messages_too_large, 1);
+    }
+
+    /// A peer whose `max_record` is 0 takes records of 0 and 1 byte (0 acts
+    /// as 1 on both ends), and nothing longer.
+    #[tokio::test]
+    async fn a_max_record_of_zero_acts_as_one() {
+        let mut core = core();
+        let terms = PeerTerms {
+            max_record: 0,
+            ..PeerTerms::announced_by(&core.config)
+        };
+        core.set_peer_terms(terms, core.config.peer_window, Instant::now());
+        let mut tx = open(&core, 1);
+        for record in [&b""[..], b"x", b"xy"] {
+            tx.send(Bytes::copy_from_slice(record))
+                .await
+                .expect("queued");
+        }
+        core.handle_control(Instant::now());
+        let batch = next_batch(&mut core);
+        let data = batch.iter().filter(|r| r.starts_with("data")).count();
+        assert_eq!(data, 2, "{batch:?}");
+        assert!(batch.iter().any(|r| r.starts_with("close")), "{batch:?}");
     }
 
     /// Short streams one after another do not bring a slot id back soon: a

@@ -411,7 +411,7 @@ impl<L: Link> MuxTransport for Mux<L> {
                 key,
                 entry.control.clone(),
                 config.slot_budget,
-                config.max_record,
+                config.max_record.max(1),
             );
             if inlet.announce() {
                 return Ok(SlotSender::new(inlet));
