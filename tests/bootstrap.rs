@@ -11,7 +11,9 @@ use qpmux::link::bootstrap::{
 };
 use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
 use qpmux::link::{EpochEnd, Link, LinkFault};
-use qpmux::mux::{Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, StreamKey, Terminal};
+use qpmux::mux::{
+    Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, RECORD_OVERHEAD, StreamKey, Terminal,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -409,7 +411,8 @@ async fn a_reconnect_starts_on_the_room_the_last_epochs_unread_streams_left() {
         let (b_node, b) = node_with(TcpNodeConfig::new(B), receiver).await;
         a_node.register(B, b_node.local_addr());
         b_node.register(A, a_node.local_addr());
-        let chunk = Bytes::from(vec![7u8; 16 * 1024]);
+        // Each record counts 16 KiB with its overhead.
+        let chunk = Bytes::from(vec![7u8; 16 * 1024 - RECORD_OVERHEAD]);
         let key = |n: u64| StreamKey::new(A.0, 500 + n);
         for n in 0..3 {
             let mut tx = a.open(B, key(n)).expect("open");

@@ -12,7 +12,9 @@ use qpmux::link::Node;
 use qpmux::link::bootstrap::DeclineReason;
 use qpmux::link::mem::{MemConfig, MemFabric};
 use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
-use qpmux::mux::{Frame, Mux, MuxConfig, MuxError, MuxTransport, PeerId, StreamKey, Terminal};
+use qpmux::mux::{
+    Frame, Mux, MuxConfig, MuxError, MuxTransport, PeerId, RECORD_OVERHEAD, StreamKey, Terminal,
+};
 use tokio::io::AsyncWriteExt;
 
 const L: PeerId = PeerId(1);
@@ -169,7 +171,7 @@ async fn a_peer_gone_with_unread_bytes_here_still_counts_against_max_peers() {
             .await
             .expect("send");
         tx.finish(Terminal::Finalized).expect("finish");
-        let held = b"left for later".len() as u64;
+        let held = (b"left for later".len() + RECORD_OVERHEAD) as u64;
         until(|| l.stats().peer_held_bytes == held).await;
         // A is gone, its record held: B is refused.
         a_leaves_and_b_is_refused(&l_node, &l, &a_node, &a, &b_node).await;

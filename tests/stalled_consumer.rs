@@ -4,7 +4,9 @@
 //! this process) may grow by no more than the configured budgets plus the
 //! link's rings plus a stated slack; the producers are back-pressured (their
 //! sends pend, nothing is dropped or fails). When the consumer resumes,
-//! every record arrives in order.
+//! every record arrives in order. Twice: 4 KiB records, and 12-byte ones,
+//! where what each record costs beyond its bytes (a queue entry, an
+//! allocation) would dominate if the budgets counted bytes alone.
 //!
 //! Stall length: `QPMUX_STALL_SECS` (default 3). Results:
 //! docs/reliability-inproc.md.
@@ -25,12 +27,6 @@ type Transport = RdmaTransport<SoftDevice>;
 const A: PeerId = PeerId(1);
 const B: PeerId = PeerId(2);
 const SLOTS: u64 = 4;
-const RECORD: usize = 4 * 1024;
-/// Records per slot: 4 MiB, many times what the budgets let through.
-const RECORDS: u32 = 1024;
-const SLOT_WINDOW: u32 = 64 * 1024;
-const SLOT_BUDGET: usize = 256 * 1024;
-const PEER_BUDGET: usize = 1024 * 1024;
 const RECV_DEPTH: usize = 16;
 const SEND_BUFFERS: usize = 8;
 const MAX_BATCH: usize = 16 * 1024;
@@ -38,7 +34,45 @@ const MAX_BATCH: usize = 16 * 1024;
 /// a stated allowance (measured growth is reported next to it).
 const SLACK: u64 = 16 << 20;
 
-fn config(id: PeerId) -> RdmaNodeConfig {
+/// The records and the budgets of one run.
+#[derive(Clone, Copy)]
+struct Shape {
+    /// Record length, at least 12 (slot and sequence number).
+    record: usize,
+    /// Records per slot: many times what the budgets let through.
+    records: u32,
+    slot_window: u32,
+    slot_budget: usize,
+    peer_budget: usize,
+    /// The stall, in multiples of `QPMUX_STALL_SECS`: time to fill the
+    /// budgets in the first half.
+    stall_factor: u32,
+}
+
+const LARGE: Shape = Shape {
+    record: 4 * 1024,
+    records: 1024,
+    slot_window: 64 * 1024,
+    slot_budget: 256 * 1024,
+    peer_budget: 1024 * 1024,
+    stall_factor: 1,
+};
+
+/// Budgets that, counted in bytes alone, would let the producers queue
+/// 1.4 million records (some 90 MiB) and the receiver hold 350,000.
+const TINY: Shape = Shape {
+    record: 12,
+    records: 128 * 1024,
+    slot_window: 1024 * 1024,
+    slot_budget: 4 * 1024 * 1024,
+    peer_budget: 16 * 1024 * 1024,
+    stall_factor: 2,
+};
+
+/// Both runs measure the process's RSS: one at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn config(id: PeerId, shape: Shape) -> RdmaNodeConfig {
     RdmaNodeConfig {
         rdma: RdmaConfig {
             recv_depth: RECV_DEPTH,
@@ -47,20 +81,20 @@ fn config(id: PeerId) -> RdmaNodeConfig {
             ..RdmaConfig::strict()
         },
         mux: MuxConfig {
-            slot_window: SLOT_WINDOW,
-            slot_budget: SLOT_BUDGET,
-            peer_budget: PEER_BUDGET,
+            slot_window: shape.slot_window,
+            slot_budget: shape.slot_budget,
+            peer_budget: shape.peer_budget,
             ..MuxConfig::default()
         },
         ..RdmaNodeConfig::new(id)
     }
 }
 
-async fn transport(id: PeerId) -> Transport {
+async fn transport(id: PeerId, shape: Shape) -> Transport {
     let device = SoftDevice::open_udp(UdpConfig::default())
         .await
         .expect("soft device on loopback");
-    RdmaTransport::start(device, config(id))
+    RdmaTransport::start(device, config(id, shape))
         .await
         .expect("bind")
 }
@@ -77,8 +111,8 @@ fn rss() -> u64 {
     kib * 1024
 }
 
-fn record(slot: u64, n: u32) -> Bytes {
-    let mut v = vec![(n % 251) as u8; RECORD];
+fn record(shape: Shape, slot: u64, n: u32) -> Bytes {
+    let mut v = vec![(n % 251) as u8; shape.record];
     v[..8].copy_from_slice(&slot.to_be_bytes());
     v[8..12].copy_from_slice(&n.to_be_bytes());
     Bytes::from(v)
@@ -86,14 +120,33 @@ fn record(slot: u64, n: u32) -> Bytes {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_consumer_back_pressures_the_producer_within_the_byte_budgets() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    stall_then_resume(LARGE).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiny_records_to_a_stalled_consumer_stay_within_the_budgets() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    stall_then_resume(TINY).await;
+}
+
+async fn stall_then_resume(shape: Shape) {
+    let Shape {
+        record: record_len,
+        records,
+        slot_window,
+        slot_budget,
+        peer_budget,
+        stall_factor,
+    } = shape;
     let stall = Duration::from_secs(
         std::env::var("QPMUX_STALL_SECS")
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(3),
-    );
-    let a = transport(A).await;
-    let b = transport(B).await;
+    ) * stall_factor;
+    let a = transport(A, shape).await;
+    let b = transport(B, shape).await;
     assert_eq!(a.register(&b.address()), Ok(B));
     assert_eq!(b.register(&a.address()), Ok(A));
 
@@ -106,7 +159,7 @@ async fn a_stalled_consumer_back_pressures_the_producer_within_the_byte_budgets(
     }
     // Link up and every slot open before the baseline.
     for (s, tx) in senders.iter_mut().enumerate() {
-        tx.send(record(s as u64, 0)).await.expect("send");
+        tx.send(record(shape, s as u64, 0)).await.expect("send");
     }
     for rx in &mut receivers {
         assert!(matches!(rx.recv().await, Some(Frame::Data(_))));
@@ -120,9 +173,9 @@ async fn a_stalled_consumer_back_pressures_the_producer_within_the_byte_budgets(
         .map(|(s, mut tx)| {
             let accepted = accepted.clone();
             tokio::spawn(async move {
-                for n in 1..RECORDS {
-                    tx.send(record(s as u64, n)).await?;
-                    accepted.fetch_add(RECORD as u64, Ordering::Relaxed);
+                for n in 1..records {
+                    tx.send(record(shape, s as u64, n)).await?;
+                    accepted.fetch_add(record_len as u64, Ordering::Relaxed);
                 }
                 tx.finish(Terminal::Finalized)
             })
@@ -154,20 +207,21 @@ async fn a_stalled_consumer_back_pressures_the_producer_within_the_byte_budgets(
     assert!(stats.withheld_bytes > 0, "sends pending: {stats:?}");
     assert_eq!(stats.slots_dropped, 0);
     assert_eq!(b.mux().stats().slots_dropped, 0);
-    let accepted_bound = (PEER_BUDGET + SLOTS as usize * (SLOT_WINDOW as usize + RECORD)) as u64;
+    let accepted_bound =
+        (peer_budget + SLOTS as usize * (slot_window as usize + record_len)) as u64;
     assert!(
         at_end <= accepted_bound,
         "accepted {at_end} bytes, budgets allow {accepted_bound}"
     );
 
-    let budgets = PEER_BUDGET
-        + SLOTS as usize * (SLOT_BUDGET + SLOT_WINDOW as usize)
-        + 2 * (config(A).pool_bytes() + config(A).rdma.ring_bytes());
+    let budgets = peer_budget
+        + SLOTS as usize * (slot_budget + slot_window as usize)
+        + 2 * (config(A, shape).pool_bytes() + config(A, shape).rdma.ring_bytes());
     let bound = budgets as u64 + SLACK;
     let growth = peak.saturating_sub(baseline);
     eprintln!(
-        "stalled_consumer: stall {} s, accepted {} KiB then pending, RSS baseline {} KiB, \
-         peak growth {} KiB, bound {} KiB (budgets {} KiB + slack {} KiB)",
+        "stalled_consumer: {record_len}-byte records, stall {} s, accepted {} KiB then pending, \
+         RSS baseline {} KiB, peak growth {} KiB, bound {} KiB (budgets {} KiB + slack {} KiB)",
         stall.as_secs(),
         at_end / 1024,
         baseline / 1024,
@@ -204,7 +258,7 @@ async fn a_stalled_consumer_back_pressures_the_producer_within_the_byte_budgets(
             p.await.expect("producer").expect("no send failed");
         }
         for c in consumers {
-            assert_eq!(c.await.expect("consumer"), RECORDS);
+            assert_eq!(c.await.expect("consumer"), records);
         }
     })
     .await

@@ -28,14 +28,17 @@ pub struct MuxConfig {
     /// When batches are cut. Default: [`FlushPolicy::Auto`].
     pub flush: FlushPolicy,
     /// Slot credit a receiver grants a new slot, in bytes: what one stream may
-    /// have in flight plus buffered at its consumer. Default 256 KiB, about
+    /// have in flight plus buffered at its consumer. Here and in the other
+    /// windows and budgets, a record counts its length plus
+    /// [`RECORD_OVERHEAD`](crate::mux::RECORD_OVERHEAD). Default 256 KiB, about
     /// the bandwidth-delay product of a soft-RoCE or 100 Gb/s link at tens of
     /// microseconds (docs/design.md § "Slot credit in bytes, sized to the BDP").
     pub slot_window: u32,
     /// Peer credit a receiver grants each peer, in bytes: what all of one
     /// peer's slots together may have here unconsumed (in flight, queued for
     /// consumers, reassembling), whatever the slot count. Bounds what a peer
-    /// can make this node hold. At least `max_record`, or records between
+    /// can make this node hold. At least `max_record` plus
+    /// [`RECORD_OVERHEAD`](crate::mux::RECORD_OVERHEAD), or records between
     /// the two can never be sent to us. Default 64 MiB
     /// (docs/design.md § "Peer credit bounds what a peer can make us hold").
     pub peer_window: u32,

@@ -26,7 +26,7 @@ pub use config::{FlushPolicy, MuxConfig, PeerTerms};
 pub use engine::{Dialer, Mux, ProtocolError};
 pub use message::{MessageSink, OnFail, OutboundMessage};
 pub use protocol::{CloseReason, Epoch};
-pub use slot::{RecvError, SendError, SlotReceiver, SlotSender};
+pub use slot::{RECORD_OVERHEAD, RecvError, SendError, SlotReceiver, SlotSender};
 pub use stats::{DropCounts, RECONNECT_BUCKETS_US, ReconnectTimes, Stats};
 pub use surface::{
     AnchorId, AsMux, DropReason, Frame, MuxError, MuxTransport, PeerId, SessionId, StreamKey,

@@ -59,11 +59,24 @@ pub enum RecvError {
     Ended,
 }
 
+/// What every record costs on top of its bytes, in every credit and budget
+/// (slot and peer windows, the inlet's budgets): about what a held record
+/// costs a receiver beyond its bytes (its queue entry and its allocation),
+/// so what a peer can make a node hold stays near its window however small
+/// its records are (docs/design.md § "A record costs its bytes and 64").
+pub const RECORD_OVERHEAD: usize = 64;
+
 /// What a record of `len` bytes takes from credit and budgets, on both
-/// ends: its length, and at least one, so empty records are bounded too
-/// (docs/design.md § "An empty record costs a byte").
+/// ends.
 pub(crate) fn record_cost(len: usize) -> usize {
-    len.max(1)
+    len + RECORD_OVERHEAD
+}
+
+/// What one fragment of `len` bytes costs: its bytes, and the record's
+/// overhead on its last fragment, which a receiver can tell without any
+/// state for the slot (an unknown slot's data is counted too).
+pub(crate) fn fragment_cost(len: usize, last: bool) -> usize {
+    if last { record_cost(len) } else { len }
 }
 
 /// Per-peer control shared by every slot to that peer and its task.
@@ -446,7 +459,7 @@ impl Inlet {
                 None => Pop::Empty,
             };
         };
-        if !may_start(record_cost(next.len())) {
+        if !may_start(next.len()) {
             return Pop::Blocked;
         }
         let data = state.queue.pop_front().expect("queue is not empty");
@@ -1118,7 +1131,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_producer_blocked_on_the_peer_budget_wakes_when_another_slot_drains() {
-        let control = control(100);
+        // 100 bytes, and the overhead of the two records queued first.
+        let control = control(100 + 2 * RECORD_OVERHEAD);
         let (full, other) = (inlet(&control, 1, 1000), inlet(&control, 2, 1000));
         full.push(record(70)).await.unwrap();
         other.push(record(10)).await.unwrap();
@@ -1136,13 +1150,13 @@ mod tests {
         let Pop::Record(sent) = idle.pop(|_| true) else {
             panic!("a record is queued");
         };
-        control.release_budget(sent.len());
+        control.release_budget(record_cost(sent.len()));
         // A release from a different slot than the one waiting.
         let Pop::Record(popped) = full.pop(|_| true) else {
             panic!("a record is queued");
         };
         assert!(still_waiting(&mut send).await, "popped, not yet released");
-        control.release_budget(popped.len());
+        control.release_budget(record_cost(popped.len()));
         tokio::time::timeout(WAIT, send)
             .await
             .expect("woken by the other slot's pop")

@@ -74,10 +74,13 @@ pub struct Stats {
     pub peer_credit_stalls: u64,
     /// PeerCredit records sent.
     pub peer_credit_updates_sent: u64,
-    /// Bytes producers have queued that are not yet on the wire (gauge).
+    /// Bytes producers have queued that are not yet on the wire, each
+    /// record counted with its [`RECORD_OVERHEAD`](crate::mux::RECORD_OVERHEAD)
+    /// as the budgets count it (gauge).
     pub withheld_bytes: u64,
-    /// Peers' data bytes counted here against their peer windows: received
-    /// and not yet given back as peer credit, in any epoch (gauge).
+    /// Peers' data counted here against their peer windows (bytes, each
+    /// record with its overhead): received and not yet given back as peer
+    /// credit, in any epoch (gauge).
     pub peer_held_bytes: u64,
     /// Epochs that ended.
     pub epoch_deaths: u64,

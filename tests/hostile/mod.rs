@@ -166,6 +166,29 @@ impl HostileMem {
             .await;
     }
 
+    /// `n` Data records of one byte each on `slot` (in sequence), as many
+    /// to a batch as fit.
+    pub async fn one_byte_records(&mut self, slot: SlotId, mut n: usize) {
+        while n > 0 {
+            let start = self.next_seq.get(&slot).copied().unwrap_or_default();
+            let mut pushed = 0u32;
+            self.post(|enc| {
+                while (pushed as usize) < n
+                    && enc
+                        .push_data(slot, FrameSeq(start.0.wrapping_add(pushed)), &[7], false)
+                        .is_ok()
+                {
+                    pushed += 1;
+                }
+            })
+            .await;
+            assert!(pushed > 0, "a batch holds a one-byte record");
+            self.next_seq
+                .insert(slot, FrameSeq(start.0.wrapping_add(pushed)));
+            n -= pushed as usize;
+        }
+    }
+
     /// An honest CloseSlot on `slot` (in sequence).
     pub async fn close(&mut self, slot: SlotId, reason: CloseReason) {
         let seq = self.take_seq(slot);

@@ -28,8 +28,8 @@ use crate::mux::protocol::{
     BatchEncoder, BatchView, CloseReason, Epoch, FrameSeq, Lane, Record, RecordBody, SlotId,
 };
 use crate::mux::slot::{
-    Inlet, InletStatus, OpenOutcome, PeerControl, Pop, Pushed, ReceiverWakes, Registry, RxSlot,
-    RxVisit, SendError, record_cost,
+    Inlet, InletStatus, OpenOutcome, PeerControl, Pop, Pushed, RECORD_OVERHEAD, ReceiverWakes,
+    Registry, RxSlot, RxVisit, SendError, fragment_cost, record_cost,
 };
 use crate::mux::stats::Counters;
 use crate::mux::surface::{DropReason, Frame, StreamKey};
@@ -952,8 +952,7 @@ impl PeerCore {
         let peer_credit = &mut self.peer_credit;
         let peer_blocked = &mut self.peer_blocked;
         let peer_window = self.egress_peer_window;
-        // The gate sees a record's cost (an empty record costs 1), and a
-        // limit of 0 acts as 1 on both ends.
+        // A limit of 0 acts as 1 on both ends.
         let max_record = self.egress_max_record.max(1);
         let flushing =
             matches!(self.config.flush, FlushPolicy::Manual { .. }) && self.flush_requested;
@@ -977,8 +976,7 @@ impl PeerCore {
                 enc.push_data(slot.id, slot.seq, &rest[..n], more)
                     .expect("body_room said it fits");
                 slot.seq = slot.seq.next();
-                // n is 0 only for an empty record, which costs one.
-                slot.credit -= record_cost(n) as i64;
+                slot.credit -= fragment_cost(n, !more) as i64;
                 slot.sent_since_tick = true;
                 slot.heartbeat_owed = false;
                 *encoded_bytes += n as u64;
@@ -1009,7 +1007,7 @@ impl PeerCore {
                     too_large = Some(len);
                     return false;
                 }
-                let fits = (len as i64) <= *peer_credit;
+                let fits = (record_cost(len) as i64) <= *peer_credit;
                 if slot_credit && !fits {
                     short = Some(len);
                 }
@@ -1019,9 +1017,8 @@ impl PeerCore {
             // More than the peer takes as one record, or will ever hold of
             // ours: it can never go.
             let never = too_large.map(|len| (len, max_record)).or_else(|| {
-                short
-                    .filter(|&len| len > peer_window as usize)
-                    .map(|len| (len, peer_window as usize))
+                let max = (peer_window as usize).saturating_sub(RECORD_OVERHEAD);
+                short.filter(|&len| len > max).map(|len| (len, max))
             });
             match popped {
                 Pop::Blocked if never.is_some() => {
@@ -1326,9 +1323,9 @@ impl PeerCore {
         now: Instant,
     ) -> Result<(), ProtocolError> {
         // Every data byte counts against the peer window, held or not: the
-        // sender took it from its peer credit either way. An empty fragment
-        // is a whole empty record, which costs one.
-        let len = record_cost(body.len()) as u64;
+        // sender took it from its peer credit either way. The last fragment
+        // carries the record's overhead.
+        let len = fragment_cost(body.len(), !more) as u64;
         let peer_window = self.config.peer_window;
         if len > self.peer_unspent {
             return Err(ProtocolError::PeerCreditOverrun {
@@ -1425,14 +1422,13 @@ impl PeerCore {
                     slot.inlet.close(SendError::PeerClosed(reason));
                     // A record cut short took all of itself from peer credit
                     // as it started; the peer counts only what arrives.
-                    let unsent = slot.partial.take().map_or(0, |rest| {
-                        let started = std::mem::take(&mut slot.partial_started);
-                        if started {
-                            rest.len()
-                        } else {
-                            record_cost(rest.len())
-                        }
-                    });
+                    // Started or not, its last fragment, which carries the
+                    // overhead, never went.
+                    slot.partial_started = false;
+                    let unsent = slot
+                        .partial
+                        .take()
+                        .map_or(0, |rest| record_cost(rest.len()));
                     self.free_slot(index);
                     if unsent > 0 {
                         self.peer_credit += unsent as i64;
@@ -1794,8 +1790,10 @@ mod tests {
         peer_sends(&mut first, 1, 1, 3000, false, true).expect("within the window");
         peer_sends(&mut first, 2, 2, 2000, false, false).expect("within the window");
         peer_sends(&mut first, 3, 3, 1000, true, false).expect("within the window");
-        assert_eq!(first.peer_outstanding(), 6000);
-        assert_eq!(control.peer_held.load(Ordering::Acquire), 6000);
+        // Two whole records, each with its overhead, and a fragment.
+        let whole = (5000 + 2 * RECORD_OVERHEAD) as u64;
+        assert_eq!(first.peer_outstanding(), whole + 1000);
+        assert_eq!(control.peer_held.load(Ordering::Acquire), whole + 1000);
         assert_eq!(
             control.peer_committed.load(Ordering::Acquire),
             8192,
@@ -1804,24 +1802,26 @@ mod tests {
         first.fail_all(ended(1));
         assert_eq!(
             control.peer_held.load(Ordering::Acquire),
-            5000,
+            whole,
             "what the next hello leaves out"
         );
-        assert_eq!(control.counters.snapshot().peer_held_bytes, 5000);
-        assert_eq!(control.peer_committed.load(Ordering::Acquire), 5000);
+        assert_eq!(control.counters.snapshot().peer_held_bytes, whole);
+        assert_eq!(control.peer_committed.load(Ordering::Acquire), whole);
 
         let mut second = held_core(Epoch(2), &control, &registry, first.take_held());
-        assert_eq!(second.peer_outstanding(), 5000);
+        assert_eq!(second.peer_outstanding(), whole);
+        let room = 8192 - whole as usize;
         second.set_peer_terms(
             PeerTerms::announced_by(&second.config),
-            3192,
+            room as u32,
             Instant::now(),
         );
         assert!(
             next_batch(&mut second).is_empty(),
             "the hello granted it all"
         );
-        peer_sends(&mut second, 1, 4, 3192, false, true).expect("within the room");
+        peer_sends(&mut second, 1, 4, room - RECORD_OVERHEAD, false, true)
+            .expect("within the room");
         assert_eq!(
             peer_sends(&mut second, 2, 5, 1, false, false),
             Err(ProtocolError::PeerCreditOverrun {
@@ -1840,10 +1840,11 @@ mod tests {
         peer_sends(&mut first, 1, 1, 3000, false, true).expect("within the window");
         peer_sends(&mut first, 2, 2, 2000, false, false).expect("within the window");
         first.fail_all(ended(1));
+        let held = 5000 + 2 * RECORD_OVERHEAD;
         let mut second = held_core(Epoch(2), &control, &registry, first.take_held());
         second.set_peer_terms(
             PeerTerms::announced_by(&second.config),
-            3192,
+            (8192 - held) as u32,
             Instant::now(),
         );
 
@@ -1856,7 +1857,7 @@ mod tests {
         second.handle_control(Instant::now());
         assert_eq!(second.peer_outstanding(), 0);
         assert_eq!(control.peer_held.load(Ordering::Acquire), 0);
-        assert_eq!(next_batch(&mut second), ["PeerCredit(5000)"]);
+        assert_eq!(next_batch(&mut second), [format!("PeerCredit({held})")]);
     }
 
     /// Room a consumer frees between our hello and the epoch's start is
@@ -1877,14 +1878,16 @@ mod tests {
             flush: manual,
             ..(*second.config).clone()
         });
-        // The hello said 5192 (written before the read).
+        // The hello gave the window less the record (written before the
+        // read).
+        let held = 3000 + RECORD_OVERHEAD;
         second.set_peer_terms(
             PeerTerms::announced_by(&second.config),
-            5192,
+            (8192 - held) as u32,
             Instant::now(),
         );
         assert!(second.wants_write(Instant::now()));
-        assert_eq!(next_batch(&mut second), ["PeerCredit(3000)"]);
+        assert_eq!(next_batch(&mut second), [format!("PeerCredit({held})")]);
     }
 
     /// Under a manual flush policy, a flush that finds the slot short of
@@ -1933,7 +1936,11 @@ mod tests {
         core.batch_posted();
         let sent = core.counters.snapshot().data_bytes_sent as i64;
         assert!(0 < sent && sent < 10_000);
-        assert_eq!(core.peer_credit, full - 10_000, "taken whole as it started");
+        assert_eq!(
+            core.peer_credit,
+            full - record_cost(10_000) as i64,
+            "taken whole as it started"
+        );
         let slot = SlotId::new(0, 0).expect("the first slot");
         feed(&mut core, |enc| {
             enc.push_close(slot, FrameSeq(0), CloseReason::ReceiverGone)
@@ -1946,7 +1953,7 @@ mod tests {
         );
     }
 
-    /// Empty records cost a byte each on the receiving side too: a peer
+    /// Empty records cost their overhead on the receiving side too: a peer
     /// cannot queue them past the slot window (or the peer window).
     #[tokio::test]
     async fn empty_records_are_bounded_by_the_slot_window() {
@@ -1977,6 +1984,30 @@ mod tests {
         assert!(core.peer_outstanding() <= 8192);
     }
 
+    /// Data for a slot the receiver has no state for is counted as its
+    /// sender counted it, fragments and all (the overhead on the last
+    /// fragment), and all of it comes back as peer credit.
+    #[tokio::test]
+    async fn a_fragmented_record_for_an_unknown_slot_comes_back_as_its_sender_counted_it() {
+        let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
+        let mut core = held_core(Epoch(1), &control, &registry, Held::default());
+        let unknown = SlotId::new(9, 0).expect("a valid index");
+        let mut returned = 0usize;
+        for (seq, body, more) in [(1, &[1u8; 700][..], true), (2, &[2u8; 300][..], false)] {
+            feed(&mut core, |enc| {
+                enc.push_data(unknown, FrameSeq(seq), body, more)
+            })
+            .expect("dropped, not an offence");
+            returned += next_batch(&mut core)
+                .iter()
+                .filter_map(|r| r.strip_prefix("PeerCredit(")?.strip_suffix(')'))
+                .map(|n| n.parse::<usize>().expect("a number"))
+                .sum::<usize>();
+        }
+        assert_eq!(returned, record_cost(1000));
+        assert_eq!(core.peer_outstanding(), 0);
+    }
+
     /// An empty fragment is only ever a whole empty record.
     #[tokio::test]
     async fn an_empty_fragment_inside_a_record_is_a_protocol_error() {
@@ -1990,12 +2021,13 @@ mod tests {
         assert_eq!(outcome, Err(ProtocolError::BrokenFragment { slot }));
     }
 
-    /// An empty record a producer sends takes a byte of slot budget, so a
-    /// producer of empty records meets backpressure too.
+    /// An empty record a producer sends takes its overhead of slot budget,
+    /// so a producer of empty records meets backpressure too.
     #[tokio::test]
     async fn empty_records_fill_the_slot_budget() {
         let core = core();
-        let inlet = Inlet::new(StreamKey::new(7, 1), core.control.clone(), 16, 1 << 20);
+        let budget = 16 * RECORD_OVERHEAD;
+        let inlet = Inlet::new(StreamKey::new(7, 1), core.control.clone(), budget, 1 << 20);
         assert!(core.control.admit_egress(16));
         assert!(inlet.announce());
         let mut tx = SlotSender::new(inlet);
@@ -2034,6 +2066,33 @@ mod tests {
             batches += 1;
         }
         assert_eq!(data, 300, "the record went out in {batches} batches");
+    }
+
+    /// A record sent in fragments takes its cost from slot credit once: its
+    /// bytes, and the overhead with the last fragment, as the receiver
+    /// counts it.
+    #[tokio::test]
+    async fn a_fragmented_record_takes_its_cost_from_slot_credit_once() {
+        let mut core = credited_core();
+        let window = i64::from(core.config.slot_window);
+        let mut tx = open(&core, 1);
+        tx.send(Bytes::from(vec![3u8; 300])).await.expect("queued");
+        core.handle_control(Instant::now());
+        let mut buf = vec![0u8; 128];
+        let (mut fragments, mut batches) = (0, 0);
+        while core.wants_write(Instant::now()) && batches < 100 {
+            let len = core.poll_batch(&mut buf, Instant::now());
+            core.batch_posted();
+            let view = BatchView::new_checked(&buf[..len]).expect("valid");
+            fragments += view
+                .records()
+                .filter(|r| matches!(r.body, RecordBody::Data(_)))
+                .count();
+            batches += 1;
+        }
+        assert!(fragments > 1, "{fragments} fragments");
+        let slot = core.table[0].slot.as_ref().expect("still open");
+        assert_eq!(slot.credit, window - record_cost(300) as i64);
     }
 
     /// Under a manual flush, records a flush found short of slot credit go
