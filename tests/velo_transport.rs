@@ -383,6 +383,62 @@ async fn max_message_size_follows_the_nodes_max_record() {
     assert_eq!(a.transport.node().mux().stats().epoch_deaths, 0);
 }
 
+/// Toward a peer that takes smaller records than we do, the limit is the
+/// peer's once an epoch with it has said so: velo asks and hears it, and a
+/// message past it is refused before the wire, not by the mux.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_message_size_to_a_peer_is_the_smaller_of_the_two_limits() {
+    let fabric = MemFabric::new(MemConfig::default());
+    let small = MuxConfig {
+        max_record: 64 * 1024,
+        ..MuxConfig::default()
+    };
+    let a = end(&fabric, 1, VeloConfig::default()).await;
+    let b = end_on(
+        Arc::new(fabric.node(PeerId(2), small.clone())),
+        VeloConfig::for_mux(&small),
+    )
+    .await;
+    a.transport.register(info(&b)).expect("registers");
+    let ours = VeloConfig::default().max_message_size;
+    assert_eq!(
+        a.transport.max_message_size(b.id),
+        Some(ours),
+        "no epoch yet: our own"
+    );
+    let errors = Arc::new(Errors::default());
+    assert!(send(&a, b.id, MessageType::Message, b"hello", &errors).is_admitted());
+    b.streams
+        .message_stream
+        .recv_async()
+        .await
+        .expect("delivered");
+    let limit = 64 * 1024 - qpmux::velo::wire::OVERHEAD;
+    assert_eq!(a.transport.max_message_size(b.id), Some(limit));
+    // header (3) + payload: one byte over is refused here, with the limit.
+    assert!(send(&a, b.id, MessageType::Message, &vec![1; limit - 2], &errors).is_admitted());
+    assert_eq!(errors.count(), 1);
+    assert!(
+        errors
+            .last
+            .lock()
+            .expect("lock")
+            .as_deref()
+            .is_some_and(|e| e.contains(&limit.to_string()))
+    );
+    use qpmux::mux::MuxTransport;
+    assert_eq!(a.transport.node().mux().stats().messages_too_large, 0);
+    assert!(send(&a, b.id, MessageType::Message, &vec![2; limit - 3], &errors).is_admitted());
+    let got = b
+        .streams
+        .message_stream
+        .recv_async()
+        .await
+        .expect("delivered");
+    assert_eq!(got.payload.len(), limit - 3);
+    assert_eq!(errors.count(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_receiver_echoes_shutting_down_to_the_sender() {
     let fabric = MemFabric::new(MemConfig::default());

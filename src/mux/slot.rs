@@ -110,6 +110,9 @@ pub(crate) struct PeerControl {
     /// not yet used (0 once the epoch is over): what the next hello's
     /// credit leaves out, so an epoch that replaces a live one adds nothing.
     pub peer_committed: AtomicU64,
+    /// The largest record or message the peer takes, as its latest epoch's
+    /// terms said; 0 before any.
+    pub peer_max_record: AtomicUsize,
 }
 
 #[derive(Debug, Default)]
@@ -139,6 +142,7 @@ impl PeerControl {
             ingress_live: AtomicUsize::new(0),
             peer_held: AtomicU64::new(0),
             peer_committed: AtomicU64::new(0),
+            peer_max_record: AtomicUsize::new(0),
         }
     }
 

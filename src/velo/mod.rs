@@ -44,7 +44,9 @@ pub struct VeloConfig {
     /// Largest `header + payload` of one active message: the node's
     /// `MuxConfig::max_record` minus [`wire::OVERHEAD`] (a longer one is a
     /// protocol violation at the receiver). [`VeloConfig::for_mux`] derives
-    /// it; the default is 16 MiB − 6, the mux default's limit.
+    /// it; the default is 16 MiB − 6, the mux default's limit. To a peer
+    /// whose hello said it takes smaller records, the smaller limit
+    /// (`Transport::max_message_size` says which, per target).
     pub max_message_size: usize,
     /// Longest `Transport::closed` waits for the mux's peer tasks. Default 1 s.
     pub close_wait: Duration,
@@ -107,12 +109,13 @@ pub enum AdapterError {
     /// A velo worker id that no registered peer has.
     #[error("worker {0} is not registered with qpmux")]
     UnknownWorker(u64),
-    /// `header + payload` exceeds `max_message_size`.
+    /// `header + payload` exceeds `max_message_size`, or the smaller limit
+    /// of the peer it is for.
     #[error("frame of {len} bytes exceeds qpmux's {max}-byte maximum")]
     TooLarge {
         /// `header.len() + payload.len()`.
         len: usize,
-        /// The configured maximum.
+        /// The maximum toward that peer.
         max: usize,
     },
     /// Sent before `start`.

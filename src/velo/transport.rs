@@ -28,7 +28,7 @@ use velo_ext::{
 };
 
 use super::fate::{Fate, Report};
-use super::wire::Envelope;
+use super::wire::{self, Envelope};
 use super::{AdapterError, TRANSPORT_KEY, VeloConfig, decode_endpoint, encode_address};
 use crate::link::Node;
 use crate::mux::{AsMux, MessageSink, MuxTransport, OutboundMessage, PeerId};
@@ -162,6 +162,16 @@ fn label(message_type: MessageType) -> &'static str {
 }
 
 impl<N: Node> Inner<N> {
+    /// The largest message (header and payload) `peer` takes: ours, or
+    /// less where its latest epoch said it takes smaller records (the mux
+    /// would refuse a larger one at our end).
+    fn max_message_size(&self, peer: Option<PeerId>) -> usize {
+        let theirs = peer
+            .and_then(|peer| self.node.mux().peer_max_record(peer))
+            .map_or(usize::MAX, |max| max.saturating_sub(wire::OVERHEAD));
+        self.config.max_message_size.min(theirs)
+    }
+
     fn metrics(&self) -> Option<&Arc<dyn TransportObservability>> {
         self.observability.get()
     }
@@ -282,11 +292,9 @@ impl<N: Node> Inner<N> {
             if self.shut_down.load(Ordering::Acquire) {
                 return Err(AdapterError::ShutDown);
             }
-            if len > self.config.max_message_size {
-                return Err(AdapterError::TooLarge {
-                    len,
-                    max: self.config.max_message_size,
-                });
+            let max = self.max_message_size(Some(peer));
+            if len > max {
+                return Err(AdapterError::TooLarge { len, max });
             }
             self.gate(peer).ok_or(AdapterError::NotStarted)
         });
@@ -502,8 +510,8 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             .send(peer, header, payload, message_type, on_error)
     }
 
-    fn max_message_size(&self, _target: InstanceId) -> Option<usize> {
-        Some(self.inner.config.max_message_size)
+    fn max_message_size(&self, target: InstanceId) -> Option<usize> {
+        Some(self.inner.max_message_size(self.peer_id(target)))
     }
 
     fn start(

@@ -341,6 +341,10 @@ impl PeerCore {
         self.egress_window = terms.slot_window;
         self.egress_peer_window = terms.peer_window;
         self.egress_max_record = terms.max_record as usize;
+        self.control.peer_max_record.store(
+            self.egress_max_record.max(1),
+            std::sync::atomic::Ordering::Release,
+        );
         self.peer_credit = i64::from(terms.peer_credit.min(terms.peer_window));
         self.peer_unspent = u64::from(granted);
         self.grant_peer_room(now);

@@ -176,6 +176,18 @@ impl<L: Link> Mux<L> {
         u32::try_from(u64::from(window).saturating_sub(held)).unwrap_or(window)
     }
 
+    /// The largest record or message `peer` takes, as the terms of its
+    /// latest epoch said (a limit of 0 reads 1); `None` before any epoch
+    /// with it.
+    pub fn peer_max_record(&self, peer: PeerId) -> Option<usize> {
+        let max = lock(&self.shared.peers)
+            .get(&peer)?
+            .control
+            .peer_max_record
+            .load(Ordering::Acquire);
+        (max > 0).then_some(max)
+    }
+
     /// [`Mux::attach`] with what the handshake said: the epoch's slots send
     /// within the peer's windows (not ours) starting from the credit it
     /// gave us, and `granted` is the credit our hello gave it (what
