@@ -468,6 +468,18 @@ async fn acknowledged_after_the_last_receive(end: impl FnOnce(verbs_suite::Endpo
 /// lets the held ACK go before the flush.
 #[tokio::test]
 async fn a_qp_dropped_with_an_ack_held_to_coalesce_still_sends_it() {
+    held_ack_sent_on_drop(false).await;
+}
+
+/// The same while inline sends decline (as they do while the driver is
+/// mid-send or holds a backlog): the owed ACK goes to the driver's backlog
+/// instead of down with the QP.
+#[tokio::test]
+async fn a_qp_dropped_while_the_driver_sends_still_sends_its_held_ack() {
+    held_ack_sent_on_drop(true).await;
+}
+
+async fn held_ack_sent_on_drop(inline_declined: bool) {
     use qpmux::verbs::CompletionQueue as _;
     let mut config = UdpConfig::default();
     config.soft.ack_delay = Duration::from_secs(120);
@@ -483,7 +495,15 @@ async fn a_qp_dropped_with_an_ack_held_to_coalesce_still_sends_it() {
     tokio::task::yield_now().await;
     let mut wc = [verbs_suite::blank_wc()];
     assert_eq!(a.send_cq.poll(&mut wc).expect("poll"), 0, "the ACK is held");
+    let dev = b.dev.clone();
+    dev.decline_inline_sends(inline_declined);
+    let backlogged = dev.stats().tx_backlogged;
     drop(b);
+    assert_eq!(
+        dev.stats().tx_backlogged - backlogged,
+        u64::from(inline_declined),
+        "the ACK left to the driver"
+    );
     assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
     assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::Success);
 }

@@ -354,6 +354,26 @@ impl DeviceCore {
         }
     }
 
+    /// [`DeviceCore::poll_transmit`] for one QP only.
+    pub fn poll_transmit_qp(&mut self, qpn: Qpn, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        let entry = self.qps.get_mut(&qpn)?;
+        loop {
+            let len = entry.engine.poll_transmit(now, buf)?;
+            drain(entry, &mut self.completions);
+            self.stats.tx_datagrams += 1;
+            if self.partitioned {
+                self.stats.fault_dropped += 1;
+                continue;
+            }
+            let path = entry.engine.path().expect("a QP that transmits has a path");
+            return Some(Transmit {
+                dst: path.tx_ctx.dst,
+                dst_port: path.tx_ctx.dst_port,
+                len,
+            });
+        }
+    }
+
     fn poll_transmit_any(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
         let first = |qps: &BTreeMap<Qpn, QpEntry>, from: Bound<Qpn>| {
             qps.range((from, Bound::Unbounded))

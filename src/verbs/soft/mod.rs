@@ -208,7 +208,12 @@ impl Drop for SoftQp {
         // completed here and its ACK still unsent.
         core.with_qp(self.qpn, |e| e.release_held_ack());
         let kick = match self.dev.port.get() {
-            Some(port) => udp::transmit_inline(port, &mut core),
+            Some(port) => {
+                // What an inline send left (it declines while the driver
+                // sends) goes to the driver's backlog, not down with the QP.
+                let kick = udp::transmit_inline(port, &mut core);
+                udp::backlog_owed(port, &mut core, self.qpn) || kick
+            }
             None => false,
         };
         core.destroy_qp(self.qpn);
@@ -250,6 +255,14 @@ impl SoftDevice {
     /// Killing one QP instead is `QueuePair::modify_to_error`.
     pub fn set_partitioned(&self, partitioned: bool) {
         self.shared.core().partitioned = partitioned;
+        self.shared.kick.notify_one();
+    }
+
+    /// Test hook: while on, `post_send` and the like leave every packet to
+    /// the UDP driver, as they do while it is mid-send.
+    #[doc(hidden)]
+    pub fn decline_inline_sends(&self, decline: bool) {
+        self.shared.core().inline.decline = decline;
         self.shared.kick.notify_one();
     }
 

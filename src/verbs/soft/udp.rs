@@ -33,12 +33,12 @@ use tokio::io::Interest;
 use tokio::net::UdpSocket;
 
 use super::cq::CqShared;
-use super::device::DeviceCore;
+use super::device::{DeviceCore, Transmit};
 use super::wire::MAX_OVERHEAD;
 use super::{DeviceShared, Instant, SoftConfig, SoftDevice};
 use crate::stages::{self, Stage};
 use crate::unwind::{CatchPanic, panic_message};
-use crate::verbs::{Gid, Mtu, VerbsError};
+use crate::verbs::{Gid, Mtu, Qpn, VerbsError};
 
 /// Packets emitted per turn, so receiving is not starved by a long send queue
 /// (one requester window is 128 PSNs).
@@ -401,9 +401,14 @@ impl Outbox {
 
     /// Emits packets from the core until it has none or `limit` are held.
     fn collect(&mut self, core: &mut DeviceCore, now: Instant, limit: usize) {
+        self.collect_from(limit, |buf| core.poll_transmit(now, buf));
+    }
+
+    /// Emits packets from `poll` until it has none or `limit` are held.
+    fn collect_from(&mut self, limit: usize, mut poll: impl FnMut(&mut [u8]) -> Option<Transmit>) {
         while self.out.len() < limit {
             let start = self.used;
-            let Some(x) = core.poll_transmit(now, self.room(MAX_PACKET)) else {
+            let Some(x) = poll(self.room(MAX_PACKET)) else {
                 break;
             };
             self.used = start + x.len;
@@ -477,6 +482,8 @@ pub(crate) struct InlineGate {
     backlog: Outbox,
     /// Reused by inline sends.
     scratch: Outbox,
+    /// Test hook: inline sends decline as if the driver were sending.
+    pub decline: bool,
 }
 
 /// After a verbs call queued work, with the core locked: puts the core's
@@ -484,7 +491,7 @@ pub(crate) struct InlineGate {
 /// sending. True when the driver must still be woken (packets left, a full
 /// socket, or a timer earlier than the driver knows of).
 pub(crate) fn transmit_inline(port: &Port, core: &mut DeviceCore) -> bool {
-    if core.inline.driver_sending || !core.inline.backlog.is_empty() {
+    if core.inline.driver_sending || !core.inline.backlog.is_empty() || core.inline.decline {
         return true;
     }
     let now = port.now();
@@ -510,6 +517,24 @@ pub(crate) fn transmit_inline(port: &Port, core: &mut DeviceCore) -> bool {
     kick || core
         .poll_timeout()
         .is_some_and(|t| driver_wakes_at.is_none_or(|at| t < at))
+}
+
+/// Before a QP is destroyed, with the core locked: moves what it still owes
+/// the wire (an ACK for a message already completed, above all) to the
+/// driver's backlog, so destroying it loses nothing an inline send had to
+/// leave to the driver (the driver mid-send, or a backlog ahead). At most
+/// one inline burst: a NIC stops a destroyed QP's requests too. True when
+/// the driver must be woken.
+pub(crate) fn backlog_owed(port: &Port, core: &mut DeviceCore, qpn: Qpn) -> bool {
+    let now = port.now();
+    let mut outbox = std::mem::take(&mut core.inline.scratch);
+    outbox.clear();
+    outbox.collect_from(INLINE_PACKETS, |buf| core.poll_transmit_qp(qpn, now, buf));
+    let owed = outbox.len();
+    core.inline.backlog.append(&outbox, 0);
+    core.stats.tx_backlogged += owed as u64;
+    core.inline.scratch = outbox;
+    owed > 0
 }
 
 /// The driver task's side: batched I/O and its buffers.
