@@ -268,12 +268,12 @@ async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_se
         expect(half, true, BootstrapError::Truncated).await;
 
         // Cases that need the connection's own nonce.
-        let cases: [(u16, PeerId, u32, Windows, BootstrapError); 7] = [
+        let cases: [(u16, PeerId, u32, Windows, BootstrapError); 9] = [
             (
                 1,
                 A,
                 65536,
-                (1, 1, 1),
+                (1, 4096, 1),
                 BootstrapError::BadVersion { got: 1 },
             ),
             // Version 2 started each epoch on the whole peer window.
@@ -281,21 +281,29 @@ async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_se
                 2,
                 A,
                 65536,
-                (1, 1, 1),
+                (1, 4096, 1),
                 BootstrapError::BadVersion { got: 2 },
+            ),
+            // Version 4 counted records by their bytes alone.
+            (
+                4,
+                A,
+                65536,
+                (1, 4096, 1),
+                BootstrapError::BadVersion { got: 4 },
             ),
             (
                 V,
                 A,
                 1,
-                (1, 1, 1),
+                (1, 4096, 1),
                 BootstrapError::BadField("tcp max_batch"),
             ),
             (
                 V,
                 A,
                 65536,
-                (0, 1, 1),
+                (0, 4096, 1),
                 BootstrapError::BadField("slot window"),
             ),
             (
@@ -305,14 +313,22 @@ async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_se
                 (1, 0, 0),
                 BootstrapError::BadField("peer window"),
             ),
+            // Too small for one record's overhead.
             (
                 V,
                 A,
                 65536,
-                (1, 1, 2),
+                (1, RECORD_OVERHEAD as u32, 0),
+                BootstrapError::BadField("peer window"),
+            ),
+            (
+                V,
+                A,
+                65536,
+                (1, 4096, 4097),
                 BootstrapError::BadField("peer credit"),
             ),
-            (V, B, 65536, (1, 1, 1), BootstrapError::SelfConnect),
+            (V, B, 65536, (1, 4096, 1), BootstrapError::SelfConnect),
         ];
         for (version, id, max_batch, windows, want) in cases {
             let (mut s, nonce) = raw(&l_node).await;

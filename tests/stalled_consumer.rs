@@ -18,7 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use qpmux::link::Node;
 use qpmux::link::rdma::{RdmaConfig, RdmaNodeConfig, RdmaTransport};
-use qpmux::mux::{Frame, MuxConfig, MuxTransport, PeerId, StreamKey, Terminal};
+use qpmux::mux::{Frame, MuxConfig, MuxTransport, PeerId, RECORD_OVERHEAD, StreamKey, Terminal};
 use qpmux::verbs::soft::SoftDevice;
 use qpmux::verbs::soft::udp::UdpConfig;
 
@@ -175,7 +175,8 @@ async fn stall_then_resume(shape: Shape) {
             tokio::spawn(async move {
                 for n in 1..records {
                     tx.send(record(shape, s as u64, n)).await?;
-                    accepted.fetch_add(record_len as u64, Ordering::Relaxed);
+                    // Counted as the budgets count it.
+                    accepted.fetch_add((record_len + RECORD_OVERHEAD) as u64, Ordering::Relaxed);
                 }
                 tx.finish(Terminal::Finalized)
             })
@@ -207,11 +208,12 @@ async fn stall_then_resume(shape: Shape) {
     assert!(stats.withheld_bytes > 0, "sends pending: {stats:?}");
     assert_eq!(stats.slots_dropped, 0);
     assert_eq!(b.mux().stats().slots_dropped, 0);
+    let record_cost = record_len + RECORD_OVERHEAD;
     let accepted_bound =
-        (peer_budget + SLOTS as usize * (slot_window as usize + record_len)) as u64;
+        (peer_budget + SLOTS as usize * (slot_window as usize + record_cost)) as u64;
     assert!(
         at_end <= accepted_bound,
-        "accepted {at_end} bytes, budgets allow {accepted_bound}"
+        "accepted {at_end} bytes (counted with the overhead), budgets allow {accepted_bound}"
     );
 
     let budgets = peer_budget
@@ -220,9 +222,11 @@ async fn stall_then_resume(shape: Shape) {
     let bound = budgets as u64 + SLACK;
     let growth = peak.saturating_sub(baseline);
     eprintln!(
-        "stalled_consumer: {record_len}-byte records, stall {} s, accepted {} KiB then pending, \
-         RSS baseline {} KiB, peak growth {} KiB, bound {} KiB (budgets {} KiB + slack {} KiB)",
+        "stalled_consumer: {record_len}-byte records, stall {} s, accepted {} records ({} KiB \
+         counted) then pending, RSS baseline {} KiB, peak growth {} KiB, bound {} KiB \
+         (budgets {} KiB + slack {} KiB)",
         stall.as_secs(),
+        at_end / record_cost as u64,
         at_end / 1024,
         baseline / 1024,
         growth / 1024,

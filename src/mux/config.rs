@@ -39,7 +39,8 @@ pub struct MuxConfig {
     /// consumers, reassembling), whatever the slot count. Bounds what a peer
     /// can make this node hold. At least `max_record` plus
     /// [`RECORD_OVERHEAD`](crate::mux::RECORD_OVERHEAD), or records between
-    /// the two can never be sent to us. Default 64 MiB
+    /// the two can never be sent to us; a peer refuses a hello whose window
+    /// is not above the overhead. Default 64 MiB
     /// (docs/design.md § "Peer credit bounds what a peer can make us hold").
     pub peer_window: u32,
     /// Bytes a producer may queue on one slot before `send` waits. Default 1 MiB.

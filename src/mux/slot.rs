@@ -38,12 +38,13 @@ pub enum SendError {
     /// The receiving side closed the slot (gone, refused, or unknown to it).
     #[error("peer closed the slot: {0:?}")]
     PeerClosed(CloseReason),
-    /// The record exceeds the mux's largest record.
+    /// The record exceeds the largest the peer takes: its `max_record`, or
+    /// its peer window less [`RECORD_OVERHEAD`].
     #[error("record of {len} bytes exceeds the {max}-byte maximum")]
     TooLarge {
         /// The record length.
         len: usize,
-        /// The configured maximum.
+        /// The maximum.
         max: usize,
     },
 }
@@ -1124,7 +1125,10 @@ mod tests {
         slot.push(record(60)).await.unwrap();
         let blocked = slot.clone();
         let mut second = tokio::spawn(async move { blocked.push(record(60)).await });
-        assert!(still_waiting(&mut second).await, "60 + 60 > 100");
+        assert!(
+            still_waiting(&mut second).await,
+            "two records' costs pass 100"
+        );
         assert!(matches!(slot.pop(|_| true), Pop::Record(r) if r.len() == 60));
         tokio::time::timeout(WAIT, second)
             .await

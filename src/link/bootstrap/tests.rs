@@ -244,7 +244,7 @@ fn a_peer_credit_past_the_peer_window_is_named() {
 }
 
 #[test]
-fn zero_windows_are_named() {
+fn zero_windows_and_a_peer_window_that_holds_no_record_are_named() {
     let mut fields = tcp(D, 0);
     fields.slot_window = 0;
     assert_eq!(
@@ -252,12 +252,16 @@ fn zero_windows_are_named() {
         BootstrapError::BadField("slot window")
     );
 
-    let mut fields = tcp(D, 0);
-    fields.peer_window = 0;
-    assert_eq!(
-        listener_error(&framed(&dialer_hello_body(&fields))),
-        BootstrapError::BadField("peer window")
-    );
+    for window in [0, crate::mux::RECORD_OVERHEAD as u32] {
+        let mut fields = tcp(D, 0);
+        fields.peer_window = window;
+        fields.peer_credit = 0;
+        assert_eq!(
+            listener_error(&framed(&dialer_hello_body(&fields))),
+            BootstrapError::BadField("peer window"),
+            "{window}"
+        );
+    }
 }
 
 #[test]

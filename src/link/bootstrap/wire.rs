@@ -427,7 +427,8 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
                 return Err(BootstrapError::BadField("slot window"));
             }
             let peer_window = r.u32()?;
-            if peer_window == 0 {
+            // One that cannot hold a single record's overhead carries nothing.
+            if peer_window as usize <= crate::mux::RECORD_OVERHEAD {
                 return Err(BootstrapError::BadField("peer window"));
             }
             let peer_credit = r.u32()?;

@@ -7,8 +7,9 @@
 //!  poll_batch     ─► control owed (pong, closes, grants, opens), then messages and
 //!                     slot data (round-robin), taking turns to go first
 //!  handle_timeout ◄─ credit sweep, heartbeats;  poll_timeout ─► next deadline
-//!  credit: a record starts on slot credit > 0 and peer credit ≥ its length;
-//!          every data byte in counts against our peer window until consumed
+//!  credit: a record starts on slot credit > 0 and peer credit ≥ its cost
+//!          (length + RECORD_OVERHEAD); what comes in counts the same against
+//!          our windows until consumed
 //! ```
 //!
 //! Owner: the peer task. Nothing here survives the epoch: the next one builds
@@ -137,7 +138,7 @@ pub(crate) struct PeerCore {
 
     /// Peer credit: what all our slots together may still start toward the
     /// peer (its peer window less what it holds of ours). A record takes its
-    /// whole length when it starts.
+    /// whole cost when it starts.
     peer_credit: i64,
     /// The peer's window, from its handshake (else ours).
     egress_peer_window: u32,
@@ -1022,7 +1023,9 @@ impl PeerCore {
             // ours: it can never go.
             let never = too_large.map(|len| (len, max_record)).or_else(|| {
                 let max = (peer_window as usize).saturating_sub(RECORD_OVERHEAD);
-                short.filter(|&len| len > max).map(|len| (len, max))
+                short
+                    .filter(|&len| record_cost(len) > peer_window as usize)
+                    .map(|len| (len, max))
             });
             match popped {
                 Pop::Blocked if never.is_some() => {
@@ -1996,19 +1999,22 @@ mod tests {
         let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
         let mut core = held_core(Epoch(1), &control, &registry, Held::default());
         let unknown = SlotId::new(9, 0).expect("a valid index");
-        let mut returned = 0usize;
-        for (seq, body, more) in [(1, &[1u8; 700][..], true), (2, &[2u8; 300][..], false)] {
+        let fragments = [
+            (1, &[1u8; 700][..], true, 700),
+            (2, &[2u8; 300][..], false, 300 + RECORD_OVERHEAD),
+        ];
+        for (seq, body, more, counted) in fragments {
             feed(&mut core, |enc| {
                 enc.push_data(unknown, FrameSeq(seq), body, more)
             })
             .expect("dropped, not an offence");
-            returned += next_batch(&mut core)
+            let returned = next_batch(&mut core)
                 .iter()
                 .filter_map(|r| r.strip_prefix("PeerCredit(")?.strip_suffix(')'))
                 .map(|n| n.parse::<usize>().expect("a number"))
                 .sum::<usize>();
+            assert_eq!(returned, counted, "fragment {seq}");
         }
-        assert_eq!(returned, record_cost(1000));
         assert_eq!(core.peer_outstanding(), 0);
     }
 
@@ -2083,20 +2089,23 @@ mod tests {
         tx.send(Bytes::from(vec![3u8; 300])).await.expect("queued");
         core.handle_control(Instant::now());
         let mut buf = vec![0u8; 128];
-        let (mut fragments, mut batches) = (0, 0);
+        let (mut fragments, mut batches, mut expected) = (0, 0, window);
         while core.wants_write(Instant::now()) && batches < 100 {
             let len = core.poll_batch(&mut buf, Instant::now());
             core.batch_posted();
             let view = BatchView::new_checked(&buf[..len]).expect("valid");
-            fragments += view
-                .records()
-                .filter(|r| matches!(r.body, RecordBody::Data(_)))
-                .count();
+            for r in view.records() {
+                if let RecordBody::Data(d) = r.body {
+                    fragments += 1;
+                    expected -= fragment_cost(d.len(), !r.more) as i64;
+                }
+            }
+            let slot = core.table[0].slot.as_ref().expect("still open");
+            assert_eq!(slot.credit, expected, "after batch {batches}");
             batches += 1;
         }
         assert!(fragments > 1, "{fragments} fragments");
-        let slot = core.table[0].slot.as_ref().expect("still open");
-        assert_eq!(slot.credit, window - record_cost(300) as i64);
+        assert_eq!(expected, window - record_cost(300) as i64);
     }
 
     /// Under a manual flush, records a flush found short of slot credit go
