@@ -385,7 +385,8 @@ async fn max_message_size_follows_the_nodes_max_record() {
 
 /// Toward a peer that takes smaller records than we do, the limit is the
 /// peer's once an epoch with it has said so: velo asks and hears it, and a
-/// message past it is refused before the wire, not by the mux.
+/// message past it is refused before the wire, not by the mux. It outlives
+/// the peer's retirement (the mux forgets an idle peer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_message_size_to_a_peer_is_the_smaller_of_the_two_limits() {
     let fabric = MemFabric::new(MemConfig::default());
@@ -393,7 +394,15 @@ async fn max_message_size_to_a_peer_is_the_smaller_of_the_two_limits() {
         max_record: 64 * 1024,
         ..MuxConfig::default()
     };
-    let a = end(&fabric, 1, VeloConfig::default()).await;
+    let retiring = MuxConfig {
+        idle_retire: Duration::from_millis(50),
+        ..MuxConfig::default()
+    };
+    let a = end_on(
+        Arc::new(fabric.node(PeerId(1), retiring)),
+        VeloConfig::default(),
+    )
+    .await;
     let b = end_on(
         Arc::new(fabric.node(PeerId(2), small.clone())),
         VeloConfig::for_mux(&small),
@@ -437,6 +446,19 @@ async fn max_message_size_to_a_peer_is_the_smaller_of_the_two_limits() {
         .expect("delivered");
     assert_eq!(got.payload.len(), limit - 3);
     assert_eq!(errors.count(), 1);
+
+    let mux = a.transport.node().mux();
+    until("the idle peer retired", || {
+        mux.peer_max_record(PeerId(2)).is_none()
+    })
+    .await;
+    assert_eq!(
+        a.transport.max_message_size(b.id),
+        Some(limit),
+        "the peer retired, its limit kept"
+    );
+    assert!(send(&a, b.id, MessageType::Message, &vec![1; limit - 2], &errors).is_admitted());
+    assert_eq!(errors.count(), 2, "refused here again");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

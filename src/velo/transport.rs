@@ -89,6 +89,9 @@ struct Inner<N: Node> {
     peers: Mutex<HashMap<InstanceId, PeerId>>,
     /// Peers that have had an epoch up at least once (for `NeverConnected`).
     connected: Mutex<HashMap<PeerId, bool>>,
+    /// Registered peers' `max_record`s as their latest epochs said: the mux
+    /// forgets an idle peer's when the peer retires.
+    limits: Mutex<HashMap<PeerId, usize>>,
     lanes: Mutex<HashMap<PeerId, Lane>>,
     started: OnceLock<Started>,
     observability: OnceLock<Arc<dyn TransportObservability>>,
@@ -111,6 +114,7 @@ impl<N: Node> QpmuxTransport<N> {
                 key: TransportKey::new(TRANSPORT_KEY),
                 peers: Mutex::new(HashMap::new()),
                 connected: Mutex::new(HashMap::new()),
+                limits: Mutex::new(HashMap::new()),
                 lanes: Mutex::new(HashMap::new()),
                 started: OnceLock::new(),
                 observability: OnceLock::new(),
@@ -167,9 +171,22 @@ impl<N: Node> Inner<N> {
     /// would refuse a larger one at our end).
     fn max_message_size(&self, peer: Option<PeerId>) -> usize {
         let theirs = peer
-            .and_then(|peer| self.node.mux().peer_max_record(peer))
+            .and_then(|peer| self.peer_max_record(peer))
             .map_or(usize::MAX, |max| max.saturating_sub(wire::OVERHEAD));
         self.config.max_message_size.min(theirs)
+    }
+
+    /// The peer's `max_record`: its live entry's, else the last one seen.
+    fn peer_max_record(&self, peer: PeerId) -> Option<usize> {
+        let live = self.node.mux().peer_max_record(peer);
+        let mut limits = lock(&self.limits);
+        match live {
+            Some(max) => {
+                limits.insert(peer, max);
+                Some(max)
+            }
+            None => limits.get(&peer).copied(),
+        }
     }
 
     fn metrics(&self) -> Option<&Arc<dyn TransportObservability>> {
@@ -233,6 +250,9 @@ impl<N: Node> Inner<N> {
             if epoch_up && !lane.seen_up {
                 lane.seen_up = true;
                 up.push(*peer);
+                if let Some(max) = mux.peer_max_record(*peer) {
+                    lock(&self.limits).insert(*peer, max);
+                }
             }
             if !lane.has_frames() || epoch_up {
                 lane.unreached_since = None;
@@ -487,6 +507,7 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             (lane, unserved)
         };
         lock(&self.inner.connected).remove(&peer);
+        lock(&self.inner.limits).remove(&peer);
         if let Some(lane) = lane {
             lane.gate.fail_all(AdmissionError::ChannelClosed);
         }

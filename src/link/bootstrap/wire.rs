@@ -427,7 +427,7 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
                 return Err(BootstrapError::BadField("slot window"));
             }
             let peer_window = r.u32()?;
-            // One that cannot hold a single record's overhead carries nothing.
+            // One no larger than a record's overhead carries no data at all.
             if peer_window as usize <= crate::mux::RECORD_OVERHEAD {
                 return Err(BootstrapError::BadField("peer window"));
             }

@@ -124,6 +124,12 @@ impl<L: Link> Mux<L> {
     /// # Panics
     /// Outside a tokio runtime.
     pub fn new(config: MuxConfig, dialer: Arc<dyn Dialer>) -> Mux<L> {
+        if config.peer_window as usize <= crate::mux::RECORD_OVERHEAD {
+            tracing::warn!(
+                peer_window = config.peer_window,
+                "a peer window that holds no record: peers refuse this node's hello"
+            );
+        }
         let registry = Registry::new(
             config.slot_window,
             MAX_REGISTRY_ENTRIES,

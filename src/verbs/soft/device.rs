@@ -46,8 +46,9 @@ pub struct DeviceStats {
     /// UDP driver task.
     pub tx_inline: u64,
     /// Datagrams `post_send` emitted but could not send (a full socket
-    /// buffer, or one not yet known writable): handed to the driver, which
-    /// sent them first.
+    /// buffer, or one not yet known writable), or a dropped QP still owed
+    /// while inline sends declined: handed to the driver, which sent them
+    /// first.
     pub tx_backlogged: u64,
     /// Datagrams dropped (either way) by the partition fault hook.
     pub fault_dropped: u64,
