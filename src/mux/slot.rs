@@ -38,8 +38,8 @@ pub enum SendError {
     /// The receiving side closed the slot (gone, refused, or unknown to it).
     #[error("peer closed the slot: {0:?}")]
     PeerClosed(CloseReason),
-    /// The record exceeds the largest the peer takes: its `max_record`, or
-    /// its peer window less [`RECORD_OVERHEAD`].
+    /// The record exceeds the largest one that may go: our `max_record` (at
+    /// `send`), the peer's, or its peer window less [`RECORD_OVERHEAD`].
     #[error("record of {len} bytes exceeds the {max}-byte maximum")]
     TooLarge {
         /// The record length.
