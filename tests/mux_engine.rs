@@ -1187,6 +1187,64 @@ async fn eight_late_slots_against_a_peer_window() {
     assert!(b.stats().peer_credit_updates_sent > 0);
 }
 
+/// Consumers that leave while a large record is on its way, over and over:
+/// each record cut short gives back what never went (its unsent rest, and
+/// the 64 its last fragment would have carried), fragments that arrive
+/// after the consumer left come back as the sender counted them, so the
+/// sender's peer credit comes back whole, and a record costing the whole
+/// peer window still crosses at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_cut_short_by_departing_consumers_give_all_their_peer_credit_back() {
+    let peer_window = 64 * 1024;
+    let config = MuxConfig {
+        slot_window: peer_window,
+        peer_window,
+        max_record: peer_window as usize,
+        ..MuxConfig::default()
+    };
+    // Small batches, two in flight: a record is many batches long and is
+    // still going out when its consumer leaves.
+    let small_batches = MemConfig {
+        max_batch: 1024,
+        credits: 2,
+        ..MemConfig::default()
+    };
+    let (_fabric, muxes) = fabric(&[A, B], config, small_batches);
+    let body = Bytes::from(vec![9u8; 40 * 1024]);
+    tokio::time::timeout(Duration::from_secs(30), async {
+        for s in 0..64u64 {
+            let key = StreamKey::new(21, s);
+            let rx = muxes[1].bind(key).expect("bind");
+            let tx = {
+                let mut tx = muxes[0].open(B, key).expect("open");
+                tx.send(body.clone()).await.expect("queued");
+                tx
+            };
+            // Leave once the record has begun to arrive, at once or a few
+            // turns later: mid-record, mostly.
+            until(|| muxes[1].stats().peer_held_bytes > 0).await;
+            for _ in 0..s % 4 {
+                tokio::task::yield_now().await;
+            }
+            drop(rx);
+            assert_eq!(
+                tx.closed().await,
+                SendError::PeerClosed(CloseReason::ReceiverGone)
+            );
+        }
+        // A record costing the whole window needs all of it back.
+        let key = StreamKey::new(21, 1000);
+        let mut rx = muxes[1].bind(key).expect("bind");
+        let mut tx = muxes[0].open(B, key).expect("open");
+        let whole = Bytes::from(vec![7u8; peer_window as usize - RECORD_OVERHEAD]);
+        tx.send(whole.clone()).await.expect("queued");
+        assert_eq!(rx.recv().await, Some(Frame::Data(whole)));
+    })
+    .await
+    .expect("the peer credit came back whole");
+    assert_eq!(muxes[1].stats().protocol_violations, 0);
+}
+
 /// A record larger than the receiver's whole peer window can never go: its
 /// slot ends for the producer with `TooLarge` naming that window, the
 /// consumer sees the sender drop the stream, and the epoch lives.
