@@ -210,6 +210,7 @@ async fn filling_and_closing_unbound_streams_is_epoch_death_at_the_peer_window()
             ProtocolError::PeerCreditOverrun {
                 outstanding: u64::from(peer_window),
                 len: 17,
+                cost: 17 + RECORD_OVERHEAD as u64,
                 window: peer_window,
             },
         )
@@ -254,6 +255,7 @@ async fn one_byte_records_are_epoch_death_at_the_peer_window_counted_with_their_
             ProtocolError::PeerCreditOverrun {
                 outstanding: (fit * cost) as u64,
                 len: 1,
+                cost: cost as u64,
                 window: peer_window,
             },
         )
@@ -392,6 +394,7 @@ async fn a_reconnect_brings_only_the_room_the_last_epochs_unread_streams_left() 
             EpochEnd::Violation(ProtocolError::PeerCreditOverrun {
                 outstanding: u64::from(peer_window),
                 len: 1,
+                cost: 1 + RECORD_OVERHEAD as u64,
                 window: peer_window,
             })
         );

@@ -1338,6 +1338,7 @@ impl PeerCore {
             return Err(ProtocolError::PeerCreditOverrun {
                 outstanding: self.peer_outstanding,
                 len: body.len(),
+                cost: len,
                 window: peer_window,
             });
         }
@@ -1834,6 +1835,7 @@ mod tests {
             Err(ProtocolError::PeerCreditOverrun {
                 outstanding: 8192,
                 len: 1,
+                cost: 1 + RECORD_OVERHEAD as u64,
                 window: 8192,
             }),
             "the room left, not a fresh window"

@@ -57,12 +57,17 @@ pub enum ProtocolError {
         window: u32,
     },
     /// Data beyond the peer credit this node granted across all slots.
-    #[error("data of {len} bytes with {outstanding} bytes outstanding, peer window {window}")]
+    #[error(
+        "data of {len} bytes, counting {cost}, with {outstanding} bytes outstanding, peer window {window}"
+    )]
     PeerCreditOverrun {
         /// Bytes of the peer's data held or in flight here, not yet returned.
         outstanding: u64,
         /// The data record's length.
         len: usize,
+        /// What it counts: its length, plus `RECORD_OVERHEAD` on a record's
+        /// last fragment.
+        cost: u64,
         /// Our peer window.
         window: u32,
     },
