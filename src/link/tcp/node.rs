@@ -1189,17 +1189,17 @@ async fn drive(
     }
 }
 
-/// Which end of the bootstrap connection this node was.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Side {
+/// Which end of the bootstrap connection this node was; an accepting end
+/// carries its handshake's count, for the install to settle.
+enum Side<'a> {
     Dialed,
-    Accepted,
+    Accepted(&'a mut bool),
 }
 
 /// Installs an established epoch: a new link, attached to the mux.
 fn install<E: EpochMaker>(
     inner: &NodeInner<E>,
-    side: Side,
+    side: Side<'_>,
     established: Established,
     armed: E::Armed,
     stream: TcpStream,
@@ -1213,7 +1213,7 @@ fn install<E: EpochMaker>(
         return Err(ConnectError::NotServing);
     }
     let state = match side {
-        Side::Accepted => inner.entry(&mut peers, peer),
+        Side::Accepted(_) => inner.entry(&mut peers, peer),
         // Forgotten while the dial was under way: no address, or no entry.
         Side::Dialed => match peers.get_mut(&peer) {
             Some(state) if state.addr.is_some() => state,
@@ -1236,6 +1236,12 @@ fn install<E: EpochMaker>(
     state.floor_claim = Epoch(state.floor_claim.0.saturating_add(1));
     if let Some(old) = state.current.replace(link.clone()) {
         old.fail(EpochEnd::Replaced);
+    }
+    if let Side::Accepted(counted) = side {
+        // Settled with the install: a mux asking for a link once this one
+        // dies must not find the handshake still under way and be ignored.
+        state.accepting = state.accepting.saturating_sub(1);
+        *counted = false;
     }
     bump(&inner.counters.established);
     // Under the table lock, so two installs for one peer attach in epoch order.
@@ -1301,17 +1307,22 @@ async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListe
     }
 }
 
-/// Decrements the peer's `accepting` count when an accepted handshake ends.
+/// Decrements the peer's `accepting` count when an accepted handshake ends
+/// without an install (an install settles it under the table lock itself,
+/// so no one sees the link installed and the handshake still under way).
 struct Accepting<'a, E: EpochMaker> {
     inner: &'a NodeInner<E>,
     peer: Option<PeerId>,
+    counted: bool,
 }
 
 impl<E: EpochMaker> Drop for Accepting<'_, E> {
     fn drop(&mut self) {
         if let Some(peer) = self.peer {
             let mut peers = self.inner.peers();
-            if let Some(state) = peers.get_mut(&peer) {
+            if let Some(state) = peers.get_mut(&peer)
+                && self.counted
+            {
                 state.accepting = state.accepting.saturating_sub(1);
             }
             let entry = self.inner.let_go(&mut peers, peer);
@@ -1332,7 +1343,11 @@ async fn accept_once<E: EpochMaker>(
         inner.epochs.kind(),
         fresh_nonce(),
     );
-    let mut guard = Accepting { inner, peer: None };
+    let mut guard = Accepting {
+        inner,
+        peer: None,
+        counted: false,
+    };
     let mut armed = None;
     let mut local_failure = None;
     let mut granted = 0;
@@ -1348,6 +1363,7 @@ async fn accept_once<E: EpochMaker>(
                 }
             };
             guard.peer = Some(hello.node);
+            guard.counted = true;
             // Only now, for an authenticated and wanted dialer, are resources
             // made, and connected (RDMA: RTR) before we answer.
             let made = inner.epochs.accepts(&hello.endpoint).and_then(|()| {
@@ -1387,7 +1403,7 @@ async fn accept_once<E: EpochMaker>(
     let armed = armed.ok_or(BootstrapError::OutOfOrder)?;
     let epoch = install(
         inner,
-        Side::Accepted,
+        Side::Accepted(&mut guard.counted),
         established,
         armed,
         stream,
