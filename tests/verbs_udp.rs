@@ -468,7 +468,7 @@ async fn acknowledged_after_the_last_receive(end: impl FnOnce(verbs_suite::Endpo
 /// lets the held ACK go before the flush.
 #[tokio::test]
 async fn a_qp_dropped_with_an_ack_held_to_coalesce_still_sends_it() {
-    held_ack_sent_on_drop(false).await;
+    held_ack_sent_on_drop(false, false).await;
 }
 
 /// The same while inline sends decline (as they do while the driver is
@@ -476,10 +476,17 @@ async fn a_qp_dropped_with_an_ack_held_to_coalesce_still_sends_it() {
 /// instead of down with the QP.
 #[tokio::test]
 async fn a_qp_dropped_while_the_driver_sends_still_sends_its_held_ack() {
-    held_ack_sent_on_drop(true).await;
+    held_ack_sent_on_drop(true, false).await;
 }
 
-async fn held_ack_sent_on_drop(inline_declined: bool) {
+/// The same with the QP's the last handle on its device: the ending driver
+/// sends the backlog the device left (`leave_parting`).
+#[tokio::test]
+async fn a_qp_dropped_with_its_device_while_the_driver_sends_still_sends_its_held_ack() {
+    held_ack_sent_on_drop(true, true).await;
+}
+
+async fn held_ack_sent_on_drop(inline_declined: bool, last_handle: bool) {
     use qpmux::verbs::CompletionQueue as _;
     let mut config = UdpConfig::default();
     config.soft.ack_delay = Duration::from_secs(120);
@@ -504,6 +511,10 @@ async fn held_ack_sent_on_drop(inline_declined: bool) {
         u64::from(inline_declined),
         "the ACK left to the driver"
     );
+    if last_handle {
+        assert_eq!(dev.handle_count(), 1, "this is the last handle");
+        drop(dev);
+    }
     assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
     assert_eq!(a.sends[0].status, qpmux::verbs::WcStatus::Success);
 }

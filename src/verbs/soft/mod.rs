@@ -158,6 +158,10 @@ impl DeviceShared {
 
 impl Drop for DeviceShared {
     fn drop(&mut self) {
+        if let Some(port) = self.port.get() {
+            let core = self.core.get_mut().unwrap_or_else(|e| e.into_inner());
+            udp::leave_parting(port, core);
+        }
         self.shutdown.notify_one();
     }
 }
@@ -264,6 +268,13 @@ impl SoftDevice {
     pub fn decline_inline_sends(&self, decline: bool) {
         self.shared.core().inline.decline = decline;
         self.shared.kick.notify_one();
+    }
+
+    /// Test hook: the handles that keep the device alive (this one, its
+    /// clones, and its resources'); its driver holds none.
+    #[doc(hidden)]
+    pub fn handle_count(&self) -> usize {
+        Arc::strong_count(&self.shared)
     }
 
     /// Queue pairs alive on this device now.

@@ -61,6 +61,9 @@ const INLINE_PACKETS: usize = 16;
 /// default) need not wake it. Timers keep their precision: once one is due
 /// within a tick, the driver sleeps until it exactly.
 const IDLE_TICK: std::time::Duration = std::time::Duration::from_millis(5);
+/// How long an ending driver waits for socket room for its device's
+/// parting packets.
+const PARTING_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Configuration of a UDP-driven soft device.
 #[derive(Clone, Debug)]
@@ -238,6 +241,7 @@ impl SoftDevice {
             state,
             gso: config.segmentation_offload,
             start: std::time::Instant::now(),
+            parting: std::sync::Mutex::new(Outbox::with_capacity(0)),
         });
         if dev.shared().port.set(port.clone()).is_err() {
             unreachable!("a new device has no port");
@@ -275,11 +279,13 @@ async fn supervise(
         let started = std::time::Instant::now();
         let driver = Driver::new(port.clone()).run(dev.clone(), kick.clone(), shutdown.clone());
         let cause = match CatchPanic(Box::pin(driver)).await {
-            Ok(DriverEnd::DeviceGone) => return,
+            Ok(DriverEnd::DeviceGone) => return send_parting(&port).await,
             Ok(DriverEnd::CorePoisoned) => "a panic under the device lock".to_owned(),
             Err(panic) => panic_message(&*panic).to_owned(),
         };
-        let Some(shared) = dev.upgrade() else { return };
+        let Some(shared) = dev.upgrade() else {
+            return send_parting(&port).await;
+        };
         tracing::error!(
             cause,
             "the soft device's driver stopped on a panic; every QP goes to ERR and a new driver starts"
@@ -324,6 +330,9 @@ pub(crate) struct Port {
     state: UdpSocketState,
     gso: bool,
     start: std::time::Instant,
+    /// What the device still owed the wire when its last handle went
+    /// (`leave_parting`): the driver sends it before it ends.
+    parting: std::sync::Mutex<Outbox>,
 }
 
 impl Port {
@@ -537,6 +546,49 @@ pub(crate) fn backlog_owed(port: &Port, core: &mut DeviceCore, qpn: Qpn) -> bool
     owed > 0
 }
 
+/// As the device's last handle goes, with its core: what inline sends left
+/// to the driver (the dropped QPs' owed packets, `backlog_owed`) moves to
+/// the port, for the ending driver to send.
+pub(crate) fn leave_parting(port: &Port, core: &mut DeviceCore) {
+    if core.inline.backlog.is_empty() {
+        return;
+    }
+    let mut parting = port.parting.lock().unwrap_or_else(|e| e.into_inner());
+    parting.append(&core.inline.backlog, 0);
+    core.inline.backlog.clear();
+}
+
+/// The device's parting packets, after its driver's last turn (which sent
+/// what it had collected first, so each QP's packets keep their order).
+/// Bounded by `PARTING_GRACE`: a full socket does not keep a task alive.
+async fn send_parting(port: &Port) {
+    let parting = std::mem::take(&mut *port.parting.lock().unwrap_or_else(|e| e.into_inner()));
+    if parting.is_empty() {
+        return;
+    }
+    if tokio::time::timeout(PARTING_GRACE, send_outbox(port, &parting))
+        .await
+        .is_err()
+    {
+        tracing::debug!(
+            packets = parting.len(),
+            "soft RoCE: a departed device's last packets found no room"
+        );
+    }
+}
+
+/// Sends `outbox`, waiting for room in the socket buffer.
+async fn send_outbox(port: &Port, outbox: &Outbox) {
+    let mut from = 0;
+    while let Err(unsent) = outbox.try_send_from(port, from) {
+        if let Err(e) = port.socket.writable().await {
+            tracing::debug!(error = %e, "soft RoCE send failed");
+            return;
+        }
+        from = unsent;
+    }
+}
+
 /// The driver task's side: batched I/O and its buffers.
 struct Driver {
     port: Arc<Port>,
@@ -689,14 +741,7 @@ impl Driver {
 
     /// Sends the turn's packets, waiting for room in the socket buffer.
     async fn send_all(&mut self) {
-        let mut from = 0;
-        while let Err(unsent) = self.outbox.try_send_from(&self.port, from) {
-            if let Err(e) = self.port.socket.writable().await {
-                tracing::debug!(error = %e, "soft RoCE send failed");
-                return;
-            }
-            from = unsent;
-        }
+        send_outbox(&self.port, &self.outbox).await;
     }
 
     /// Handle what is already queued, a `recvmmsg` at a time, without
