@@ -112,8 +112,16 @@ async fn messages_arrive_in_order_whole_including_ones_larger_than_a_batch() {
 
 /// Idle retirement counts messages: two peers that only exchange messages
 /// (velo's RPC shape, no streams) keep one epoch well past `idle_retire`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// On the paused clock, so a descheduled test thread is not idleness; a
+/// message lost to a retirement fails the timeout rather than hanging.
+#[tokio::test(start_paused = true)]
 async fn messages_alone_keep_a_peer_from_retiring() {
+    tokio::time::timeout(Duration::from_secs(30), messages_alone())
+        .await
+        .expect("every message delivered");
+}
+
+async fn messages_alone() {
     let fabric = MemFabric::new(MemConfig::default());
     let config = MuxConfig {
         idle_retire: Duration::from_millis(100),
@@ -127,7 +135,7 @@ async fn messages_alone_keep_a_peer_from_retiring() {
     assert!(b.set_message_sink(sink.clone()));
     let (tx, rx) = flume::bounded(8);
     a.install_messages(B, rx);
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let mut sent = 0;
     while started.elapsed() < Duration::from_millis(600) {
         tx.send_async(OutboundMessage::new(Bytes::from_static(b"ping")))

@@ -426,14 +426,11 @@ async fn a_post_into_a_reset_connection_is_refused() {
         let addr = listener.local_addr().expect("addr");
         let (dialed, accepted) =
             tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-        let a = TcpLink::new(
-            dialed.expect("connect"),
-            Vec::new(),
-            Epoch(1),
-            &config,
-            config.max_batch,
-        )
-        .expect("link");
+        let dialed = dialed.expect("connect");
+        // A second descriptor on a's socket, only to watch for the reset.
+        let probe = socket2::SockRef::from(&dialed).try_clone().expect("dup");
+        let a =
+            TcpLink::new(dialed, Vec::new(), Epoch(1), &config, config.max_batch).expect("link");
         let peer = accepted.expect("accept").0.into_std().expect("std");
         peer.set_nonblocking(false).expect("blocking");
         std::io::Write::write_all(&mut &peer, &[0, 0, 0, 2, 7, 7]).expect("a frame");
@@ -442,7 +439,10 @@ async fn a_post_into_a_reset_connection_is_refused() {
             .set_linger(Some(Duration::ZERO))
             .expect("SO_LINGER 0");
         drop(peer);
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The reset has reached a's kernel once its socket has no peer
+        // (`getpeername` fails); unlike reading `SO_ERROR` this leaves the
+        // error for the post to meet. A sleep here raced a busy softirq.
+        until(|| probe.peer_addr().is_err()).await;
         let buf = a.reserve().await.expect("a free buffer");
         let posted = a.post(buf, 8);
         assert!(

@@ -1442,6 +1442,11 @@ impl PeerCore {
                         self.peer_credit += unsent as i64;
                         self.wake_peer_blocked(now);
                     }
+                    if self.live_slots() == 0 {
+                        // As when our own last close goes out: idle from
+                        // now, however long the slot sat quiet.
+                        self.idle_since = now;
+                    }
                 }
                 return Ok(());
             }
@@ -1960,6 +1965,27 @@ mod tests {
             full - sent,
             "only what reached the peer stays out"
         );
+    }
+
+    /// The peer closing our last slot starts the idle clock, as our own last
+    /// close does: the epoch retires `idle_retire` after the close, not at
+    /// once because the slot sat quiet that long.
+    #[tokio::test(start_paused = true)]
+    async fn the_peer_closing_our_last_slot_starts_the_idle_clock() {
+        let mut core = credited_core();
+        let _tx = open(&core, 1);
+        core.handle_control(Instant::now());
+        assert_eq!(next_batch(&mut core).len(), 1, "the Open");
+        core.batch_posted();
+        assert_eq!(core.idle_since(), None, "a live slot");
+        tokio::time::advance(core.config.idle_retire * 2).await;
+        let closed_at = Instant::now();
+        let slot = SlotId::new(0, 0).expect("the first slot");
+        feed(&mut core, |enc| {
+            enc.push_close(slot, FrameSeq(0), CloseReason::ReceiverGone)
+        })
+        .expect("a close for our slot");
+        assert_eq!(core.idle_since(), Some(closed_at));
     }
 
     /// Empty records cost their overhead on the receiving side too: a peer
