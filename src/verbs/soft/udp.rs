@@ -241,7 +241,8 @@ impl SoftDevice {
             state,
             gso: config.segmentation_offload,
             start: std::time::Instant::now(),
-            parting: std::sync::Mutex::new(Outbox::with_capacity(0)),
+            parting: std::sync::Mutex::new(None),
+            parted: tokio::sync::Notify::new(),
         });
         if dev.shared().port.set(port.clone()).is_err() {
             unreachable!("a new device has no port");
@@ -331,8 +332,12 @@ pub(crate) struct Port {
     gso: bool,
     start: std::time::Instant,
     /// What the device still owed the wire when its last handle went
-    /// (`leave_parting`): the driver sends it before it ends.
-    parting: std::sync::Mutex<Outbox>,
+    /// (`leave_parting`): the driver sends it before it ends. `None` until
+    /// the device's drop has run, which can be after the driver already
+    /// finds the device gone (a `Weak` fails as the count reaches zero).
+    parting: std::sync::Mutex<Option<Outbox>>,
+    /// Signalled once `parting` is set.
+    parted: tokio::sync::Notify,
 }
 
 impl Port {
@@ -550,30 +555,33 @@ pub(crate) fn backlog_owed(port: &Port, core: &mut DeviceCore, qpn: Qpn) -> bool
 /// to the driver (the dropped QPs' owed packets, `backlog_owed`) moves to
 /// the port, for the ending driver to send.
 pub(crate) fn leave_parting(port: &Port, core: &mut DeviceCore) {
-    if core.inline.backlog.is_empty() {
-        return;
-    }
-    let mut parting = port.parting.lock().unwrap_or_else(|e| e.into_inner());
-    parting.append(&core.inline.backlog, 0);
-    core.inline.backlog.clear();
+    let backlog = std::mem::take(&mut core.inline.backlog);
+    *port.parting.lock().unwrap_or_else(|e| e.into_inner()) = Some(backlog);
+    port.parted.notify_one();
 }
 
 /// The device's parting packets, after its driver's last turn (which sent
 /// what it had collected first, so each QP's packets keep their order).
-/// Bounded by `PARTING_GRACE`: a full socket does not keep a task alive.
+/// Waits for the device's drop to leave them; both the wait and the send
+/// are bounded by `PARTING_GRACE`: a full socket does not keep a task alive.
 async fn send_parting(port: &Port) {
-    let parting = std::mem::take(&mut *port.parting.lock().unwrap_or_else(|e| e.into_inner()));
-    if parting.is_empty() {
-        return;
-    }
-    if tokio::time::timeout(PARTING_GRACE, send_outbox(port, &parting))
-        .await
-        .is_err()
-    {
-        tracing::debug!(
-            packets = parting.len(),
-            "soft RoCE: a departed device's last packets found no room"
-        );
+    let send = async {
+        let parting = loop {
+            let parted = port.parted.notified();
+            if let Some(parting) = port
+                .parting
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+            {
+                break parting;
+            }
+            parted.await;
+        };
+        send_outbox(port, &parting).await;
+    };
+    if tokio::time::timeout(PARTING_GRACE, send).await.is_err() {
+        tracing::debug!("soft RoCE: a departed device's last packets were not all sent");
     }
 }
 
