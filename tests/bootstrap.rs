@@ -203,7 +203,7 @@ async fn crossed_connects_settle_on_the_lower_ids_dial() {
 async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_serving() {
     bounded(async {
         // Short enough for the silent client below, long enough for a loaded CI box.
-        let (l_node, l) = node_with_timeout(B, None, Duration::from_secs(1)).await;
+        let (l_node, l) = node_with_timeout(B, None, Duration::from_secs(3)).await;
         let mut n = 0;
         let mut expect = async |bytes: Vec<u8>, close: bool, want: BootstrapError| {
             let (mut s, _nonce) = raw(&l_node).await;

@@ -322,6 +322,8 @@ async fn link_failure_delivers_then_drops_every_live_slot_exactly_once() {
             Err(SendError::Dropped(DropReason::EpochEnded { epoch }))
         );
     }
+    // Counted after the slots are failed, on the peer task's thread.
+    until(|| muxes[0].stats().epoch_deaths >= 1).await;
     assert_eq!(muxes[0].stats().epoch_deaths, 1);
 
     // The next epoch opens new slots normally.

@@ -855,15 +855,19 @@ async fn links_killed_before_any_batch_back_off_within_bounds_and_traffic_resets
 
 /// Forwards connections to `to`. On the first one it holds back everything
 /// the dialer writes after its first write (its hello): the ready reaches
-/// the listener only after `hold`, when it has given up.
-async fn hold_the_first_ready(listener: tokio::net::TcpListener, to: SocketAddr, hold: Duration) {
+/// the listener only once `release` is notified, when it has given up.
+async fn hold_the_first_ready(
+    listener: tokio::net::TcpListener,
+    to: SocketAddr,
+    release: std::sync::Arc<tokio::sync::Notify>,
+) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut first = true;
     while let Ok((dialer, _)) = listener.accept().await {
         let Ok(upstream) = tokio::net::TcpStream::connect(to).await else {
             continue;
         };
-        let hold = std::mem::take(&mut first).then_some(hold);
+        let hold = std::mem::take(&mut first).then(|| release.clone());
         tokio::spawn(async move {
             let (mut from_dialer, mut to_dialer) = dialer.into_split();
             let (mut from_listener, mut to_listener) = upstream.into_split();
@@ -882,8 +886,8 @@ async fn hold_the_first_ready(listener: tokio::net::TcpListener, to: SocketAddr,
                         Ok(n) => n,
                     };
                     writes += 1;
-                    if let (Some(hold), 2) = (hold, writes) {
-                        tokio::time::sleep(hold).await;
+                    if let (Some(release), 2) = (&hold, writes) {
+                        release.notified().await;
                     }
                     if to_listener.write_all(&buf[..n]).await.is_err() {
                         break;
@@ -902,7 +906,10 @@ async fn hold_the_first_ready(listener: tokio::net::TcpListener, to: SocketAddr,
 /// it held back rides the next epoch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listener_giving_up_after_the_dialers_ready_costs_one_relink() {
-    let b_timeout = Duration::from_millis(300);
+    // B's timeout also bounds the second, honest handshake: long enough for
+    // a loaded machine. The first is held until B has given up, not for a
+    // time.
+    let b_timeout = Duration::from_secs(2);
     let (b_node, b) = TcpNode::start(
         TcpNodeConfig {
             handshake_timeout: b_timeout,
@@ -928,10 +935,11 @@ async fn a_listener_giving_up_after_the_dialers_ready_costs_one_relink() {
         .expect("bind");
     a_node.register(B, proxy.local_addr().expect("addr"));
     b_node.register(A, a_node.local_addr());
+    let release = std::sync::Arc::new(tokio::sync::Notify::new());
     tokio::spawn(hold_the_first_ready(
         proxy,
         b_node.local_addr(),
-        b_timeout * 3,
+        release.clone(),
     ));
 
     let key = StreamKey::new(46, 1);
@@ -939,10 +947,13 @@ async fn a_listener_giving_up_after_the_dialers_ready_costs_one_relink() {
     let mut tx = a.open(B, key).expect("open");
     tx.send(record(1, 0, 64)).await.expect("send");
     tx.finish(Terminal::Finalized).expect("finish");
-    within(relink_bound, "B gives up on the first handshake", || {
-        b_node.last_refusal() == Some(ConnectError::Timeout)
-    })
+    within(
+        b_timeout + relink_bound,
+        "B gives up on the first handshake",
+        || b_node.last_refusal() == Some(ConnectError::Timeout),
+    )
     .await;
+    release.notify_one();
     within(relink_bound, "A relinks after its half-made epoch", || {
         a_node.stats().established == 2 && a.epoch(B).is_some()
     })

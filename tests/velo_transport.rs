@@ -291,6 +291,16 @@ async fn frames_for_an_unreachable_peer_are_reported<K: Kind>() {
     let a = end_on(kind.node_with(1, ours.clone()).await, config).await;
     let friend = end_on(kind.node_with(2, ours).await, VeloConfig::default()).await;
     a.transport.register(info(&friend)).expect("registers");
+    // The friend's link comes up first, outside the 300 ms `dial_wait`
+    // meant for the strangers (a loaded machine may take longer to dial).
+    let friend_peer = a.transport.peer_id(friend.id).expect("registered");
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        a.transport.node().mux().ping(friend_peer),
+    )
+    .await
+    .expect("the friend is reached")
+    .expect("a ping answered");
     let refused = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("bound");
@@ -320,7 +330,12 @@ async fn frames_for_an_unreachable_peer_are_reported<K: Kind>() {
         );
         let ok = Arc::new(Errors::default());
         assert!(send(&a, friend.id, MessageType::Message, b"hi", &ok).is_admitted());
-        let got = friend.streams.message_stream.recv_async().await;
+        let got = tokio::time::timeout(
+            Duration::from_secs(10),
+            friend.streams.message_stream.recv_async(),
+        )
+        .await
+        .expect("the reachable peer's message arrives");
         assert_eq!(&got.expect("delivered").payload[..], b"hi");
         until(why, || errors.count() == usize::from(N)).await;
         assert_eq!(errors.twice(), 0, "{why}: each reported once");

@@ -560,10 +560,12 @@ impl<E: EpochMaker> NodeInner<E> {
     /// its challenge): at WARN at most once per [`REFUSAL_WARN_EVERY`] per
     /// kind, so a flood of them cannot flood the log.
     fn refuse(&self, err: ConnectError, remote: SocketAddr, shed: bool) {
-        bump(&self.counters.refused);
         let warn = {
             let mut refusals = self.refusals.lock().expect("node state poisoned");
             refusals.last = Some(err);
+            // Counted once the reason is stored: whoever sees the count
+            // reads this refusal's reason, not the one before.
+            bump(&self.counters.refused);
             let gate = if shed {
                 &mut refusals.shed
             } else {
