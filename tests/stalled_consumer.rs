@@ -45,7 +45,7 @@ struct Shape {
     slot_budget: usize,
     peer_budget: usize,
     /// The stall, in multiples of `QPMUX_STALL_SECS`: time to fill the
-    /// budgets in the first half.
+    /// budgets in the first half (a slower fill stretches the stall).
     stall_factor: u32,
 }
 

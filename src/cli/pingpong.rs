@@ -626,8 +626,10 @@ async fn start_run<N: Node>(
 ) -> anyhow::Result<(SlotSender, SlotReceiver)> {
     let mut welcome = node.mux().bind(StreamKey::new(PONG_ANCHOR, run))?;
     let mut hello = node.mux().open(server, StreamKey::new(HELLO_ANCHOR, 0))?;
-    hello.send(Bytes::from(node.address())).await?;
-    hello.send(encode_plan(run, sessions)).await?;
+    // The server's refusal can arrive before the second send.
+    for part in [Bytes::from(node.address()), encode_plan(run, sessions)] {
+        hello.send(part).await.map_err(refused_or)?;
+    }
     let dropped_before = node.mux().stats().slots_dropped;
     tokio::select! {
         reply = next_reply(node, dropped_before, &mut welcome) => match reply? {
@@ -635,12 +637,23 @@ async fn start_run<N: Node>(
             other => anyhow::bail!("no welcome from the pingpong server: {other:?}"),
         },
         closed = hello.closed() => match closed {
-            SendError::PeerClosed(CloseReason::Refused | CloseReason::UnknownSlot) => anyhow::bail!(
-                "the pingpong server refused this run ({closed}): it serves one client at a time"
-            ),
+            SendError::PeerClosed(CloseReason::Refused | CloseReason::UnknownSlot) => {
+                Err(refused_or(closed))
+            }
             other => anyhow::bail!("the pingpong server ended the run before its welcome: {other}"),
         },
         () = tokio::time::sleep(wait) => anyhow::bail!("no welcome from the pingpong server within {wait:?}"),
+    }
+}
+
+/// A hello the server closed as refused (or never knew) means it is busy
+/// with another client; any other send error is passed on.
+fn refused_or(err: SendError) -> anyhow::Error {
+    match err {
+        SendError::PeerClosed(CloseReason::Refused | CloseReason::UnknownSlot) => anyhow::anyhow!(
+            "the pingpong server refused this run ({err}): it serves one client at a time"
+        ),
+        other => other.into(),
     }
 }
 
@@ -782,6 +795,18 @@ async fn run_client<N: Node>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refusal reads the same whether it closed the hello before its
+    /// second send or after: scripts retry on "one client at a time".
+    #[test]
+    fn a_refused_hello_says_the_server_is_busy_however_it_is_met() {
+        for reason in [CloseReason::Refused, CloseReason::UnknownSlot] {
+            let said = refused_or(SendError::PeerClosed(reason)).to_string();
+            assert!(said.contains("one client at a time"), "{said}");
+        }
+        let said = refused_or(SendError::PeerClosed(CloseReason::ReceiverGone)).to_string();
+        assert!(!said.contains("one client at a time"), "{said}");
+    }
 
     #[test]
     fn a_plan_round_trips() {

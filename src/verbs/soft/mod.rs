@@ -271,7 +271,7 @@ impl SoftDevice {
     }
 
     /// Test hook: the handles that keep the device alive (this one, its
-    /// clones, and its resources'); its driver holds none.
+    /// clones, and its resources'); its driver holds one only during a turn.
     #[doc(hidden)]
     pub fn handle_count(&self) -> usize {
         Arc::strong_count(&self.shared)
