@@ -199,6 +199,38 @@ async fn crossed_connects_settle_on_the_lower_ids_dial() {
     .await;
 }
 
+/// A node does not start on windows every peer's hello check refuses: it
+/// says why at once instead of failing every handshake.
+#[tokio::test]
+async fn a_node_refuses_to_start_on_windows_no_peer_accepts() {
+    let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+    for (slot_window, peer_window, named) in [
+        (0, 1 << 20, "slot_window"),
+        (1 << 20, RECORD_OVERHEAD as u32, "peer_window"),
+    ] {
+        let mux = MuxConfig {
+            slot_window,
+            peer_window,
+            ..MuxConfig::default()
+        };
+        let err = TcpNode::start(TcpNodeConfig::new(A), addr, mux)
+            .await
+            .err()
+            .expect("refused");
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+        assert!(err.to_string().contains(named), "{err}");
+    }
+    let smallest = MuxConfig {
+        peer_window: RECORD_OVERHEAD as u32 + 1,
+        ..MuxConfig::default()
+    };
+    assert!(
+        TcpNode::start(TcpNodeConfig::new(A), addr, smallest)
+            .await
+            .is_ok()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_serving() {
     bounded(async {

@@ -732,3 +732,25 @@ async fn a_peer_that_only_dialled_in_is_released_when_its_link_ends() {
     })
     .await;
 }
+
+/// The RDMA node refuses a mux configuration no peer would accept, before
+/// it binds or registers anything.
+#[tokio::test]
+async fn an_rdma_node_refuses_to_start_on_a_peer_window_that_holds_no_record() {
+    let device = SoftDevice::open_udp(UdpConfig::default())
+        .await
+        .expect("soft device on loopback");
+    let config = RdmaNodeConfig {
+        mux: MuxConfig {
+            peer_window: 64,
+            ..MuxConfig::default()
+        },
+        ..RdmaNodeConfig::new(PeerId(1))
+    };
+    let err = RdmaTransport::start(device, config)
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+    assert!(err.to_string().contains("peer_window"), "{err}");
+}

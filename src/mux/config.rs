@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use thiserror::Error;
+
 /// When the peer task cuts a batch. The flush gate decides, and nothing else does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlushPolicy {
@@ -70,6 +72,43 @@ pub struct MuxConfig {
     /// On shutdown, how long a peer task keeps writing what producers had
     /// already queued before it says goodbye. Default 1 s.
     pub shutdown_linger: Duration,
+}
+
+/// Why a [`MuxConfig`] cannot carry data: every peer would refuse its
+/// hello. A node refuses to start on one ([`MuxConfig::check`]).
+#[derive(Clone, Copy, Debug, Error, PartialEq, Eq)]
+pub enum MuxConfigError {
+    /// No stream could send a byte.
+    #[error("slot_window is 0: no stream could send a byte")]
+    ZeroSlotWindow,
+    /// No record fits: each costs its length plus the overhead.
+    #[error(
+        "peer_window {peer_window} holds no record (each costs its length plus {overhead}): peers refuse the hello"
+    )]
+    PeerWindowHoldsNoRecord {
+        /// The configured window.
+        peer_window: u32,
+        /// [`RECORD_OVERHEAD`](crate::mux::RECORD_OVERHEAD).
+        overhead: usize,
+    },
+}
+
+impl MuxConfig {
+    /// The windows a peer's hello check would refuse, found before a node
+    /// starts rather than at every handshake.
+    pub fn check(&self) -> Result<(), MuxConfigError> {
+        if self.slot_window == 0 {
+            return Err(MuxConfigError::ZeroSlotWindow);
+        }
+        let overhead = crate::mux::RECORD_OVERHEAD;
+        if self.peer_window as usize <= overhead {
+            return Err(MuxConfigError::PeerWindowHoldsNoRecord {
+                peer_window: self.peer_window,
+                overhead,
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Default for MuxConfig {

@@ -22,7 +22,7 @@ mod slot;
 mod stats;
 pub mod surface;
 
-pub use config::{FlushPolicy, MuxConfig, PeerTerms};
+pub use config::{FlushPolicy, MuxConfig, MuxConfigError, PeerTerms};
 pub use engine::{Dialer, Mux, ProtocolError};
 pub use message::{MessageSink, OnFail, OutboundMessage};
 pub use protocol::{CloseReason, Epoch};

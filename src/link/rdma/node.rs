@@ -461,9 +461,14 @@ impl<D: Device + 'static> RdmaTransport<D> {
     /// are made on `device` lazily, when the mux first has work for a peer.
     ///
     /// Fails with `InvalidInput` when one link alone exceeds
-    /// `max_registered`; a memlock limit below it is logged as a warning
+    /// `max_registered` or on a mux configuration no peer would accept
+    /// ([`MuxConfig::check`](crate::mux::MuxConfig::check)); a memlock limit below it is logged as a warning
     /// on a device that pins memory (see [`RdmaNodeConfig::preflight`]).
     pub async fn start(device: D, config: RdmaNodeConfig) -> io::Result<RdmaTransport<D>> {
+        config
+            .mux
+            .check()
+            .map_err(|err| io::Error::new(io::ErrorKind::InvalidInput, err))?;
         match config.preflight() {
             Ok(()) => {}
             Err(err @ RdmaError::MemlockTooSmall { .. }) if device.pins_memory() => {

@@ -710,12 +710,17 @@ impl Connector<TcpEpochs> {
         Connector::bind_with(config, TcpEpochs { link }, addr).await
     }
 
-    /// Binds a node and creates its mux, wired both ways.
+    /// Binds a node and creates its mux, wired both ways. Fails with
+    /// `InvalidInput` on a mux configuration no peer would accept
+    /// ([`MuxConfig::check`]).
     pub async fn start(
         config: TcpNodeConfig,
         addr: SocketAddr,
         mux_config: MuxConfig,
     ) -> io::Result<(TcpNode, Mux<TcpLink>)> {
+        mux_config
+            .check()
+            .map_err(|err| io::Error::new(io::ErrorKind::InvalidInput, err))?;
         let node = TcpNode::bind(config, addr).await?;
         let mux = Mux::new(mux_config, node.dialer());
         node.set_mux(mux.clone());

@@ -124,11 +124,9 @@ impl<L: Link> Mux<L> {
     /// # Panics
     /// Outside a tokio runtime.
     pub fn new(config: MuxConfig, dialer: Arc<dyn Dialer>) -> Mux<L> {
-        if config.peer_window as usize <= crate::mux::RECORD_OVERHEAD {
-            tracing::warn!(
-                peer_window = config.peer_window,
-                "a peer window that holds no record: peers refuse this node's hello"
-            );
+        if let Err(err) = config.check() {
+            // The nodes refuse to start on it; a mux made directly warns.
+            tracing::warn!(%err, "peers refuse this node's hello");
         }
         let registry = Registry::new(
             config.slot_window,
