@@ -187,6 +187,9 @@ async fn stall_then_resume(shape: Shape) {
     // stall) starts once the budgets are all but full, so a slow machine
     // filling them late is not mistaken for a leak.
     let record_cost = record_len + RECORD_OVERHEAD;
+    // The producers' queues can hold the whole peer budget, so the fill
+    // line below is reachable.
+    assert!(SLOTS as usize * slot_budget >= peer_budget);
     let nearly_full = (peer_budget + SLOTS as usize * (slot_window as usize - record_cost)) as u64;
     let mut peak = baseline;
     let mut window: Option<(u64, tokio::time::Instant)> = None;

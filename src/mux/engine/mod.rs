@@ -126,7 +126,7 @@ impl<L: Link> Mux<L> {
     pub fn new(config: MuxConfig, dialer: Arc<dyn Dialer>) -> Mux<L> {
         if let Err(err) = config.check() {
             // The nodes refuse to start on it; a mux made directly warns.
-            tracing::warn!(%err, "peers refuse this node's hello");
+            tracing::warn!(%err, "a mux configuration no peer accepts");
         }
         let registry = Registry::new(
             config.slot_window,
