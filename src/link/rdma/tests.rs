@@ -291,6 +291,15 @@ async fn send_bytes(link: &RdmaLink<SoftDevice>, payload: &[u8]) {
     link.post(buf, payload.len()).expect("post");
 }
 
+/// Makes the driver take a turn: a send does, unless a timer's turn came
+/// first and the link has already ended, so a refused send is fine here.
+async fn kick(link: &RdmaLink<SoftDevice>) {
+    if let Ok(mut buf) = link.reserve().await {
+        buf[..4].copy_from_slice(b"kick");
+        link.post(buf, 4).ok();
+    }
+}
+
 /// The link ends as `Internal`, and `recv` says so rather than waiting.
 async fn ends_internal(link: &RdmaLink<SoftDevice>) {
     let ended = tokio::time::timeout(Duration::from_secs(10), link.ended()).await;
@@ -344,8 +353,7 @@ async fn a_panic_in_the_soft_driver_ends_every_epoch_on_the_device_and_a_new_dri
     let (a1, b1) = pair(&da, &db, Epoch(1), small()).expect("first pair");
     let (a2, b2) = pair(&da, &db, Epoch(1), small()).expect("second pair");
     da.shared().core().panic_driver = true;
-    // A send kicks the driver into its next turn, where the panic is.
-    send_bytes(&a1, b"kick").await;
+    kick(&a1).await;
     for link in [&a1, &a2] {
         let ended = tokio::time::timeout(Duration::from_secs(10), link.ended())
             .await
@@ -387,12 +395,7 @@ async fn a_panic_under_the_device_lock_elsewhere_ends_every_epoch_on_it_and_the_
         panic!("a bug under the device lock");
     });
     assert!(poisoner.join().is_err());
-    // The driver's next turn notices; a send makes one, unless a timer's
-    // turn came first and the link has already ended.
-    if let Ok(mut buf) = a1.reserve().await {
-        buf[..4].copy_from_slice(b"kick");
-        a1.post(buf, 4).ok();
-    }
+    kick(&a1).await;
     let ended = tokio::time::timeout(Duration::from_secs(10), a1.ended()).await;
     assert!(
         matches!(ended, Ok(EpochEnd::Fault(LinkFault::Completion { .. }))),
