@@ -882,6 +882,39 @@ async fn a_peer_that_violates_and_closes_is_redialled_after_a_backoff() {
     .await;
 }
 
+/// A link asked for while the peer's own handshake is under way here is
+/// not dialled (it could replace the link that handshake makes), but the
+/// ask is kept: when that handshake fails, the node dials without waiting
+/// for the mux to ask again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_asked_for_during_an_accept_that_fails_is_dialled_when_it_ends() {
+    bounded(async {
+        use tokio::io::AsyncReadExt;
+
+        let (target_node, _target) = tcp_node(TARGET).await;
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let evils_listener = tokio::net::TcpListener::bind(any).await.expect("bind");
+        target_node.register(EVIL, evils_listener.local_addr().expect("addr"));
+        let mut dialer = HostileDialer::connect(target_node.local_addr()).await;
+        let hello = dialer.hello(Some(KEY), EVIL, TARGET);
+        dialer.say(&hello).await;
+        // The target answers only once it counts the handshake as under way.
+        let mut answer = [0u8; 4];
+        dialer
+            .stream
+            .read_exact(&mut answer)
+            .await
+            .expect("the listener's hello");
+        target_node.dialer().want_link(EVIL);
+        let early = tokio::time::timeout(Duration::from_millis(100), evils_listener.accept());
+        assert!(early.await.is_err(), "no dial beside the accept under way");
+        drop(dialer);
+        let dialled = tokio::time::timeout(Duration::from_secs(10), evils_listener.accept()).await;
+        assert!(dialled.is_ok(), "the kept ask dials once the accept fails");
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_hellos_are_refused_by_name_and_the_honest_peer_keeps_its_epoch() {
     bounded(async {

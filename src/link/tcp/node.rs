@@ -414,6 +414,9 @@ struct PeerState<L> {
     addr: Option<SocketAddr>,
     dial: Dial,
     accepting: usize,
+    /// The mux asked for a link while an accepted handshake was under way,
+    /// so no dial went: the accept that ends last without a link dials.
+    wanted: bool,
     last_epoch: Epoch,
     /// The most letting this entry go may raise the node's epoch floor to:
     /// the floor it started from, plus one per epoch installed. The epochs'
@@ -431,6 +434,7 @@ impl<L> Default for PeerState<L> {
             addr: None,
             dial: Dial::Idle,
             accepting: 0,
+            wanted: false,
             last_epoch: Epoch::default(),
             floor_claim: Epoch::default(),
             incarnation: None,
@@ -657,6 +661,48 @@ impl<E: EpochMaker> NodeInner<E> {
         let config = &self.config;
         state.backoff = (state.backoff * 2).clamp(config.backoff_min, config.backoff_max);
         state.retry_at = Some(Instant::now() + state.backoff);
+    }
+
+    /// The mux wants a link to `peer`: marks a dial started and returns when
+    /// it may connect (`None`: at once), for the caller to spawn once the
+    /// table lock is released. No dial while a link is live or one is under
+    /// way; while an accepted handshake is, the ask is kept for its end.
+    fn dial_for(&self, peer: PeerId, state: &mut PeerState<E::Link>) -> Option<Option<Instant>> {
+        state.wanted = false;
+        if self.shutdown.load(Ordering::Acquire)
+            || Self::live(state)
+            || state.dial != Dial::Idle
+            || state.addr.is_none()
+        {
+            return None;
+        }
+        if state.accepting > 0 {
+            state.wanted = true;
+            return None;
+        }
+        if let Some(previous) = state.current.take() {
+            let violated = matches!(E::end_reason(&previous), Some(EpochEnd::Violation(_)))
+                || self
+                    .mux
+                    .get()
+                    .is_some_and(|mux| mux.ended_in_violation(peer, previous.epoch()));
+            if E::carried_traffic(&previous) && !violated {
+                // The path worked: this is a fresh failure, redial at once.
+                state.backoff = Duration::ZERO;
+                state.retry_at = None;
+            } else {
+                // Up and dead before a batch, or the peer broke the protocol
+                // (it would again): a failed attempt like a failed dial.
+                self.back_off(state);
+            }
+        }
+        let wait = state.retry_at.filter(|at| *at > Instant::now());
+        state.dial = if wait.is_some() {
+            Dial::Waiting
+        } else {
+            Dial::Connecting
+        };
+        Some(wait)
     }
 
     /// Our hello to `peer`; its `peer_credit` is what the epoch's install
@@ -957,45 +1003,16 @@ impl<E: EpochMaker> Dialer for NodeDialer<E> {
         let Some(inner) = self.node.upgrade() else {
             return;
         };
-        if inner.shutdown.load(Ordering::Acquire) {
-            return;
-        }
         let mut peers = inner.peers();
         let Some(state) = peers.get_mut(&peer) else {
             tracing::debug!(?peer, "mux wants a link to an unregistered peer");
             return;
         };
-        if NodeInner::<E>::live(state)
-            || state.dial != Dial::Idle
-            || state.accepting > 0
-            || state.addr.is_none()
-        {
-            return;
-        }
-        if let Some(previous) = state.current.take() {
-            let violated = matches!(E::end_reason(&previous), Some(EpochEnd::Violation(_)))
-                || inner
-                    .mux
-                    .get()
-                    .is_some_and(|mux| mux.ended_in_violation(peer, previous.epoch()));
-            if E::carried_traffic(&previous) && !violated {
-                // The path worked: this is a fresh failure, redial at once.
-                state.backoff = Duration::ZERO;
-                state.retry_at = None;
-            } else {
-                // Up and dead before a batch, or the peer broke the protocol
-                // (it would again): a failed attempt like a failed dial.
-                inner.back_off(state);
-            }
-        }
-        let wait = state.retry_at.filter(|at| *at > Instant::now());
-        state.dial = if wait.is_some() {
-            Dial::Waiting
-        } else {
-            Dial::Connecting
-        };
+        let dial = inner.dial_for(peer, state);
         drop(peers);
-        tokio::spawn(dial_task(inner, peer, wait));
+        if let Some(wait) = dial {
+            tokio::spawn(dial_task(inner, peer, wait));
+        }
     }
 
     fn link_released(&self, peer: PeerId) {
@@ -1015,7 +1032,9 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
         let state = inner.entry(&mut peers, peer);
         if NodeInner::<E>::live(state) || state.accepting > 0 {
             // The peer's dial got (or is getting) there first: replacing its
-            // link would end a working epoch. The mux asks again if it dies.
+            // link would end a working epoch. The mux asks again if it dies;
+            // an accept that ends without a link dials in our place.
+            state.wanted = state.accepting > 0 && !NodeInner::<E>::live(state);
             state.dial = Dial::Idle;
             return;
         }
@@ -1244,6 +1263,7 @@ fn install<E: EpochMaker>(
     if let Some(old) = state.current.replace(link.clone()) {
         old.fail(EpochEnd::Replaced);
     }
+    state.wanted = false;
     if let Side::Accepted(counted) = side {
         // Settled with the install: a mux asking for a link once this one
         // dies must not find the handshake still under way and be ignored.
@@ -1316,9 +1336,10 @@ async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListe
 
 /// Decrements the peer's `accepting` count when an accepted handshake ends
 /// without an install (an install settles it under the table lock itself,
-/// so no one sees the link installed and the handshake still under way).
+/// so no one sees the link installed and the handshake still under way),
+/// and dials if the mux asked for a link meanwhile and this was the last.
 struct Accepting<'a, E: EpochMaker> {
-    inner: &'a NodeInner<E>,
+    inner: &'a Arc<NodeInner<E>>,
     peer: Option<PeerId>,
     counted: bool,
 }
@@ -1326,21 +1347,31 @@ struct Accepting<'a, E: EpochMaker> {
 impl<E: EpochMaker> Drop for Accepting<'_, E> {
     fn drop(&mut self) {
         if let Some(peer) = self.peer {
+            // Dropped on a runtime's task; outside one (a runtime torn
+            // down) there is no one left to link for.
+            let runtime = tokio::runtime::Handle::try_current().ok();
             let mut peers = self.inner.peers();
+            let mut dial = None;
             if let Some(state) = peers.get_mut(&peer)
                 && self.counted
             {
                 state.accepting = state.accepting.saturating_sub(1);
+                if state.wanted && state.accepting == 0 && runtime.is_some() {
+                    dial = self.inner.dial_for(peer, state);
+                }
             }
             let entry = self.inner.let_go(&mut peers, peer);
             drop(peers);
             drop(entry);
+            if let (Some(wait), Some(runtime)) = (dial, runtime) {
+                runtime.spawn(dial_task(self.inner.clone(), peer, wait));
+            }
         }
     }
 }
 
 async fn accept_once<E: EpochMaker>(
-    inner: &NodeInner<E>,
+    inner: &Arc<NodeInner<E>>,
     mut stream: TcpStream,
 ) -> Result<Epoch, ConnectError> {
     stream.set_nodelay(true)?;
