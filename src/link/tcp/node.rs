@@ -886,6 +886,7 @@ impl<E: EpochMaker> Connector<E> {
                 state.addr = None;
                 state.backoff = Duration::ZERO;
                 state.retry_at = None;
+                state.wanted = false;
                 state.current.take()
             });
             (link, self.inner.let_go(&mut peers, peer))
@@ -1347,8 +1348,8 @@ struct Accepting<'a, E: EpochMaker> {
 impl<E: EpochMaker> Drop for Accepting<'_, E> {
     fn drop(&mut self) {
         if let Some(peer) = self.peer {
-            // Dropped on a runtime's task; outside one (a runtime torn
-            // down) there is no one left to link for.
+            // Dropped on a runtime's task. Outside one (the guard of a
+            // future dropped elsewhere) nothing could run the dial.
             let runtime = tokio::runtime::Handle::try_current().ok();
             let mut peers = self.inner.peers();
             let mut dial = None;
