@@ -797,6 +797,34 @@ async fn a_node_waiting_out_its_backoff_accepts_the_peers_dial() {
     assert_eq!(b_node.stats().established, 1);
 }
 
+/// A link asked for from a thread outside any runtime (velo's synchronous
+/// sends reach `want_link` there) is dialled on the node's own runtime, and
+/// a shutdown asked for from there runs on it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asks_from_outside_the_runtime_run_on_the_nodes_runtime() {
+    let (a_node, a) = node(A, None).await;
+    let (b_node, _b) = node(B, None).await;
+    mesh(&[&a_node, &b_node]);
+    let dialer = a_node.dialer();
+    std::thread::spawn(move || dialer.want_link(B))
+        .join()
+        .expect("want_link off the runtime does not panic");
+    bounded(until(|| a.epoch(B).is_some())).await;
+    let (node, mux) = (a_node.clone(), a.clone());
+    std::thread::spawn(move || node.shutdown_after(&mux))
+        .join()
+        .expect("shutdown_after off the runtime does not panic");
+    bounded(a.closed()).await;
+    // The node's part ran after the mux closed: its listener is gone.
+    let addr = a_node.local_addr();
+    bounded(async {
+        while tokio::net::TcpStream::connect(addr).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await;
+}
+
 /// A dial that waited out its backoff does not replace the link its peer
 /// brought up meanwhile: that would end a working epoch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,7 +24,10 @@ use velo_ext::{
 };
 use velo_nodes::{Errors, Kind, Options, Shape, until};
 
-velo_kinds!(epoch_death_reports_what_was_not_written_and_the_next_epoch_works);
+velo_kinds!(
+    epoch_death_reports_what_was_not_written_and_the_next_epoch_works,
+    a_send_from_a_thread_outside_the_runtime_reaches_the_peer
+);
 
 struct End<N: Node> {
     transport: QpmuxTransport<N>,
@@ -270,6 +273,32 @@ async fn epoch_death_reports_what_was_not_written_and_the_next_epoch_works<K: Ki
             .await,
         Ok(())
     );
+}
+
+/// velo's sends are synchronous and may come from any thread: the first one
+/// to a peer asks the node for a link, which must not need a runtime there.
+async fn a_send_from_a_thread_outside_the_runtime_reaches_the_peer<K: Kind>() {
+    let kind = K::new(Shape::Default);
+    let a = end_on(kind.node(1).await, VeloConfig::default()).await;
+    let b = end_on(kind.node(2).await, VeloConfig::default()).await;
+    a.transport.register(info(&b)).expect("registers");
+    let errors = Arc::new(Errors::default());
+    let outcome = std::thread::scope(|scope| {
+        scope
+            .spawn(|| send(&a, b.id, MessageType::Message, b"off the runtime", &errors))
+            .join()
+    })
+    .expect("a send off the runtime does not panic");
+    drop(outcome);
+    let got = tokio::time::timeout(
+        Duration::from_secs(10),
+        b.streams.message_stream.recv_async(),
+    )
+    .await
+    .expect("the message arrives")
+    .expect("delivered");
+    assert_eq!(&got.payload[..], b"off the runtime");
+    assert_eq!(errors.count(), 0);
 }
 
 /// A peer the node can never reach: its dials are refused, or its cluster

@@ -465,6 +465,10 @@ struct NodeInner<E: EpochMaker> {
     handshakes: Arc<Semaphore>,
     /// Handshakes under way per source IP (an entry only while one is).
     pending_by_source: Mutex<HashMap<IpAddr, usize>>,
+    /// The runtime the node started on. Dials and the shutdown's wait are
+    /// spawned here: `want_link` and `shutdown_after` may be called from a
+    /// thread outside any runtime (velo's synchronous sends reach them).
+    runtime: tokio::runtime::Handle,
 }
 
 /// Refusals logged at WARN at most this often, per kind; the rest at DEBUG,
@@ -809,6 +813,7 @@ impl<E: EpochMaker> Connector<E> {
             shutdown_notify: Notify::new(),
             handshakes: Arc::new(Semaphore::new(max_pending)),
             pending_by_source: Mutex::new(HashMap::new()),
+            runtime: tokio::runtime::Handle::current(),
         });
         tokio::spawn(accept_loop(inner.clone(), listener));
         Ok(Connector { inner })
@@ -909,7 +914,7 @@ impl<E: EpochMaker> Connector<E> {
     pub fn shutdown_after(&self, mux: &Mux<E::Link>) {
         mux.shutdown();
         let (node, mux) = (self.clone(), mux.clone());
-        tokio::spawn(async move {
+        self.inner.runtime.spawn(async move {
             mux.closed().await;
             node.shutdown();
         });
@@ -1012,7 +1017,7 @@ impl<E: EpochMaker> Dialer for NodeDialer<E> {
         let dial = inner.dial_for(peer, state);
         drop(peers);
         if let Some(wait) = dial {
-            tokio::spawn(dial_task(inner, peer, wait));
+            inner.runtime.spawn(dial_task(inner.clone(), peer, wait));
         }
     }
 
@@ -1348,24 +1353,22 @@ struct Accepting<'a, E: EpochMaker> {
 impl<E: EpochMaker> Drop for Accepting<'_, E> {
     fn drop(&mut self) {
         if let Some(peer) = self.peer {
-            // Dropped on a runtime's task. Outside one (the guard of a
-            // future dropped elsewhere) nothing could run the dial.
-            let runtime = tokio::runtime::Handle::try_current().ok();
             let mut peers = self.inner.peers();
             let mut dial = None;
             if let Some(state) = peers.get_mut(&peer)
                 && self.counted
             {
                 state.accepting = state.accepting.saturating_sub(1);
-                if state.wanted && state.accepting == 0 && runtime.is_some() {
+                if state.wanted && state.accepting == 0 {
                     dial = self.inner.dial_for(peer, state);
                 }
             }
             let entry = self.inner.let_go(&mut peers, peer);
             drop(peers);
             drop(entry);
-            if let (Some(wait), Some(runtime)) = (dial, runtime) {
-                runtime.spawn(dial_task(self.inner.clone(), peer, wait));
+            if let Some(wait) = dial {
+                let dial = dial_task(self.inner.clone(), peer, wait);
+                self.inner.runtime.spawn(dial);
             }
         }
     }
