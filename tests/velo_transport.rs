@@ -218,6 +218,13 @@ async fn unregistering_a_dead_peer_reports_every_queued_frame() {
     a.transport.unregister(ghost_id);
     until("all 50 reported", || errors.count() == 50).await;
     assert_eq!(errors.twice(), 0, "each reported once");
+    assert_eq!(
+        a.transport
+            .check_health(ghost_id, Duration::from_millis(50))
+            .await,
+        Err(HealthCheckError::PeerNotRegistered),
+        "as velo's own transports say of a peer they no longer know"
+    );
 }
 
 async fn epoch_death_reports_what_was_not_written_and_the_next_epoch_works<K: Kind>() {
@@ -674,6 +681,13 @@ async fn a_failed_start_leaves_the_transport_unstarted() {
         .unwrap_or_default();
     assert!(said.contains("not started"), "{said}");
     assert!(b.streams.event_stream.is_empty());
+    assert_eq!(
+        second
+            .transport
+            .check_health(b.id, Duration::from_millis(50))
+            .await,
+        Err(HealthCheckError::TransportNotStarted)
+    );
 
     let refusal = start_again(&first).await.expect_err("started once");
     assert!(refusal.to_string().contains("already started"), "{refusal}");

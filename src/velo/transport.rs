@@ -194,14 +194,19 @@ impl<N: Node> Inner<N> {
     }
 
     /// The live lane to `peer`, building a fresh one if the last epoch's
-    /// channel is gone. `None` before `start`.
-    fn gate(&self, peer: PeerId) -> Option<AdmissionGate<OutboundMessage>> {
-        let rt = &self.started.get()?.rt;
+    /// channel is gone; none before `start` or once shut down.
+    fn gate(&self, peer: PeerId) -> Result<AdmissionGate<OutboundMessage>, AdapterError> {
+        let rt = &self.started.get().ok_or(AdapterError::NotStarted)?.rt;
         let mut lanes = lock(&self.lanes);
+        // Again under the lock `shutdown`'s `fail_lanes` takes after setting
+        // the flag: a lane built after that would never be failed.
+        if self.shut_down.load(Ordering::Acquire) {
+            return Err(AdapterError::ShutDown);
+        }
         if let Some(lane) = lanes.get(&peer)
             && !lane.tx.is_disconnected()
         {
-            return Some(lane.gate.clone());
+            return Ok(lane.gate.clone());
         }
         let (tx, rx) = flume::bounded(self.config.message_channel);
         let unserved = self.node.mux().install_messages(peer, rx);
@@ -222,7 +227,7 @@ impl<N: Node> Inner<N> {
         if let Some(stale) = stale {
             stale.gate.fail_all(AdmissionError::ConnectionReplaced);
         }
-        Some(gate)
+        Ok(gate)
     }
 
     /// Retires every lane whose epoch ended, and every lane whose frames
@@ -316,7 +321,7 @@ impl<N: Node> Inner<N> {
             if len > max {
                 return Err(AdapterError::TooLarge { len, max });
             }
-            self.gate(peer).ok_or(AdapterError::NotStarted)
+            self.gate(peer)
         });
         let gate = match checked {
             Ok(gate) => gate,
@@ -614,8 +619,13 @@ impl<N: Node> Transport for QpmuxTransport<N> {
         timeout: Duration,
     ) -> std::pin::Pin<Box<dyn Future<Output = Result<(), HealthCheckError>> + Send + '_>> {
         Box::pin(async move {
+            if self.inner.started.get().is_none() {
+                return Err(HealthCheckError::TransportNotStarted);
+            }
+            // As velo's own transports answer: its messenger mux ends that
+            // peer's epoch, as it should for a peer it no longer knows.
             let Some(peer) = self.peer_id(instance_id) else {
-                return Err(HealthCheckError::NeverConnected);
+                return Err(HealthCheckError::PeerNotRegistered);
             };
             self.inner.note_connected(peer);
             let ever = lock(&self.inner.connected)
