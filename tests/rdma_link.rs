@@ -10,8 +10,8 @@ use qpmux::mux::{Epoch, ProtocolError};
 use qpmux::verbs::soft::SoftDevice;
 use qpmux::verbs::soft::udp::UdpConfig;
 use qpmux::verbs::{
-    AccessFlags, Device, InitAttr, MemoryRegion, QpAddress, QpCaps, QueuePair, RtrAttr, RtsAttr,
-    SendOpcode, SendWr, Sge,
+    AccessFlags, Device, InitAttr, MemoryRegion, QpAddress, QpCaps, QueuePair, RecvWr, RtrAttr,
+    RtsAttr, SendOpcode, SendWr, Sge,
 };
 use rand::{Rng, SeedableRng};
 
@@ -388,8 +388,14 @@ async fn a_peer_that_posts_no_receives_ends_the_epoch_under_the_default_config()
     drop((qp, cq, pd));
 }
 
-/// A hand-driven verbs QP connected to a link end, playing a hostile peer.
-async fn hostile_peer(payload_len: usize, imm: u32) -> EpochEnd {
+/// A hand-driven verbs QP connected to a link end, playing a hostile peer:
+/// before it posts `sends` (payload length, immediate), `first` runs on the
+/// link. Returns the epoch's end and the batches the link delivered.
+async fn hostile_peer_after(
+    first: impl AsyncFnOnce(&Soft),
+    payload_len: usize,
+    sends: &[u32],
+) -> (EpochEnd, usize) {
     let dev = device().await;
     let end = PreparedEnd::new(&dev, config(8)).expect("link end");
     let pd = dev.alloc_pd().expect("pd");
@@ -414,25 +420,69 @@ async fn hostile_peer(payload_len: usize, imm: u32) -> EpochEnd {
         rnr_retry: 0,
     })
     .expect("rts");
+    let inbox = [Sge {
+        mr: &mr,
+        offset: 1 << 15,
+        len: 1 << 15,
+    }];
+    qp.post_recv(&[RecvWr {
+        wr_id: 100,
+        sg_list: &inbox,
+    }])
+    .expect("a receive for the link's batch");
+    first(&link).await;
     mr.write(0, &vec![0xa5; payload_len]).expect("write");
     let sge = [Sge {
         mr: &mr,
         offset: 0,
         len: payload_len,
     }];
-    // The bad message, then one that would look fine on its own.
-    let wr = |wr_id, imm| SendWr {
-        wr_id,
-        opcode: SendOpcode::SendWithImm(imm),
-        sg_list: &sge,
-        signaled: true,
-        inline: false,
-    };
-    qp.post_send(&[wr(1, imm), wr(2, 0)]).expect("post");
+    let wrs: Vec<SendWr<'_, _>> = sends
+        .iter()
+        .enumerate()
+        .map(|(i, &imm)| SendWr {
+            wr_id: i as u64 + 1,
+            opcode: SendOpcode::SendWithImm(imm),
+            sg_list: &sge,
+            signaled: true,
+            inline: false,
+        })
+        .collect();
+    qp.post_send(&wrs).expect("post");
     let end = link.ended().await;
-    assert!(link.recv().await.is_err(), "nothing from a hostile peer");
+    let mut delivered = 0;
+    while tokio::time::timeout(Duration::from_secs(10), link.recv())
+        .await
+        .expect("recv ends within 10 s")
+        .is_ok()
+    {
+        delivered += 1;
+    }
     drop((qp, cq, mr));
+    (end, delivered)
+}
+
+/// The bad message, then one that would look fine on its own: nothing is
+/// delivered.
+async fn hostile_peer(payload_len: usize, imm: u32) -> EpochEnd {
+    let (end, delivered) = hostile_peer_after(async |_| {}, payload_len, &[imm, 0]).await;
+    assert_eq!(delivered, 0, "nothing from a hostile peer");
     end
+}
+
+/// A peer that breaks the credit rule while we close gracefully (the QP
+/// stays up for our last SEND): the end stays ours, but nothing after the
+/// offence is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_overclaims_while_we_close_gets_nothing_more_delivered() {
+    let close = async |link: &Soft| {
+        send(link, b"unsignaled: the close waits for it").await;
+        link.fail(EpochEnd::Closed);
+    };
+    // Credit 0 claimed (fine), then 5 of the 1 it was granted, then 0.
+    let (end, delivered) = hostile_peer_after(close, 16, &[0, 5, 0]).await;
+    assert_eq!(end, EpochEnd::Closed);
+    assert_eq!(delivered, 1, "only the batch before the offence");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -187,6 +187,8 @@ impl<D: Device + 'static> PreparedEnd<D> {
             recv_posted: config.recv_depth,
             reserve_waiters: 0,
             ended: None,
+            torn_down: false,
+            violated: false,
             drained: false,
             stats: LinkStats::default(),
         };

@@ -248,6 +248,14 @@ struct State<D: Device> {
     /// `reserve` calls waiting for credit (their SENDs' starved bit).
     reserve_waiters: usize,
     ended: Option<EpochEnd>,
+    /// The end's teardown ran (the QP moved to ERR, or found gone): only
+    /// then do the flushes come that end the poller's watch. A graceful
+    /// close keeps the QP up a while after `ended` is set.
+    torn_down: bool,
+    /// The peer broke the link's rules in this epoch (the end may have been
+    /// decided before, by a graceful close): nothing more from it is
+    /// delivered.
+    violated: bool,
     /// The poller is done: every completion the CQ will ever hold was handled.
     drained: bool,
     stats: LinkStats,
@@ -411,6 +419,7 @@ impl<D: Device + 'static> Shared<D> {
             tracing::debug!(%err, "moving the QP to ERR failed; the device is gone");
             self.mark_drained();
         }
+        self.lock().torn_down = true;
         self.wake_send.notify_waiters();
         self.wake_recv.notify_waiters();
         self.wake_end.notify_waiters();
@@ -699,7 +708,9 @@ impl<D: Device + 'static> RdmaLink<D> {
     pub fn on_end(&self, hook: impl FnOnce(EpochEnd) + Send + 'static) {
         let shared = self.shared();
         let mut hooks = shared.on_end.lock().unwrap_or_else(PoisonError::into_inner);
-        match shared.lock().ended {
+        // Read apart from the match: a hook run at once may use this link.
+        let ended = shared.lock().ended;
+        match ended {
             Some(reason) => {
                 drop(hooks);
                 hook(reason);

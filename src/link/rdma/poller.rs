@@ -58,16 +58,20 @@ enum Polled {
 }
 
 impl<D: Device + 'static> Shared<D> {
-    /// Done once the epoch has ended and every posted receive has completed
-    /// (receives always complete, so their flush is the last thing `recv`
-    /// waits for). Sends need no wait: an unsignaled send that succeeded
-    /// never completes, and after the end its buffer is never reused.
+    /// Done once the epoch has ended, its teardown has run, and every
+    /// posted receive has completed (receives always complete, so their
+    /// flush is the last thing `recv` waits for). Sends need no wait: an
+    /// unsignaled send that succeeded never completes, and after the end its
+    /// buffer is never reused. Not before the teardown: during a graceful
+    /// close the peer may use up every receive while our last SENDs still
+    /// wait for their completions, and the chunks left posted go back only
+    /// once the QP is in ERR ([`Shared::release_posted`]).
     fn finished(&self) -> bool {
         if self.detached.load(Ordering::Acquire) {
             return true;
         }
         let st = self.lock();
-        st.ended.is_some() && st.recv_posted == 0
+        st.ended.is_some() && st.torn_down && st.recv_posted == 0
     }
 
     /// [`Shared::poll_once`] under the `polling` lock (the poller's way in).
@@ -105,12 +109,13 @@ impl<D: Device + 'static> Shared<D> {
         for wc in wcs {
             let fault = if wc.wr_id & RECV_TAG != 0 {
                 // After a peer's violation nothing more from it is delivered.
-                let hostile = matches!(st.ended.or(end), Some(EpochEnd::Violation(_)));
+                let hostile = st.violated;
                 self.on_recv_completion(&mut st, wc, hostile, &mut reposts, &mut received)
             } else {
                 on_send_completion(&mut st, wc).map(EpochEnd::Fault)
             };
             if let Some(reason) = fault {
+                st.violated |= matches!(reason, EpochEnd::Violation(_));
                 end.get_or_insert(reason);
             }
         }
@@ -127,7 +132,17 @@ impl<D: Device + 'static> Shared<D> {
         }
         debug_assert!(st.credit.invariant_holds());
         let ended_now = end.is_some_and(|reason| st.set_end(reason));
+        // A violation during a graceful close: the end is decided, but the
+        // QP need not stay up for a peer that breaks the rules.
+        let cut_grace = !ended_now && !st.torn_down && matches!(end, Some(EpochEnd::Violation(_)));
         drop(st);
+        if cut_grace {
+            let _in_link = self.span.enter();
+            tracing::debug!(reason = ?end, "the peer broke the rules while we closed");
+            if let Err(err) = self.qp.modify_to_error() {
+                tracing::debug!(%err, "moving the QP to ERR failed; the device is gone");
+            }
+        }
         self.wake_send.notify_waiters();
         if received {
             self.wake_recv.notify_waiters();

@@ -447,3 +447,66 @@ async fn a_panicking_end_hook_does_not_keep_the_later_ones_from_running() {
     );
     assert_eq!(a.end_reason(), Some(EpochEnd::PeerLost));
 }
+
+/// A graceful close keeps the QP up while the peer may still send; if the
+/// peer's batches use up every posted receive meanwhile (none is re-posted
+/// after the end), the poller must still be there for the teardown, or the
+/// chunks of the SENDs left posted are never given back to the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_close_whose_receives_the_peer_uses_up_still_gives_its_chunks_back() {
+    let (da, db) = (device().await, device().await);
+    let (a, b) = pair(&da, &db, Epoch(1), small()).expect("pair");
+    // Without the driver's handler every completion is the poller's to see.
+    a.shared().cq.shared.disable_handler();
+    // b spends its credit while a is up; a re-posts and owes it all back.
+    let early = send_all_credit(&b, &a, 0).await;
+    assert!(early > 0);
+    // a's last two batches return that credit; they are unsignaled, so
+    // never reported complete, and their chunks stay posted through the close.
+    send_bytes(&a, b"one").await;
+    send_bytes(&a, b"two").await;
+    assert_eq!(a.send_pool().stats().in_use, 2);
+    a.fail(EpochEnd::Closed);
+    // b re-posts a receive as its consumer takes a batch, and its next
+    // SEND carries that credit home, which lets it take its last credit:
+    // a consumer a batch behind uses up every receive a has left.
+    drop(recv_bytes(&b).await);
+    let sent = send_all_credit(&b, &a, early).await;
+    drop(recv_bytes(&b).await);
+    send_all_credit(&b, &a, sent).await;
+    assert_eq!(a.shared().lock().recv_posted, 0, "b used up a's receives");
+    until(|| a.send_pool().stats().in_use == 0).await;
+}
+
+/// Sends from `from` until it has no credit for another batch, each batch
+/// seen by `to` before the next; returns `to`'s batches received in all.
+async fn send_all_credit(
+    from: &RdmaLink<SoftDevice>,
+    to: &RdmaLink<SoftDevice>,
+    mut received: u64,
+) -> u64 {
+    while let Ok(Ok(mut buf)) =
+        tokio::time::timeout(Duration::from_millis(100), from.reserve()).await
+    {
+        buf[..4].copy_from_slice(b"data");
+        from.post(buf, 4).expect("post");
+        received += 1;
+        until(|| to.shared().lock().stats.batches_received >= received).await;
+    }
+    received
+}
+
+/// A hook added after the end runs at once, and may use its own link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_end_hook_added_after_the_end_may_use_its_link() {
+    let (da, db) = (device().await, device().await);
+    let (a, _b) = pair(&da, &db, Epoch(1), small()).expect("pair");
+    a.fail(EpochEnd::Fault(LinkFault::PostFailed));
+    let (seen, same) = (Arc::new(Mutex::new(None)), a.clone());
+    let record = seen.clone();
+    a.on_end(move |reason| {
+        *record.lock().expect("lock") = Some((reason, same.end_reason()));
+    });
+    let reason = EpochEnd::Fault(LinkFault::PostFailed);
+    assert_eq!(*seen.lock().expect("lock"), Some((reason, Some(reason))));
+}
