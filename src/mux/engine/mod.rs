@@ -197,27 +197,53 @@ impl<L: Link> Mux<L> {
     /// gave us, and `granted` is the credit our hello gave it (what
     /// [`Mux::peer_room`] said when the hello was written).
     pub fn attach_with_terms(&self, peer: PeerId, link: L, terms: PeerTerms, granted: u32) {
-        let entry = if self.shared.shutdown.load(Ordering::Acquire) {
-            // A peer still draining its queue may take a link; nobody else.
-            match lock(&self.shared.peers).get(&peer).cloned() {
-                Some(entry) => entry,
-                None => {
-                    link.fail(EpochEnd::Shutdown);
-                    return;
-                }
-            }
-        } else {
-            self.entry(peer)
-        };
         let opening = Opening {
             theirs: terms,
             granted,
         };
+        let mut link = link;
+        loop {
+            let shutting_down = self.shared.shutdown.load(Ordering::Acquire);
+            let entry = if shutting_down {
+                // A peer still draining its queue may take a link; nobody else.
+                match lock(&self.shared.peers).get(&peer).cloned() {
+                    Some(entry) => entry,
+                    None => {
+                        link.fail(EpochEnd::Shutdown);
+                        return;
+                    }
+                }
+            } else {
+                self.entry(peer)
+            };
+            match Self::hand_over(&entry, link, opening) {
+                Ok(()) => return,
+                // Gone from the map: `entry` makes a fresh one.
+                Err(back) if !shutting_down => link = back,
+                Err(back) => {
+                    back.fail(EpochEnd::Shutdown);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Gives `entry`'s task its next link, unless the entry has retired
+    /// (then the link comes back): decided under the lock `retire` decides
+    /// under, since a link left in a retired entry would be neither served
+    /// nor failed, and the node would count the peer linked.
+    fn hand_over(entry: &PeerEntry<L>, link: L, opening: Opening) -> Result<(), L> {
+        let control = entry.control.state();
+        if control.retired {
+            return Err(link);
+        }
         let previous = lock(&entry.incoming).replace((link, opening));
+        drop(control);
         if let Some((stale, _)) = previous {
             stale.fail(EpochEnd::Replaced);
         }
         entry.link_arrived.notify_one();
+        Ok(())
     }
 
     /// Stops the mux: each peer task writes what producers already queued
@@ -253,13 +279,21 @@ impl<L: Link> Mux<L> {
         peer: PeerId,
         rx: flume::Receiver<OutboundMessage>,
     ) -> Option<flume::Receiver<OutboundMessage>> {
-        let entry = self.entry(peer);
-        let stale = lock(&entry.messages).replace(rx);
-        if lock(&entry.epoch).is_none() {
-            self.shared.dialer.want_link(peer);
+        loop {
+            let entry = self.entry(peer);
+            // As in `attach_with_terms`: never into an entry that retired.
+            let control = entry.control.state();
+            if control.retired {
+                continue;
+            }
+            let stale = lock(&entry.messages).replace(rx);
+            drop(control);
+            if lock(&entry.epoch).is_none() {
+                self.shared.dialer.want_link(peer);
+            }
+            entry.control.wake.notify_one();
+            return stale;
         }
-        entry.control.wake.notify_one();
-        stale
     }
 
     /// Whether this mux ended `peer`'s epoch `epoch` over a protocol
@@ -942,5 +976,42 @@ async fn serve_epoch<L: Link>(
             () = &mut timer => core.handle_timeout(Instant::now()),
             () = &mut shutdown => shutdown.set(shared.shutdown_notify.notified()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::mem::{MemConfig, MemFabric, pair};
+
+    const A: PeerId = PeerId(1);
+    const B: PeerId = PeerId(2);
+
+    /// A link attached to an entry whose task retired for idleness just
+    /// after the attach looked it up comes back, and the attach hands it to
+    /// a fresh entry, whose task serves it.
+    #[tokio::test]
+    async fn a_link_meeting_a_retired_entry_goes_to_a_fresh_one() {
+        let fabric = MemFabric::new(MemConfig::default());
+        let mux = Mux::new(MuxConfig::default(), fabric.dialer(A));
+        let looked_up = mux.entry(B);
+        assert!(retire(&mux.shared, &looked_up, false), "idle: it retires");
+        let own = PeerTerms::announced_by(mux.config());
+        let opening = Opening {
+            theirs: own,
+            granted: own.peer_credit,
+        };
+        let (ours, theirs) = pair(Epoch(1), MemConfig::default());
+        let back = Mux::hand_over(&looked_up, ours, opening);
+        let ours = back.expect_err("a retired entry takes no link");
+        assert!(lock(&looked_up.incoming).is_none());
+        mux.attach(B, ours);
+        let served = tokio::time::timeout(Duration::from_secs(10), async {
+            while mux.epoch(B) != Some(Epoch(1)) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        });
+        assert!(served.await.is_ok(), "a fresh task serves the link");
+        drop(theirs);
     }
 }
