@@ -1261,7 +1261,7 @@ impl PeerCore {
                     self.message_reassembly = Some(partial);
                     return Ok(());
                 }
-                partial.freeze()
+                reassembled(partial)
             }
         };
         match self.sink.get() {
@@ -1384,20 +1384,19 @@ impl PeerCore {
                 Bytes::copy_from_slice(body)
             }
             Some(mut partial) => {
-                slot.outstanding += len;
                 if partial.len() + body.len() > max {
-                    return Err(ProtocolError::RecordTooLarge {
-                        slot: id,
-                        len: partial.len() + body.len(),
-                        max,
-                    });
+                    let len = partial.len() + body.len();
+                    // Left as it was: the epoch's end counts what it holds.
+                    slot.reassembly = Some(partial);
+                    return Err(ProtocolError::RecordTooLarge { slot: id, len, max });
                 }
+                slot.outstanding += len;
                 partial.extend_from_slice(body);
                 if more {
                     slot.reassembly = Some(partial);
                     return Ok(());
                 }
-                partial.freeze()
+                reassembled(partial)
             }
         };
         let cost = record_cost(record.len()) as u64;
@@ -1548,6 +1547,18 @@ impl PeerCore {
         self.peer_unspent += room;
         self.peer_grant_owed += room;
         self.control_since.get_or_insert(now);
+    }
+}
+
+/// A record whose fragments grew its buffer, as it will be held: the
+/// buffer doubled as fragments came, and a frozen `BytesMut` keeps all of
+/// it, so one with much room to spare is copied to its length. Credit counts
+/// a record's length; what it pins in memory must not be up to twice that.
+fn reassembled(partial: BytesMut) -> Bytes {
+    if partial.capacity() - partial.len() > partial.len() / 8 {
+        Bytes::copy_from_slice(&partial)
+    } else {
+        partial.freeze()
     }
 }
 
@@ -1792,6 +1803,57 @@ mod tests {
             1 << 20,
             Arc::new(Counters::default()),
         ))
+    }
+
+    /// A record that grows past `max_record` while it reassembles ends the
+    /// epoch, and the end counts as held only what was delivered: the
+    /// record thrown away leaves nothing counted against the next window.
+    #[tokio::test]
+    async fn a_record_cut_off_past_max_record_leaves_nothing_held() {
+        let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
+        let config = MuxConfig {
+            slot_window: 8192,
+            peer_window: 8192,
+            max_record: 1000,
+            ..MuxConfig::default()
+        };
+        let mut core = PeerCore::new(
+            Epoch(1),
+            Arc::new(config),
+            control.clone(),
+            registry.clone(),
+            Held::default(),
+            Instant::now(),
+        );
+        peer_sends(&mut core, 1, 1, 600, true, false).expect("a first fragment");
+        let slot = SlotId::new(1, 0).expect("a valid index");
+        let past = feed(&mut core, |enc| {
+            enc.push_data(slot, FrameSeq(2), &[6u8; 600], false)
+        });
+        let too_large = ProtocolError::RecordTooLarge {
+            slot,
+            len: 1200,
+            max: 1000,
+        };
+        assert_eq!(past, Err(too_large));
+        core.fail_all(ended(1));
+        assert_eq!(control.peer_held.load(Ordering::Acquire), 0);
+    }
+
+    /// A reassembled record with much room to spare is held at its length.
+    #[test]
+    fn a_reassembled_record_is_held_at_its_length() {
+        let mut grown = BytesMut::from(&[1u8; 1000][..]);
+        grown.extend_from_slice(&[2u8; 100]);
+        assert!(grown.capacity() >= 2000, "the buffer doubled");
+        let at = grown.as_ptr();
+        let record = reassembled(grown);
+        assert_eq!(record.len(), 1100);
+        assert_ne!(record.as_ptr(), at, "copied to its length");
+        let mut snug = BytesMut::with_capacity(1100);
+        snug.extend_from_slice(&[3u8; 1050]);
+        let at = snug.as_ptr();
+        assert_eq!(reassembled(snug).as_ptr(), at, "kept: little to spare");
     }
 
     #[tokio::test]
