@@ -87,6 +87,11 @@ struct Inner<N: Node> {
     key: TransportKey,
     /// velo's instances as the node knows them.
     peers: Mutex<HashMap<InstanceId, PeerId>>,
+    /// Held through a whole `register` or `unregister`, node call and map
+    /// update together: a restarted peer's `register` racing its old
+    /// instance's `unregister` must not end with the node forgetting the
+    /// address the new instance needs.
+    registration: Mutex<()>,
     /// Peers that have had an epoch up at least once (for `NeverConnected`).
     connected: Mutex<HashMap<PeerId, bool>>,
     /// Registered peers' `max_record`s as their latest epochs said: the mux
@@ -113,6 +118,7 @@ impl<N: Node> QpmuxTransport<N> {
                 config,
                 key: TransportKey::new(TRANSPORT_KEY),
                 peers: Mutex::new(HashMap::new()),
+                registration: Mutex::new(()),
                 connected: Mutex::new(HashMap::new()),
                 limits: Mutex::new(HashMap::new()),
                 lanes: Mutex::new(HashMap::new()),
@@ -477,6 +483,7 @@ impl<N: Node> Transport for QpmuxTransport<N> {
 
     fn register(&self, peer_info: PeerInfo) -> Result<(), velo_ext::TransportError> {
         let endpoint = decode_endpoint(peer_info.worker_address())?;
+        let _registering = lock(&self.inner.registration);
         let peer = self
             .inner
             .node
@@ -490,6 +497,7 @@ impl<N: Node> Transport for QpmuxTransport<N> {
     /// A peer restarted at the same address is a new instance on the same
     /// `PeerId`: forgetting the old instance leaves the node's peer alone.
     fn unregister(&self, instance_id: InstanceId) {
+        let registering = lock(&self.inner.registration);
         let peer = {
             let mut peers = lock(&self.inner.peers);
             let Some(peer) = peers.remove(&instance_id) else {
@@ -513,11 +521,13 @@ impl<N: Node> Transport for QpmuxTransport<N> {
         };
         lock(&self.inner.connected).remove(&peer);
         lock(&self.inner.limits).remove(&peer);
+        self.inner.node.unregister(peer);
+        drop(registering);
+        // Reports go to velo's handler, which may register again: unlocked.
         if let Some(lane) = lane {
             lane.gate.fail_all(AdmissionError::ChannelClosed);
         }
         drop(unserved);
-        self.inner.node.unregister(peer);
         self.inner.registered_gauge();
     }
 
