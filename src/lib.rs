@@ -26,3 +26,4 @@ mod unwind;
 #[cfg(feature = "velo")]
 pub mod velo;
 pub mod verbs;
+mod warn_gate;

@@ -32,6 +32,7 @@ use super::wire::{self, Envelope};
 use super::{AdapterError, TRANSPORT_KEY, VeloConfig, decode_endpoint, encode_address};
 use crate::link::Node;
 use crate::mux::{AsMux, MessageSink, MuxTransport, OutboundMessage, PeerId};
+use crate::warn_gate::WarnGate;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().expect("velo transport state poisoned")
@@ -77,7 +78,6 @@ impl Lane {
 
 /// What `start` hands us.
 struct Started {
-    adapter: TransportAdapter,
     rt: tokio::runtime::Handle,
 }
 
@@ -389,8 +389,13 @@ impl TransportErrorHandler for LogOnly {
 }
 
 /// The mux's message sink: decodes and routes inbound active messages.
+/// It holds velo's adapter itself: a message can arrive as soon as the sink
+/// is set, before `start` has recorded that it started.
 struct Inbound<N: Node> {
     inner: Weak<Inner<N>>,
+    adapter: TransportAdapter,
+    /// A peer can send malformed messages at line rate: one WARN a second.
+    malformed: Mutex<WarnGate>,
 }
 
 impl<N: Node> MessageSink for Inbound<N> {
@@ -398,15 +403,21 @@ impl<N: Node> MessageSink for Inbound<N> {
         let Some(inner) = self.inner.upgrade() else {
             return;
         };
-        let Some(started) = inner.started.get() else {
-            return;
-        };
         lock(&inner.connected).insert(peer, true);
         let metrics = inner.metrics();
         let envelope = match Envelope::decode(message) {
             Ok(envelope) => envelope,
             Err(error) => {
-                tracing::warn!(?peer, %error, "dropping a malformed active message");
+                let warn = lock(&self.malformed).admit(tokio::time::Instant::now());
+                match warn {
+                    Some(suppressed) => tracing::warn!(
+                        ?peer,
+                        %error,
+                        suppressed,
+                        "dropping a malformed active message"
+                    ),
+                    None => tracing::debug!(?peer, %error, "dropping a malformed active message"),
+                }
                 if let Some(metrics) = metrics {
                     metrics.record_rejection(TransportRejection::DecodeError);
                 }
@@ -419,7 +430,7 @@ impl<N: Node> MessageSink for Inbound<N> {
             payload,
         } = envelope;
         let len = header.len() + payload.len();
-        let adapter = &started.adapter;
+        let adapter = &self.adapter;
         let stream = match message_type {
             MessageType::Message => {
                 match adapter.admit_message(header, payload) {
@@ -564,14 +575,13 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             }
             let sink = Arc::new(Inbound {
                 inner: Arc::downgrade(&self.inner),
+                adapter: channels,
+                malformed: Mutex::default(),
             });
             if !self.inner.node.mux().set_message_sink(sink) {
                 return Err(AdapterError::SinkTaken.into());
             }
-            let started = Started {
-                adapter: channels,
-                rt,
-            };
+            let started = Started { rt };
             if self.inner.started.set(started).is_err() {
                 // Only the start that set the sink gets here; kept as an error.
                 return Err(AdapterError::AlreadyStarted.into());

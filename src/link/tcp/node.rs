@@ -45,6 +45,7 @@ use crate::link::bootstrap::{
 use crate::link::{EpochEnd, Link};
 use crate::mux::protocol::Epoch;
 use crate::mux::{Dialer, Mux, MuxConfig, PeerId, PeerTerms};
+use crate::warn_gate::WarnGate;
 
 /// Configuration of a TCP node. Defaults are documented per field.
 #[derive(Clone, Debug)]
@@ -471,10 +472,6 @@ struct NodeInner<E: EpochMaker> {
     runtime: tokio::runtime::Handle,
 }
 
-/// Refusals logged at WARN at most this often, per kind; the rest at DEBUG,
-/// and the next WARN says how many (`suppressed`).
-const REFUSAL_WARN_EVERY: Duration = Duration::from_secs(1);
-
 /// The last refused incoming connection, and a WARN gate per kind: a
 /// flood of shed connections does not hide a refused handshake.
 #[derive(Debug, Default)]
@@ -482,26 +479,6 @@ struct Refusals {
     last: Option<ConnectError>,
     refused: WarnGate,
     shed: WarnGate,
-}
-
-/// At most one WARN per [`REFUSAL_WARN_EVERY`].
-#[derive(Debug, Default)]
-struct WarnGate {
-    quiet_until: Option<Instant>,
-    suppressed: u64,
-}
-
-impl WarnGate {
-    /// `Some(events not logged at WARN since the last WARN)` when this one
-    /// should be.
-    fn admit(&mut self, now: Instant) -> Option<u64> {
-        if self.quiet_until.is_some_and(|until| now < until) {
-            self.suppressed += 1;
-            return None;
-        }
-        self.quiet_until = Some(now + REFUSAL_WARN_EVERY);
-        Some(std::mem::take(&mut self.suppressed))
-    }
 }
 
 /// The source a handshake's share is counted against: an IPv4 address
@@ -565,7 +542,7 @@ impl<E: EpochMaker> NodeInner<E> {
     }
 
     /// Counts and logs a refused incoming connection (`shed`: closed before
-    /// its challenge): at WARN at most once per [`REFUSAL_WARN_EVERY`] per
+    /// its challenge): at WARN at most once per [`WARN_EVERY`](crate::warn_gate::WARN_EVERY) per
     /// kind, so a flood of them cannot flood the log.
     fn refuse(&self, err: ConnectError, remote: SocketAddr, shed: bool) {
         let warn = {
@@ -1500,9 +1477,8 @@ fn decide<E: EpochMaker>(
 
 #[cfg(test)]
 mod tests {
-    use super::{REFUSAL_WARN_EVERY, WarnGate, source_of};
+    use super::source_of;
     use std::net::IpAddr;
-    use tokio::time::Instant;
 
     fn ip(text: &str) -> IpAddr {
         text.parse().expect("an address")
@@ -1524,20 +1500,5 @@ mod tests {
             source_of(ip("2001:db8:1:2::1")),
             source_of(ip("2001:db8:1:3::1"))
         );
-    }
-
-    /// A flood of refused connections logs one WARN per interval, and the
-    /// next says how many went to DEBUG.
-    #[test]
-    fn refusals_warn_once_per_interval_and_count_the_rest() {
-        let mut gate = WarnGate::default();
-        let start = Instant::now();
-        assert_eq!(gate.admit(start), Some(0));
-        for _ in 0..5 {
-            assert_eq!(gate.admit(start), None);
-        }
-        assert_eq!(gate.admit(start + REFUSAL_WARN_EVERY / 2), None);
-        assert_eq!(gate.admit(start + REFUSAL_WARN_EVERY), Some(6));
-        assert_eq!(gate.admit(start + REFUSAL_WARN_EVERY * 3), Some(0));
     }
 }
