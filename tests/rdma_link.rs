@@ -485,6 +485,21 @@ async fn a_peer_that_overclaims_while_we_close_gets_nothing_more_delivered() {
     assert_eq!(delivered, 1, "only the batch before the offence");
 }
 
+/// The same for an offence found outside the completions (the node's
+/// liveness channel reports one through `fail`): during a graceful close
+/// it still stops delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offence_reported_while_we_close_stops_delivery() {
+    let close = async |link: &Soft| {
+        send(link, b"unsignaled: the close waits for it").await;
+        link.fail(EpochEnd::Closed);
+        link.fail(EpochEnd::Violation(ProtocolError::LivenessTraffic));
+    };
+    let (end, delivered) = hostile_peer_after(close, 16, &[0, 0]).await;
+    assert_eq!(end, EpochEnd::Closed);
+    assert_eq!(delivered, 0, "nothing after the offence");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_claiming_credit_it_never_had_ends_the_epoch() {
     assert_eq!(

@@ -87,6 +87,9 @@ struct Inner<N: Node> {
     key: TransportKey,
     /// velo's instances as the node knows them.
     peers: Mutex<HashMap<InstanceId, PeerId>>,
+    /// Where inbound messages go, from `start` on; dropped with the
+    /// transport, which closes velo's inbound channels.
+    adapter: Mutex<Option<TransportAdapter>>,
     /// Held through a whole `register` or `unregister`, node call and map
     /// update together: a restarted peer's `register` racing its old
     /// instance's `unregister` must not end with the node forgetting the
@@ -118,6 +121,7 @@ impl<N: Node> QpmuxTransport<N> {
                 config,
                 key: TransportKey::new(TRANSPORT_KEY),
                 peers: Mutex::new(HashMap::new()),
+                adapter: Mutex::new(None),
                 registration: Mutex::new(()),
                 connected: Mutex::new(HashMap::new()),
                 limits: Mutex::new(HashMap::new()),
@@ -389,11 +393,8 @@ impl TransportErrorHandler for LogOnly {
 }
 
 /// The mux's message sink: decodes and routes inbound active messages.
-/// It holds velo's adapter itself: a message can arrive as soon as the sink
-/// is set, before `start` has recorded that it started.
 struct Inbound<N: Node> {
     inner: Weak<Inner<N>>,
-    adapter: TransportAdapter,
     /// A peer can send malformed messages at line rate: one WARN a second.
     malformed: Mutex<WarnGate>,
 }
@@ -401,6 +402,9 @@ struct Inbound<N: Node> {
 impl<N: Node> MessageSink for Inbound<N> {
     fn deliver(&self, peer: PeerId, message: Bytes) {
         let Some(inner) = self.inner.upgrade() else {
+            return;
+        };
+        let Some(adapter) = lock(&inner.adapter).clone() else {
             return;
         };
         lock(&inner.connected).insert(peer, true);
@@ -430,7 +434,7 @@ impl<N: Node> MessageSink for Inbound<N> {
             payload,
         } = envelope;
         let len = header.len() + payload.len();
-        let adapter = &self.adapter;
+        let adapter = &adapter;
         let stream = match message_type {
             MessageType::Message => {
                 match adapter.admit_message(header, payload) {
@@ -494,13 +498,15 @@ impl<N: Node> Transport for QpmuxTransport<N> {
 
     fn register(&self, peer_info: PeerInfo) -> Result<(), velo_ext::TransportError> {
         let endpoint = decode_endpoint(peer_info.worker_address())?;
-        let _registering = lock(&self.inner.registration);
+        let registering = lock(&self.inner.registration);
         let peer = self
             .inner
             .node
             .register(&endpoint)
             .map_err(AdapterError::Register)?;
         lock(&self.inner.peers).insert(peer_info.instance_id(), peer);
+        drop(registering);
+        // The gauge calls into velo's metrics: unlocked.
         self.inner.registered_gauge();
         Ok(())
     }
@@ -516,6 +522,7 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             };
             if peers.values().any(|other| *other == peer) {
                 drop(peers);
+                drop(registering);
                 self.inner.registered_gauge();
                 return;
             }
@@ -575,10 +582,19 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             }
             let sink = Arc::new(Inbound {
                 inner: Arc::downgrade(&self.inner),
-                adapter: channels,
                 malformed: Mutex::default(),
             });
+            // Before the sink: a message can arrive as soon as it is set,
+            // before `started` is.
+            {
+                let mut adapter = lock(&self.inner.adapter);
+                if adapter.is_some() {
+                    return Err(AdapterError::AlreadyStarted.into());
+                }
+                *adapter = Some(channels);
+            }
             if !self.inner.node.mux().set_message_sink(sink) {
+                *lock(&self.inner.adapter) = None;
                 return Err(AdapterError::SinkTaken.into());
             }
             let started = Started { rt };

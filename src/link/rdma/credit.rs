@@ -119,13 +119,18 @@ impl Credit {
         self.held >= 2 || (self.held == 1 && self.reserved == 0 && returns_credit)
     }
 
+    /// Whether [`Credit::try_reserve`] would take a credit now.
+    pub fn can_reserve(&self) -> bool {
+        self.can_spend(self.owed() > 0)
+    }
+
     /// Takes a credit into a send buffer; false when none may be spent now.
     ///
     /// The last credit goes only to a buffer whose post will return credit:
     /// nothing else can post before it (no credit is left), so `owed` only
     /// grows until then.
     pub fn try_reserve(&mut self) -> bool {
-        if self.can_spend(self.owed() > 0) {
+        if self.can_reserve() {
             self.held -= 1;
             self.reserved += 1;
             true

@@ -262,13 +262,21 @@ struct State<D: Device> {
 }
 
 impl<D: Device> State<D> {
-    /// Records the end; true when this call decided it.
+    /// Records the end; true when this call decided it. A violation is
+    /// noted either way.
     fn set_end(&mut self, reason: EpochEnd) -> bool {
+        self.violated |= matches!(reason, EpochEnd::Violation(_));
         if self.ended.is_some() {
             return false;
         }
         self.ended = Some(reason);
         true
+    }
+
+    /// True when `reason`, a violation met after a graceful end was
+    /// decided and before the teardown, should cut the close short.
+    fn note_violation(&mut self, reason: EpochEnd) -> bool {
+        matches!(reason, EpochEnd::Violation(_)) && !self.torn_down
     }
 }
 
@@ -376,11 +384,30 @@ impl<D: Device + 'static> Shared<D> {
         }
     }
 
-    /// Ends the epoch (first reason wins).
+    /// Ends the epoch (first reason wins). A violation is noted even when
+    /// the end was decided before (a graceful close): nothing more from the
+    /// peer is delivered, and the close stops waiting for it.
     fn end(&self, reason: EpochEnd) {
-        if self.lock().set_end(reason) {
+        let mut st = self.lock();
+        let decided = st.set_end(reason);
+        let cut_grace = !decided && st.note_violation(reason);
+        drop(st);
+        if decided {
             self.after_end(reason);
+        } else if cut_grace {
+            self.cut_grace(reason);
         }
+    }
+
+    /// A violation during a graceful close: the end is decided, but the QP
+    /// need not stay up for a peer that breaks the rules.
+    fn cut_grace(&self, reason: EpochEnd) {
+        let _in_link = self.span.enter();
+        tracing::debug!(%reason, "the peer broke the rules while we closed");
+        if let Err(err) = self.qp.modify_to_error() {
+            tracing::debug!(%err, "moving the QP to ERR failed; the device is gone");
+        }
+        self.wake_end.notify_waiters();
     }
 
     /// A graceful local end (after a Goodbye): nothing more may be posted,
@@ -397,7 +424,8 @@ impl<D: Device + 'static> Shared<D> {
         let shared = self.clone();
         tokio::spawn(async move {
             let deadline = tokio::time::Instant::now() + close_wait(&shared.config);
-            while !shared.lock().posted.is_empty() && tokio::time::Instant::now() < deadline {
+            let waiting = |st: &State<D>| !st.posted.is_empty() && !st.violated;
+            while waiting(&shared.lock()) && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
             let unfinished = shared.lock().posted.len();

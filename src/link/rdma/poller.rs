@@ -115,6 +115,7 @@ impl<D: Device + 'static> Shared<D> {
                 on_send_completion(&mut st, wc).map(EpochEnd::Fault)
             };
             if let Some(reason) = fault {
+                // Noted at once: the rest of this batch is not delivered.
                 st.violated |= matches!(reason, EpochEnd::Violation(_));
                 end.get_or_insert(reason);
             }
@@ -132,16 +133,10 @@ impl<D: Device + 'static> Shared<D> {
         }
         debug_assert!(st.credit.invariant_holds());
         let ended_now = end.is_some_and(|reason| st.set_end(reason));
-        // A violation during a graceful close: the end is decided, but the
-        // QP need not stay up for a peer that breaks the rules.
-        let cut_grace = !ended_now && !st.torn_down && matches!(end, Some(EpochEnd::Violation(_)));
+        let cut_grace = end.filter(|&reason| !ended_now && st.note_violation(reason));
         drop(st);
-        if cut_grace {
-            let _in_link = self.span.enter();
-            tracing::debug!(reason = ?end, "the peer broke the rules while we closed");
-            if let Err(err) = self.qp.modify_to_error() {
-                tracing::debug!(%err, "moving the QP to ERR failed; the device is gone");
-            }
+        if let Some(reason) = cut_grace {
+            self.cut_grace(reason);
         }
         self.wake_send.notify_waiters();
         if received {

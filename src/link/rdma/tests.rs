@@ -455,7 +455,14 @@ async fn a_panicking_end_hook_does_not_keep_the_later_ones_from_running() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graceful_close_whose_receives_the_peer_uses_up_still_gives_its_chunks_back() {
     let (da, db) = (device().await, device().await);
-    let (a, b) = pair(&da, &db, Epoch(1), small()).expect("pair");
+    // A close bound of about 2 s (4.096 µs × 2^16 × 8 tries): the last
+    // SENDs are unsignaled, so the close waits all of it, and b's sends
+    // must land within it.
+    let config = RdmaConfig {
+        timeout: 16,
+        ..small()
+    };
+    let (a, b) = pair(&da, &db, Epoch(1), config).expect("pair");
     // Without the driver's handler every completion is the poller's to see.
     a.shared().cq.shared.disable_handler();
     // b spends its credit while a is up; a re-posts and owes it all back.
@@ -467,6 +474,7 @@ async fn a_graceful_close_whose_receives_the_peer_uses_up_still_gives_its_chunks
     send_bytes(&a, b"two").await;
     assert_eq!(a.send_pool().stats().in_use, 2);
     a.fail(EpochEnd::Closed);
+    until(|| b.shared().lock().stats.batches_received == 2).await;
     // b re-posts a receive as its consumer takes a batch, and its next
     // SEND carries that credit home, which lets it take its last credit:
     // a consumer a batch behind uses up every receive a has left.
@@ -478,16 +486,17 @@ async fn a_graceful_close_whose_receives_the_peer_uses_up_still_gives_its_chunks
     until(|| a.send_pool().stats().in_use == 0).await;
 }
 
-/// Sends from `from` until it has no credit for another batch, each batch
+/// Sends from `from` while it has credit for another batch, each batch
 /// seen by `to` before the next; returns `to`'s batches received in all.
+/// (While `to` is up, its credit returns may come after this stops.)
 async fn send_all_credit(
     from: &RdmaLink<SoftDevice>,
     to: &RdmaLink<SoftDevice>,
     mut received: u64,
 ) -> u64 {
-    while let Ok(Ok(mut buf)) =
-        tokio::time::timeout(Duration::from_millis(100), from.reserve()).await
-    {
+    while from.shared().lock().credit.can_reserve() {
+        let reserved = tokio::time::timeout(Duration::from_secs(10), from.reserve()).await;
+        let mut buf = reserved.expect("a send buffer").expect("reserve");
         buf[..4].copy_from_slice(b"data");
         from.post(buf, 4).expect("post");
         received += 1;
@@ -504,9 +513,18 @@ async fn an_end_hook_added_after_the_end_may_use_its_link() {
     a.fail(EpochEnd::Fault(LinkFault::PostFailed));
     let (seen, same) = (Arc::new(Mutex::new(None)), a.clone());
     let record = seen.clone();
-    a.on_end(move |reason| {
-        *record.lock().expect("lock") = Some((reason, same.end_reason()));
+    // On a thread of its own: a hook run under the link's lock deadlocks.
+    let (done, added) = std::sync::mpsc::channel();
+    let adder = a.clone();
+    std::thread::spawn(move || {
+        adder.on_end(move |reason| {
+            *record.lock().expect("lock") = Some((reason, same.end_reason()));
+        });
+        done.send(()).ok();
     });
+    added
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the hook ran without waiting on the link");
     let reason = EpochEnd::Fault(LinkFault::PostFailed);
     assert_eq!(*seen.lock().expect("lock"), Some((reason, Some(reason))));
 }
