@@ -434,7 +434,6 @@ impl<N: Node> MessageSink for Inbound<N> {
             payload,
         } = envelope;
         let len = header.len() + payload.len();
-        let adapter = &adapter;
         let stream = match message_type {
             MessageType::Message => {
                 match adapter.admit_message(header, payload) {
