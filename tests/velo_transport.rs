@@ -15,7 +15,7 @@ use bytes::Bytes;
 use qpmux::link::Node;
 use qpmux::link::bootstrap::ClusterKey;
 use qpmux::link::mem::{MemConfig, MemFabric, MemNode};
-use qpmux::mux::{MuxConfig, OutboundMessage, PeerId};
+use qpmux::mux::{MuxConfig, MuxTransport, OutboundMessage, PeerId};
 use qpmux::velo::wire::Envelope;
 use qpmux::velo::{QpmuxTransport, VeloConfig};
 use velo_ext::{
@@ -26,7 +26,8 @@ use velo_nodes::{Errors, Kind, Options, Shape, until};
 
 velo_kinds!(
     epoch_death_reports_what_was_not_written_and_the_next_epoch_works,
-    a_send_from_a_thread_outside_the_runtime_reaches_the_peer
+    a_send_from_a_thread_outside_the_runtime_reaches_the_peer,
+    a_health_check_reports_an_epoch_lost_since_the_last_one_once
 );
 
 struct End<N: Node> {
@@ -305,6 +306,41 @@ async fn a_send_from_a_thread_outside_the_runtime_reaches_the_peer<K: Kind>() {
     .expect("the message arrives")
     .expect("delivered");
     assert_eq!(&got.payload[..], b"off the runtime");
+    assert_eq!(errors.count(), 0);
+}
+
+/// An epoch lost since the last health check is reported by the next one,
+/// once, though the node has redialled by then: velo's messenger mux must
+/// end its own epoch, whose batches may have died with the link.
+async fn a_health_check_reports_an_epoch_lost_since_the_last_one_once<K: Kind>() {
+    let kind = K::new(Shape::Default);
+    let a = end_on(kind.node(1).await, VeloConfig::default()).await;
+    let b = end_on(kind.node(2).await, VeloConfig::default()).await;
+    a.transport.register(info(&b)).expect("registers");
+    let peer = a.transport.peer_id(b.id).expect("registered");
+    let errors = Arc::new(Errors::default());
+    let delivered = async |n: usize| {
+        let label = format!("message {n} delivered");
+        until(&label, || b.streams.message_stream.len() >= n).await;
+    };
+    drop(send(&a, b.id, MessageType::Message, b"up", &errors));
+    delivered(1).await;
+    let check = || a.transport.check_health(b.id, Duration::from_secs(5));
+    assert_eq!(check().await, Ok(()), "the first check takes the count");
+    assert_eq!(check().await, Ok(()), "nothing lost");
+    assert!(kind.kill(a.transport.node(), peer), "a live link to kill");
+    // Once the mux has ended the epoch, its message channel is closed, and
+    // the next message takes a fresh one, which asks for a link.
+    let mux = a.transport.node().mux();
+    until("the epoch ended", || mux.epoch(peer).is_none()).await;
+    drop(send(&a, b.id, MessageType::Message, b"again", &errors));
+    delivered(2).await;
+    assert_eq!(
+        check().await,
+        Err(HealthCheckError::ConnectionFailed),
+        "the lost epoch, though the peer answers again"
+    );
+    assert_eq!(check().await, Ok(()), "told once");
     assert_eq!(errors.count(), 0);
 }
 

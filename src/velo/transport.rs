@@ -97,6 +97,9 @@ struct Inner<N: Node> {
     registration: Mutex<()>,
     /// Peers that have had an epoch up at least once (for `NeverConnected`).
     connected: Mutex<HashMap<PeerId, bool>>,
+    /// Each peer's [`Mux::epochs_lost`](crate::mux::Mux::epochs_lost) as
+    /// the last health check saw it.
+    lost_seen: Mutex<HashMap<PeerId, u64>>,
     /// Registered peers' `max_record`s as their latest epochs said: the mux
     /// forgets an idle peer's when the peer retires.
     limits: Mutex<HashMap<PeerId, usize>>,
@@ -124,6 +127,7 @@ impl<N: Node> QpmuxTransport<N> {
                 adapter: Mutex::new(None),
                 registration: Mutex::new(()),
                 connected: Mutex::new(HashMap::new()),
+                lost_seen: Mutex::new(HashMap::new()),
                 limits: Mutex::new(HashMap::new()),
                 lanes: Mutex::new(HashMap::new()),
                 started: OnceLock::new(),
@@ -537,6 +541,7 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             (lane, unserved)
         };
         lock(&self.inner.connected).remove(&peer);
+        lock(&self.inner.lost_seen).remove(&peer);
         lock(&self.inner.limits).remove(&peer);
         self.inner.node.unregister(peer);
         drop(registering);
@@ -670,7 +675,20 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             if !ever {
                 return Err(HealthCheckError::NeverConnected);
             }
+            // An epoch lost since the last check may have taken velo's
+            // messenger-mux batches with it, and a quick redial hides that
+            // from the ping: say so once, so velo ends its own epoch. The
+            // first check only takes the count (what was lost before it
+            // predates what velo is checking); a peer task that retired and
+            // came back counts from 0 again.
+            let lost = self.inner.node.mux().epochs_lost(peer);
+            let seen = lock(&self.inner.lost_seen).insert(peer, lost);
+            let died = seen.is_some_and(|seen| lost > if seen <= lost { seen } else { 0 });
             match tokio::time::timeout(timeout, self.inner.node.mux().ping(peer)).await {
+                Ok(Ok(_rtt)) if died => {
+                    tracing::debug!(?peer, "an epoch was lost since the last health check");
+                    Err(HealthCheckError::ConnectionFailed)
+                }
                 Ok(Ok(_rtt)) => Ok(()),
                 Ok(Err(error)) => {
                     tracing::debug!(?peer, %error, "health ping failed");

@@ -24,7 +24,7 @@ mod held;
 use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -81,6 +81,8 @@ struct PeerEntry<L> {
     epoch: Mutex<Option<Epoch>>,
     /// The last epoch this mux ended over the peer's protocol violation.
     violated_in: Mutex<Option<Epoch>>,
+    /// Epochs that ended without a graceful close ([`Mux::epochs_lost`]).
+    epochs_lost: AtomicU64,
 }
 
 /// What the two hellos of an epoch said about peer credit and windows.
@@ -306,6 +308,17 @@ impl<L: Link> Mux<L> {
             .is_some_and(|entry| *lock(&entry.violated_in) == Some(epoch))
     }
 
+    /// `peer`'s epochs that ended without a graceful close (the link failed,
+    /// the peer vanished or broke the protocol, a new link replaced it)
+    /// since its peer task started; 0 without one. What was written into
+    /// such an epoch may not have arrived, so a layer with state of its own
+    /// over the messages (velo's messenger mux) must be told.
+    pub fn epochs_lost(&self, peer: PeerId) -> u64 {
+        lock(&self.shared.peers)
+            .get(&peer)
+            .map_or(0, |entry| entry.epochs_lost.load(Ordering::Acquire))
+    }
+
     /// Withdraws `peer`'s message channel without asking for a link: the
     /// channel an epoch serves is dropped at the peer task's next turn, and
     /// one no epoch has taken yet is returned, to be dropped outside the
@@ -389,6 +402,7 @@ impl<L: Link> Mux<L> {
             link_arrived: Notify::new(),
             epoch: Mutex::new(None),
             violated_in: Mutex::new(None),
+            epochs_lost: AtomicU64::new(0),
         });
         peers.insert(peer, entry.clone());
         drop(peers);
@@ -532,6 +546,12 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
             .instrument(span)
             .await;
         tracing::debug!(?peer, %epoch, %end, "epoch ended");
+        if !matches!(
+            end,
+            EpochEnd::Closed | EpochEnd::Shutdown | EpochEnd::PeerClosed
+        ) {
+            entry.epochs_lost.fetch_add(1, Ordering::AcqRel);
+        }
         shared.dialer.link_released(peer);
         if !matches!(end, EpochEnd::Closed | EpochEnd::Shutdown) {
             died = Some(Instant::now());
