@@ -317,6 +317,7 @@ async fn a_health_check_reports_an_epoch_lost_since_the_last_one_once<K: Kind>()
     let a = end_on(kind.node(1).await, VeloConfig::default()).await;
     let b = end_on(kind.node(2).await, VeloConfig::default()).await;
     a.transport.register(info(&b)).expect("registers");
+    b.transport.register(info(&a)).expect("registers");
     let peer = a.transport.peer_id(b.id).expect("registered");
     let errors = Arc::new(Errors::default());
     let delivered = async |n: usize| {
@@ -326,8 +327,10 @@ async fn a_health_check_reports_an_epoch_lost_since_the_last_one_once<K: Kind>()
     drop(send(&a, b.id, MessageType::Message, b"up", &errors));
     delivered(1).await;
     let check = || a.transport.check_health(b.id, Duration::from_secs(5));
+    let b_check = || b.transport.check_health(a.id, Duration::from_secs(5));
     assert_eq!(check().await, Ok(()), "the first check takes the count");
     assert_eq!(check().await, Ok(()), "nothing lost");
+    assert_eq!(b_check().await, Ok(()), "the first check takes the count");
     assert!(kind.kill(a.transport.node(), peer), "a live link to kill");
     // Once the mux has ended the epoch, its message channel is closed, and
     // the next message takes a fresh one, which asks for a link.
@@ -341,6 +344,9 @@ async fn a_health_check_reports_an_epoch_lost_since_the_last_one_once<K: Kind>()
         "the lost epoch, though the peer answers again"
     );
     assert_eq!(check().await, Ok(()), "told once");
+    // The peer saw its link close under it, with no Goodbye: lost there too.
+    assert_eq!(b_check().await, Err(HealthCheckError::ConnectionFailed));
+    assert_eq!(b_check().await, Ok(()), "told once");
     assert_eq!(errors.count(), 0);
 }
 

@@ -41,6 +41,10 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// How often `closed` looks for the mux's peer tasks to be gone.
 const CLOSE_POLL: Duration = Duration::from_millis(5);
 
+/// How recent the last health check must be for a lost epoch to be told:
+/// three of velo's 5 s probe intervals.
+const LOSS_REPORT_WINDOW: Duration = Duration::from_secs(15);
+
 /// Sweeps the lanes every `lane_sweep` until the transport is gone or shut down.
 async fn sweep_lanes<N: Node>(inner: Weak<Inner<N>>, every: Duration) {
     loop {
@@ -98,8 +102,8 @@ struct Inner<N: Node> {
     /// Peers that have had an epoch up at least once (for `NeverConnected`).
     connected: Mutex<HashMap<PeerId, bool>>,
     /// Each peer's [`Mux::epochs_lost`](crate::mux::Mux::epochs_lost) as
-    /// the last health check saw it.
-    lost_seen: Mutex<HashMap<PeerId, u64>>,
+    /// the last health check saw it, and when.
+    lost_seen: Mutex<HashMap<PeerId, (u64, Instant)>>,
     /// Registered peers' `max_record`s as their latest epochs said: the mux
     /// forgets an idle peer's when the peer retires.
     limits: Mutex<HashMap<PeerId, usize>>,
@@ -675,16 +679,22 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             if !ever {
                 return Err(HealthCheckError::NeverConnected);
             }
+            let ping = tokio::time::timeout(timeout, self.inner.node.mux().ping(peer)).await;
             // An epoch lost since the last check may have taken velo's
             // messenger-mux batches with it, and a quick redial hides that
-            // from the ping: say so once, so velo ends its own epoch. The
-            // first check only takes the count (what was lost before it
-            // predates what velo is checking); a peer task that retired and
-            // came back counts from 0 again.
+            // from the ping: say so once, so velo ends its own epoch. Read
+            // after the ping, so a death it found is not told again. Only
+            // against a recent check: velo probes every 5 s while it has
+            // live slots, so an older one means it had none when the epoch
+            // died, and its streams now are newer. A first check, or a peer
+            // task that retired and came back, only takes the count.
             let lost = self.inner.node.mux().epochs_lost(peer);
-            let seen = lock(&self.inner.lost_seen).insert(peer, lost);
-            let died = seen.is_some_and(|seen| lost > if seen <= lost { seen } else { 0 });
-            match tokio::time::timeout(timeout, self.inner.node.mux().ping(peer)).await {
+            let now = Instant::now();
+            let seen = lock(&self.inner.lost_seen).insert(peer, (lost, now));
+            let died = seen.is_some_and(|(count, at)| {
+                lost > count && now.duration_since(at) <= LOSS_REPORT_WINDOW
+            });
+            match ping {
                 Ok(Ok(_rtt)) if died => {
                     tracing::debug!(?peer, "an epoch was lost since the last health check");
                     Err(HealthCheckError::ConnectionFailed)

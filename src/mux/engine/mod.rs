@@ -308,9 +308,9 @@ impl<L: Link> Mux<L> {
             .is_some_and(|entry| *lock(&entry.violated_in) == Some(epoch))
     }
 
-    /// `peer`'s epochs that ended without a graceful close (the link failed,
-    /// the peer vanished or broke the protocol, a new link replaced it)
-    /// since its peer task started; 0 without one. What was written into
+    /// `peer`'s epochs that ended without a Goodbye either way (the link
+    /// failed or closed under us, the peer vanished or broke the protocol,
+    /// a new link replaced it) since its peer task started; 0 without one. What was written into
     /// such an epoch may not have arrived, so a layer with state of its own
     /// over the messages (velo's messenger mux) must be told.
     pub fn epochs_lost(&self, peer: PeerId) -> u64 {
@@ -546,12 +546,6 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
             .instrument(span)
             .await;
         tracing::debug!(?peer, %epoch, %end, "epoch ended");
-        if !matches!(
-            end,
-            EpochEnd::Closed | EpochEnd::Shutdown | EpochEnd::PeerClosed
-        ) {
-            entry.epochs_lost.fetch_add(1, Ordering::AcqRel);
-        }
         shared.dialer.link_released(peer);
         if !matches!(end, EpochEnd::Closed | EpochEnd::Shutdown) {
             died = Some(Instant::now());
@@ -825,6 +819,16 @@ async fn run_epoch<L: Link>(
         rx.drain().for_each(drop);
     }
     Counters::add(&shared.counters.epoch_deaths, 1);
+    // Graceful: our Goodbye or the peer's. A `PeerClosed` without one is
+    // the link's: the peer's connection ended under it.
+    let graceful = match end {
+        EpochEnd::Closed | EpochEnd::Shutdown => true,
+        EpochEnd::PeerClosed => core.goodbye_received(),
+        _ => false,
+    };
+    if !graceful {
+        entry.epochs_lost.fetch_add(1, Ordering::AcqRel);
+    }
     *lock(&entry.epoch) = None;
     (end, core.take_held())
 }
