@@ -81,7 +81,7 @@ struct PeerEntry<L> {
     epoch: Mutex<Option<Epoch>>,
     /// The last epoch this mux ended over the peer's protocol violation.
     violated_in: Mutex<Option<Epoch>>,
-    /// Epochs that ended without a graceful close ([`Mux::epochs_lost`]).
+    /// Epochs that ended without a Goodbye either way ([`Mux::epochs_lost`]).
     epochs_lost: AtomicU64,
 }
 
@@ -310,9 +310,10 @@ impl<L: Link> Mux<L> {
 
     /// `peer`'s epochs that ended without a Goodbye either way (the link
     /// failed or closed under us, the peer vanished or broke the protocol,
-    /// a new link replaced it) since its peer task started; 0 without one. What was written into
-    /// such an epoch may not have arrived, so a layer with state of its own
-    /// over the messages (velo's messenger mux) must be told.
+    /// a new link replaced it) since its peer task started; 0 without one.
+    /// What was written into such an epoch may not have arrived, so a layer
+    /// with state of its own over the messages (velo's messenger mux) must
+    /// be told.
     pub fn epochs_lost(&self, peer: PeerId) -> u64 {
         lock(&self.shared.peers)
             .get(&peer)
