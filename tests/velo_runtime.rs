@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::StreamExt;
 use qpmux::mux::{AsMux, PeerId};
 use qpmux::velo::VeloConfig;
 use velo::{Handler, Velo};
@@ -19,6 +20,7 @@ velo_kinds!(
     an_active_message_a_unary_echo_and_a_600k_unary,
     eleven_hundred_messages_arrive_in_order_through_a_saturated_gate,
     ten_thousand_item_anchor_stream_over_velos_messenger_mux,
+    a_link_killed_under_a_messenger_mux_stream_ends_it_without_a_hole,
     a_killed_link_leaves_the_survivor_working_with_a_third_instance,
     draining_refuses_new_messages_and_finishes_the_ones_in_flight,
     a_peer_with_only_tcp_is_reached_through_the_fallback,
@@ -153,6 +155,63 @@ async fn ten_thousand_item_anchor_stream_over_velos_messenger_mux<K: Kind>() {
     assert!(stats.records_received >= 10_000 / 32, "{stats:?}");
     kind.assert_clean(consumer_qp.node());
     kind.assert_clean(producer_qp.node());
+}
+
+/// qpmux redials at once, so the ping in velo's next health probe is
+/// answered; the batches that died with the link must still end velo's
+/// epoch (the check says `ConnectionFailed`), or the stream goes on with a
+/// hole where they were.
+async fn a_link_killed_under_a_messenger_mux_stream_ends_it_without_a_hole<K: Kind>() {
+    let kind = K::new(Shape::Default);
+    let (consumer, _) = velo(&kind, 1, VeloConfig::default()).await;
+    let (producer, producer_qp) = velo(&kind, 2, VeloConfig::default()).await;
+    join(&producer, &consumer);
+    let mut anchor = consumer.create_anchor::<u32>();
+    let sender = producer
+        .attach_anchor::<u32>(anchor.handle())
+        .await
+        .expect("remote attach over qpmux");
+    // Paced, and until a send fails: live whenever velo probes (every 5 s).
+    let produce = tokio::spawn(async move {
+        for i in 0u32.. {
+            if sender.send(i).await.is_err() {
+                return i;
+            }
+            if i % 16 == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        unreachable!("a stream of 2^32 items")
+    });
+    let mut items = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(frame) = anchor.next().await {
+            match frame {
+                Ok(velo::StreamFrame::Item(v)) => items.push(v),
+                other => return other,
+            }
+            if items.len() == 500 {
+                assert!(
+                    kind.kill(producer_qp.node(), PeerId(1)),
+                    "a live link to kill"
+                );
+            }
+        }
+        panic!("the anchor closed without a last frame");
+    })
+    .await
+    .expect("the stream ends within a minute of the kill");
+    let n = items.len() as u32;
+    assert_eq!(items, (0..n).collect::<Vec<_>>(), "no hole");
+    assert!(
+        matches!(ended, Err(velo::StreamError::SenderDropped)),
+        "{ended:?}"
+    );
+    let stopped = produce.await.expect("producer");
+    assert!(
+        stopped >= n,
+        "its send failed after the last item delivered"
+    );
 }
 
 async fn a_killed_link_leaves_the_survivor_working_with_a_third_instance<K: Kind>() {

@@ -23,7 +23,7 @@ mod stats;
 pub mod surface;
 
 pub use config::{FlushPolicy, MuxConfig, MuxConfigError, PeerTerms};
-pub use engine::{Dialer, Mux, ProtocolError};
+pub use engine::{Dialer, EpochLosses, Mux, ProtocolError};
 pub use message::{MessageSink, OnFail, OutboundMessage};
 pub use protocol::{CloseReason, Epoch};
 pub use slot::{RECORD_OVERHEAD, RecvError, SendError, SlotReceiver, SlotSender};

@@ -31,7 +31,7 @@ use super::fate::{Fate, Report};
 use super::wire::{self, Envelope};
 use super::{AdapterError, TRANSPORT_KEY, VeloConfig, decode_endpoint, encode_address};
 use crate::link::Node;
-use crate::mux::{AsMux, MessageSink, MuxTransport, OutboundMessage, PeerId};
+use crate::mux::{AsMux, EpochLosses, MessageSink, MuxTransport, OutboundMessage, PeerId};
 use crate::warn_gate::WarnGate;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -41,9 +41,19 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// How often `closed` looks for the mux's peer tasks to be gone.
 const CLOSE_POLL: Duration = Duration::from_millis(5);
 
-/// How recent the last health check must be for a lost epoch to be told:
-/// three of velo's 5 s probe intervals.
+/// How recent a lost epoch must be for a health check to tell it: three of
+/// velo's 5 s probe intervals.
 const LOSS_REPORT_WINDOW: Duration = Duration::from_secs(15);
+
+/// Whether a health check at `now` has a lost epoch to tell: one that ended
+/// after `told` (the latest loss an earlier check saw) and within
+/// [`LOSS_REPORT_WINDOW`]. velo probes every 5 s while it has live slots,
+/// so an older loss came before its streams now.
+fn untold_loss(told: Option<Instant>, losses: EpochLosses, now: Instant) -> bool {
+    losses.last.is_some_and(|at| {
+        told.is_none_or(|told| at > told) && now.saturating_duration_since(at) <= LOSS_REPORT_WINDOW
+    })
+}
 
 /// Sweeps the lanes every `lane_sweep` until the transport is gone or shut down.
 async fn sweep_lanes<N: Node>(inner: Weak<Inner<N>>, every: Duration) {
@@ -101,9 +111,9 @@ struct Inner<N: Node> {
     registration: Mutex<()>,
     /// Peers that have had an epoch up at least once (for `NeverConnected`).
     connected: Mutex<HashMap<PeerId, bool>>,
-    /// Each peer's [`Mux::epochs_lost`](crate::mux::Mux::epochs_lost) as
-    /// the last health check saw it, and when.
-    lost_seen: Mutex<HashMap<PeerId, (u64, Instant)>>,
+    /// When the latest lost epoch a health check has seen ended, per peer
+    /// ([`Mux::epochs_lost`](crate::mux::Mux::epochs_lost)).
+    lost_seen: Mutex<HashMap<PeerId, Instant>>,
     /// Registered peers' `max_record`s as their latest epochs said: the mux
     /// forgets an idle peer's when the peer retires.
     limits: Mutex<HashMap<PeerId, usize>>,
@@ -680,20 +690,19 @@ impl<N: Node> Transport for QpmuxTransport<N> {
                 return Err(HealthCheckError::NeverConnected);
             }
             let ping = tokio::time::timeout(timeout, self.inner.node.mux().ping(peer)).await;
-            // An epoch lost since the last check may have taken velo's
-            // messenger-mux batches with it, and a quick redial hides that
-            // from the ping: say so once, so velo ends its own epoch. Read
-            // after the ping, so a death it found is not told again. Only
-            // against a recent check: velo probes every 5 s while it has
-            // live slots, so an older one means it had none when the epoch
-            // died, and its streams now are newer. A first check, or a peer
-            // task that retired and came back, only takes the count.
-            let lost = self.inner.node.mux().epochs_lost(peer);
-            let now = Instant::now();
-            let seen = lock(&self.inner.lost_seen).insert(peer, (lost, now));
-            let died = seen.is_some_and(|(count, at)| {
-                lost > count && now.duration_since(at) <= LOSS_REPORT_WINDOW
-            });
+            // A lost epoch may have taken velo's messenger-mux batches with
+            // it, and a quick redial hides that from the ping: say so once,
+            // so velo ends its own epoch. Read after the ping, so a death it
+            // found is not told again.
+            let losses = self.inner.node.mux().epochs_lost(peer);
+            let died = {
+                let mut seen = lock(&self.inner.lost_seen);
+                let died = untold_loss(seen.get(&peer).copied(), losses, Instant::now());
+                if let Some(last) = losses.last {
+                    seen.insert(peer, last);
+                }
+                died
+            };
             match ping {
                 Ok(Ok(_rtt)) if died => {
                     tracing::debug!(?peer, "an epoch was lost since the last health check");
@@ -713,6 +722,30 @@ impl<N: Node> Transport for QpmuxTransport<N> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lost_epoch_is_told_once_while_recent_and_a_first_check_tells_it_too() {
+        let now = Instant::now();
+        let ago = |secs: u64| now - Duration::from_secs(secs);
+        let lost_at = |at: Instant, count: u64| EpochLosses {
+            count,
+            last: Some(at),
+        };
+        assert!(!untold_loss(None, EpochLosses::default(), now), "none lost");
+        assert!(untold_loss(None, lost_at(ago(2), 1), now), "first check");
+        assert!(!untold_loss(Some(ago(2)), lost_at(ago(2), 1), now), "told");
+        assert!(
+            untold_loss(Some(ago(9)), lost_at(ago(2), 3), now),
+            "a newer one"
+        );
+        assert!(
+            !untold_loss(None, lost_at(ago(16), 1), now),
+            "too old to tell"
+        );
+        // A peer task that retired and came back counts afresh; the time
+        // still says the loss is new.
+        assert!(untold_loss(Some(ago(9)), lost_at(ago(2), 1), now));
+    }
 
     #[test]
     fn overhead_is_what_the_default_leaves_room_for() {

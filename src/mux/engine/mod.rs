@@ -24,7 +24,7 @@ mod held;
 use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -82,7 +82,17 @@ struct PeerEntry<L> {
     /// The last epoch this mux ended over the peer's protocol violation.
     violated_in: Mutex<Option<Epoch>>,
     /// Epochs that ended without a Goodbye either way ([`Mux::epochs_lost`]).
-    epochs_lost: AtomicU64,
+    epochs_lost: Mutex<EpochLosses>,
+}
+
+/// A peer's epochs that ended without a Goodbye either way
+/// ([`Mux::epochs_lost`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EpochLosses {
+    /// How many since the peer's task started.
+    pub count: u64,
+    /// When the latest of them ended; `None` before the first.
+    pub last: Option<std::time::Instant>,
 }
 
 /// What the two hellos of an epoch said about peer credit and windows.
@@ -313,11 +323,11 @@ impl<L: Link> Mux<L> {
     /// a new link replaced it) since its peer task started; 0 without one.
     /// What was written into such an epoch may not have arrived, so a layer
     /// with state of its own over the messages (velo's messenger mux) must
-    /// be told.
-    pub fn epochs_lost(&self, peer: PeerId) -> u64 {
+    /// be told. A peer task that retired and started again counts afresh.
+    pub fn epochs_lost(&self, peer: PeerId) -> EpochLosses {
         lock(&self.shared.peers)
             .get(&peer)
-            .map_or(0, |entry| entry.epochs_lost.load(Ordering::Acquire))
+            .map_or_else(EpochLosses::default, |entry| *lock(&entry.epochs_lost))
     }
 
     /// Withdraws `peer`'s message channel without asking for a link: the
@@ -403,7 +413,7 @@ impl<L: Link> Mux<L> {
             link_arrived: Notify::new(),
             epoch: Mutex::new(None),
             violated_in: Mutex::new(None),
-            epochs_lost: AtomicU64::new(0),
+            epochs_lost: Mutex::new(EpochLosses::default()),
         });
         peers.insert(peer, entry.clone());
         drop(peers);
@@ -828,7 +838,9 @@ async fn run_epoch<L: Link>(
         _ => false,
     };
     if !graceful {
-        entry.epochs_lost.fetch_add(1, Ordering::AcqRel);
+        let mut losses = lock(&entry.epochs_lost);
+        losses.count += 1;
+        losses.last = Some(std::time::Instant::now());
     }
     *lock(&entry.epoch) = None;
     (end, core.take_held())
