@@ -591,6 +591,68 @@ async fn a_peer_whose_sends_cannot_complete_does_not_starve_another() {
     .await;
 }
 
+/// The pool's line is first come, first served: a link waiting on an
+/// exhausted pool keeps its place while its peer's batches come in. Its
+/// peer task used to make a fresh `reserve` every turn, so each batch
+/// received put it at the back of the line again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_waiting_on_an_empty_pool_keeps_its_place_while_batches_arrive() {
+    const BATCHES: u32 = 40;
+    bounded(async {
+        // 4 chunks, 2 a link: B's and C's stuck links take them all.
+        let a = pooled(A, 4).await;
+        let b = pooled(B, 4).await;
+        let c = pooled(C, 4).await;
+        let d = pooled(D, 4).await;
+        mesh(&[&a, &b, &c, &d]);
+        for peer in [B, C, D] {
+            a.node().connect(peer).await.expect("link");
+        }
+        b.device().set_partitioned(true);
+        c.device().set_partitioned(true);
+        let (mut rx_b, to_b) = flood(&a, &b, 1);
+        let (mut rx_c, to_c) = flood(&a, &c, 2);
+        until(|| a.pool_stats().free == 0).await;
+        // A has records for D and no chunk to write them in.
+        let waits = a.pool_stats().waits;
+        let (mut rx_d, to_d) = flood(&a, &d, 3);
+        until(|| a.pool_stats().waits > waits).await;
+        // D's batches come in one by one, each a turn of A's peer task.
+        let key = StreamKey::new(4, 0);
+        let mut from_d = a.mux().bind(key).expect("bind");
+        let mut tx = d.mux().open(A, key).expect("open");
+        for n in 0..BATCHES {
+            tx.send(record(0, n, 100)).await.expect("send");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        tx.finish(Terminal::Finalized).expect("finish");
+        assert_eq!(in_order_to_finalized(&mut from_d).await.0, BATCHES);
+        let received = a
+            .node()
+            .link(D)
+            .expect("link to D")
+            .stats()
+            .batches_received;
+        assert!(received >= u64::from(BATCHES), "{received} batches");
+        assert_eq!(a.pool_stats().free, 0, "still stuck behind B and C");
+        assert_eq!(
+            a.pool_stats().waits,
+            waits + 1,
+            "one wait, in line throughout"
+        );
+        b.device().set_partitioned(false);
+        c.device().set_partitioned(false);
+        for (rx, producer) in [(&mut rx_b, to_b), (&mut rx_c, to_c), (&mut rx_d, to_d)] {
+            assert_eq!(in_order_to_finalized(rx).await.0, 6);
+            assert!(producer.await.expect("producer"), "all accepted");
+        }
+        for t in [&a, &b, &c, &d] {
+            no_rnr(t);
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_epoch_death_returns_every_chunk_and_the_next_epoch_works() {
     bounded(async {

@@ -24,6 +24,7 @@ mod held;
 use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -715,10 +716,13 @@ fn post_goodbye<L: Link>(link: &L, core: &mut PeerCore, mut buf: L::SendBuf) {
     }
 }
 
-/// `link.reserve()` if it is ready at once (a free buffer and a link
-/// credit); `None` leaves the wait to the `select!` (`reserve` is cancel-safe).
-async fn reserve_now<L: Link>(link: &L) -> Option<Result<L::SendBuf, LinkError>> {
-    let mut reserve = std::pin::pin!(link.reserve());
+/// `reserve`'s outcome if it is ready at once (a free buffer and a link
+/// credit); `None` leaves it waiting, for the `select!`.
+async fn reserve_now<F, B>(reserve: Pin<&mut F>) -> Option<Result<B, LinkError>>
+where
+    F: Future<Output = Result<B, LinkError>>,
+{
+    let mut reserve = reserve;
     std::future::poll_fn(|cx| match reserve.as_mut().poll(cx) {
         std::task::Poll::Ready(reserved) => std::task::Poll::Ready(Some(reserved)),
         std::task::Poll::Pending => std::task::Poll::Ready(None),
@@ -868,7 +872,11 @@ async fn serve_epoch<L: Link>(
     let arrived = entry.link_arrived.notified();
     let received = link.recv();
     let timer = sleep_until(core.poll_timeout());
-    tokio::pin!(shutdown, wake, arrived, received, timer);
+    // The wait for a send buffer lives across turns too, for as long as
+    // the core has something to write: a link waiting on an exhausted pool
+    // keeps its place in the pool's line while batches come in.
+    let reserving = None;
+    tokio::pin!(shutdown, wake, arrived, received, timer, reserving);
     // The last batch's consumers that the runtime has not woken yet.
     let mut deferred = Deferred::default();
     loop {
@@ -922,7 +930,8 @@ async fn serve_epoch<L: Link>(
             _ => idle_goodbye_until = None,
         }
         if let Some((end, until)) = ending {
-            if try_goodbye(link, core).await {
+            // A `reserve` already waiting means no credit or buffer is free.
+            if reserving.is_none() && try_goodbye(link, core).await {
                 break end;
             }
             if now >= until {
@@ -935,6 +944,12 @@ async fn serve_epoch<L: Link>(
             timer.as_mut().reset(deadline);
         }
         let write = core.wants_write(now) || ending.is_some();
+        if !write {
+            // Out of the pool's line: a buffer now would sit unused.
+            reserving.set(None);
+        } else if reserving.is_none() {
+            reserving.set(Some(link.reserve()));
+        }
         let take_message = messages.is_some() && core.wants_messages();
         let next_message = async {
             match &*messages {
@@ -978,10 +993,16 @@ async fn serve_epoch<L: Link>(
                 core.handle_control(now);
                 // What a wake-up brought usually goes out now: with a buffer
                 // free, write it in this turn instead of the next turn's
-                // `reserve` (docs/design.md § "A wake-up writes in its own turn").
+                // `reserve` (docs/design.md § "A wake-up writes in its own
+                // turn"). A miss keeps the `reserve`, and its place in line.
                 if ending.is_none() && core.wants_write(now) {
-                    match reserve_now(link).await {
+                    if reserving.is_none() {
+                        reserving.set(Some(link.reserve()));
+                    }
+                    let pending = reserving.as_mut().as_pin_mut().expect("just set");
+                    match reserve_now(pending).await {
                         Some(Ok(buf)) => {
+                            reserving.set(None);
                             if let Err(end) = write_batch(link, core, buf) {
                                 break end;
                             }
@@ -998,8 +1019,11 @@ async fn serve_epoch<L: Link>(
                     break EpochEnd::Replaced;
                 }
             },
-            reserved = link.reserve(), if write => match reserved {
+            reserved = async {
+                reserving.as_mut().as_pin_mut().expect("set while writing").await
+            }, if write => match reserved {
                 Ok(buf) => {
+                    reserving.set(None);
                     if let Some((end, _)) = ending {
                         post_goodbye(link, core, buf);
                         break end;
