@@ -627,14 +627,19 @@ async fn a_link_waiting_on_an_empty_pool_keeps_its_place_while_batches_arrive() 
         }
         tx.finish(Terminal::Finalized).expect("finish");
         assert_eq!(in_order_to_finalized(&mut from_d).await.0, BATCHES);
-        let received = a
-            .node()
-            .link(D)
-            .expect("link to D")
-            .stats()
-            .batches_received;
-        assert!(received >= u64::from(BATCHES), "{received} batches");
+        let a_to_d = a.node().link(D).expect("link to D").stats();
+        assert!(
+            a_to_d.batches_received >= u64::from(BATCHES / 2),
+            "{a_to_d:?}"
+        );
         assert_eq!(a.pool_stats().free, 0, "still stuck behind B and C");
+        // A returned D's credit alone, short of chunks, not of credit: its
+        // waiting `reserve` does not ask D to hurry credit back, and D does
+        // not answer each of A's credit-only messages with one (13 of 13
+        // when a wait for a chunk set the starved bit).
+        let d_to_a = d.node().link(A).expect("link to A").stats();
+        assert!(a_to_d.credit_only_sent > 0, "{a_to_d:?}");
+        assert!(d_to_a.credit_only_sent <= 2, "{d_to_a:?}");
         assert_eq!(
             a.pool_stats().waits,
             waits + 1,

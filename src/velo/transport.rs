@@ -46,12 +46,12 @@ const CLOSE_POLL: Duration = Duration::from_millis(5);
 const LOSS_REPORT_WINDOW: Duration = Duration::from_secs(15);
 
 /// Whether a health check at `now` has a lost epoch to tell: one that ended
-/// after `told` (the latest loss an earlier check saw) and within
-/// [`LOSS_REPORT_WINDOW`]. velo probes every 5 s while it has live slots,
-/// so an older loss came before its streams now.
-fn untold_loss(told: Option<Instant>, losses: EpochLosses, now: Instant) -> bool {
+/// after `told_up_to` (the instance's registration, or the latest loss an
+/// earlier check saw) and within [`LOSS_REPORT_WINDOW`]. velo probes every
+/// 5 s while it has live slots, so an older loss came before its streams now.
+fn untold_loss(told_up_to: Instant, losses: EpochLosses, now: Instant) -> bool {
     losses.last.is_some_and(|at| {
-        told.is_none_or(|told| at > told) && now.saturating_duration_since(at) <= LOSS_REPORT_WINDOW
+        at > told_up_to && now.saturating_duration_since(at) <= LOSS_REPORT_WINDOW
     })
 }
 
@@ -111,9 +111,11 @@ struct Inner<N: Node> {
     registration: Mutex<()>,
     /// Peers that have had an epoch up at least once (for `NeverConnected`).
     connected: Mutex<HashMap<PeerId, bool>>,
-    /// When the latest lost epoch a health check has seen ended, per peer
-    /// ([`Mux::epochs_lost`](crate::mux::Mux::epochs_lost)).
-    lost_seen: Mutex<HashMap<PeerId, Instant>>,
+    /// Per registered instance, up to when its peer's lost epochs are told
+    /// ([`Mux::epochs_lost`](crate::mux::Mux::epochs_lost)): its
+    /// registration (a restarted peer's new instance never hears of the old
+    /// one's losses), then the latest loss a health check saw.
+    lost_seen: Mutex<HashMap<InstanceId, Instant>>,
     /// Registered peers' `max_record`s as their latest epochs said: the mux
     /// forgets an idle peer's when the peer retires.
     limits: Mutex<HashMap<PeerId, usize>>,
@@ -522,6 +524,9 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             .register(&endpoint)
             .map_err(AdapterError::Register)?;
         lock(&self.inner.peers).insert(peer_info.instance_id(), peer);
+        lock(&self.inner.lost_seen)
+            .entry(peer_info.instance_id())
+            .or_insert_with(Instant::now);
         drop(registering);
         // The gauge calls into velo's metrics: unlocked.
         self.inner.registered_gauge();
@@ -555,7 +560,7 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             (lane, unserved)
         };
         lock(&self.inner.connected).remove(&peer);
-        lock(&self.inner.lost_seen).remove(&peer);
+        lock(&self.inner.lost_seen).remove(&instance_id);
         lock(&self.inner.limits).remove(&peer);
         self.inner.node.unregister(peer);
         drop(registering);
@@ -697,11 +702,15 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             let losses = self.inner.node.mux().epochs_lost(peer);
             let died = {
                 let mut seen = lock(&self.inner.lost_seen);
-                let died = untold_loss(seen.get(&peer).copied(), losses, Instant::now());
-                if let Some(last) = losses.last {
-                    seen.insert(peer, last);
-                }
-                died
+                // Unregistered meanwhile: nobody to tell.
+                seen.get_mut(&instance_id).is_some_and(|told_up_to| {
+                    let died = untold_loss(*told_up_to, losses, Instant::now());
+                    // The max: a concurrent check may have seen a later loss.
+                    if let Some(last) = losses.last {
+                        *told_up_to = (*told_up_to).max(last);
+                    }
+                    died
+                })
             };
             match ping {
                 Ok(Ok(_rtt)) if died => {
@@ -724,27 +733,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_lost_epoch_is_told_once_while_recent_and_a_first_check_tells_it_too() {
-        let now = Instant::now();
+    fn a_lost_epoch_is_told_once_while_recent_and_only_to_instances_registered_before_it() {
+        // Counted from 100 s on, so the arithmetic cannot go below the clock's zero.
+        let now = Instant::now() + Duration::from_secs(100);
         let ago = |secs: u64| now - Duration::from_secs(secs);
         let lost_at = |at: Instant, count: u64| EpochLosses {
             count,
             last: Some(at),
         };
-        assert!(!untold_loss(None, EpochLosses::default(), now), "none lost");
-        assert!(untold_loss(None, lost_at(ago(2), 1), now), "first check");
-        assert!(!untold_loss(Some(ago(2)), lost_at(ago(2), 1), now), "told");
+        let registered = ago(30);
+        let none = EpochLosses::default();
+        assert!(!untold_loss(registered, none, now), "none lost");
         assert!(
-            untold_loss(Some(ago(9)), lost_at(ago(2), 3), now),
-            "a newer one"
+            untold_loss(registered, lost_at(ago(2), 1), now),
+            "first check"
         );
+        assert!(!untold_loss(ago(2), lost_at(ago(2), 1), now), "told");
+        assert!(untold_loss(ago(9), lost_at(ago(2), 3), now), "a newer one");
         assert!(
-            !untold_loss(None, lost_at(ago(16), 1), now),
-            "too old to tell"
+            !untold_loss(registered, lost_at(ago(16), 1), now),
+            "too old"
         );
+        // A restarted peer's new instance: the loss came before it.
+        assert!(!untold_loss(ago(1), lost_at(ago(2), 1), now), "before it");
         // A peer task that retired and came back counts afresh; the time
         // still says the loss is new.
-        assert!(untold_loss(Some(ago(9)), lost_at(ago(2), 1), now));
+        assert!(untold_loss(ago(9), lost_at(ago(2), 1), now));
     }
 
     #[test]

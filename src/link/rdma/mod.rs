@@ -591,8 +591,9 @@ impl<D: Device + 'static> Shared<D> {
     }
 }
 
-/// A `reserve` counted in `reserve_waiters` and perhaps in the pool's line;
-/// cancelling it uncounts it and leaves the line.
+/// A `reserve` perhaps counted in `reserve_waiters` (waiting for credit)
+/// and perhaps in the pool's line; cancelling it uncounts it and leaves the
+/// line.
 struct Waiter<'a, D: Device + 'static> {
     shared: &'a Shared<D>,
     registered: bool,
@@ -876,7 +877,12 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                     return Err(shared.ended_error(reason));
                 }
                 let mut blocked = None;
-                if st.sq_free > 0 && st.credit.try_reserve() {
+                let mut credit_short = false;
+                if st.sq_free == 0 {
+                    // An SQ slot comes back with a completion.
+                } else if !st.credit.try_reserve() {
+                    credit_short = true;
+                } else {
                     match shared.lease.try_take() {
                         Ok(chunk) => {
                             st.sq_free -= 1;
@@ -902,9 +908,17 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                     // Not waiting for the pool now: do not hold up the line.
                     shared.lease.leave_queue();
                 }
-                if !waiter.registered {
-                    waiter.registered = true;
-                    st.reserve_waiters += 1;
+                // The starved bit asks the peer for credit: counted only
+                // while credit is what this `reserve` waits for, not a
+                // chunk or an SQ slot (both ends short of chunks would
+                // otherwise answer each other's credit-only messages).
+                if credit_short != waiter.registered {
+                    waiter.registered = credit_short;
+                    if credit_short {
+                        st.reserve_waiters += 1;
+                    } else {
+                        st.reserve_waiters -= 1;
+                    }
                 }
             }
             if !std::mem::replace(&mut armed, true) {

@@ -321,7 +321,7 @@ impl<L: Link> Mux<L> {
 
     /// `peer`'s epochs that ended without a Goodbye either way (the link
     /// failed or closed under us, the peer vanished or broke the protocol,
-    /// a new link replaced it) since its peer task started; 0 without one.
+    /// a new link replaced it) since its peer task started; none without one.
     /// What was written into such an epoch may not have arrived, so a layer
     /// with state of its own over the messages (velo's messenger mux) must
     /// be told. A peer task that retired and started again counts afresh.
@@ -930,8 +930,23 @@ async fn serve_epoch<L: Link>(
             _ => idle_goodbye_until = None,
         }
         if let Some((end, until)) = ending {
-            // A `reserve` already waiting means no credit or buffer is free.
-            if reserving.is_none() && try_goodbye(link, core).await {
+            // A `reserve` kept from an earlier turn may be ready (woken, not
+            // yet polled): ask it, rather than a second one that would take
+            // the link out of the pool's line.
+            let said = match reserving.as_mut().as_pin_mut() {
+                Some(kept) => match reserve_now(kept).await {
+                    Some(Ok(buf)) => {
+                        reserving.set(None);
+                        post_goodbye(link, core, buf);
+                        true
+                    }
+                    // The link ended: nothing can be said.
+                    Some(Err(_)) => true,
+                    None => false,
+                },
+                None => try_goodbye(link, core).await,
+            };
+            if said {
                 break end;
             }
             if now >= until {
