@@ -636,10 +636,13 @@ async fn a_link_waiting_on_an_empty_pool_keeps_its_place_while_batches_arrive() 
         // A returned D's credit alone, short of chunks, not of credit: its
         // waiting `reserve` does not ask D to hurry credit back, and D does
         // not answer each of A's credit-only messages with one (13 of 13
-        // when a wait for a chunk set the starved bit).
+        // when a wait for a chunk set the starved bit; 0 of 10 now).
         let d_to_a = d.node().link(A).expect("link to A").stats();
         assert!(a_to_d.credit_only_sent > 0, "{a_to_d:?}");
-        assert!(d_to_a.credit_only_sent <= 2, "{d_to_a:?}");
+        assert!(
+            d_to_a.credit_only_sent <= a_to_d.credit_only_sent / 4 + 1,
+            "{d_to_a:?}"
+        );
         assert_eq!(
             a.pool_stats().waits,
             waits + 1,

@@ -186,6 +186,58 @@ async fn raw_channels_keep_fifo_and_epoch_death_is_velos_dropped<K: Kind>() {
     );
 }
 
+/// A slow velo consumer of large frames: the frames waiting in velo's
+/// channel are bounded in bytes, and the rest wait in the slot, where they
+/// hold the sender's credit. Bounded in frames only, all 40 of 60 KB went
+/// into velo's channel (the slot window is 256 KiB, and each frame taken
+/// from the slot returned its credit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_consumers_channel_is_bounded_in_bytes_and_keeps_every_frame() {
+    const FRAMES: usize = 40;
+    const LIMIT: usize = 256 * 1024;
+    let kind = velo_nodes::Mem::new(Shape::Default);
+    let a = worker(&kind, 1).await;
+    let b = worker(&kind, 2).await;
+    join(&a, &b);
+    let frames = a.transport.frame_transport(VeloConfig {
+        stream_channel_bytes: LIMIT,
+        ..VeloConfig::default()
+    });
+    let rx = frames.bind(11, 1).await.expect("bind");
+    let worker_a = a.messenger.instance_id().worker_id();
+    let tx = b.frames.connect(worker_a, 11, 1).await.expect("connect");
+    let items: Vec<Vec<u8>> = (0..FRAMES)
+        .map(|i| rmp_serde::to_vec(&StreamFrame::Item(vec![i as u8; 60_000])).expect("encodes"))
+        .collect();
+    let len = items[0].len();
+    let sender = tokio::spawn(async move {
+        for item in items {
+            tx.send_async(item).await.expect("open");
+        }
+        tx.send_async(velo_frames::finalized().to_vec())
+            .await
+            .expect("open");
+    });
+    until("velo's channel has frames", || rx.len() * len >= LIMIT).await;
+    // Time for the pump to overfill, had it no limit.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiting = rx.len();
+    assert!(
+        waiting * len < LIMIT + len,
+        "{waiting} frames of {len} bytes"
+    );
+    for i in 0..FRAMES {
+        let frame = rx.recv_async().await.expect("item");
+        let item: StreamFrame<Vec<u8>> = rmp_serde::from_slice(&frame).expect("decodes");
+        assert!(matches!(item, StreamFrame::Item(v) if v == vec![i as u8; 60_000]));
+    }
+    assert_eq!(
+        rx.recv_async().await.expect("terminal"),
+        velo_frames::finalized()
+    );
+    sender.await.expect("sender");
+}
+
 /// velo binds, then abandons the bind (an attach that failed after it, a
 /// sender that never came): the idle ingress pump sees its receiver gone,
 /// ends, and the key can be bound again. It used to wait for a frame that

@@ -53,6 +53,13 @@ pub struct VeloConfig {
     /// Capacity of the channel between a stream's slot and velo, in frames.
     /// Default 64.
     pub stream_channel: usize,
+    /// Bytes of a bound stream's frames that may wait in velo's channel:
+    /// taking a frame from the slot returns its credit, so what waits there
+    /// is outside the mux's windows. Past it the pump leaves frames in the
+    /// slot until velo takes some; the frame that crosses it goes, so the
+    /// channel holds at most this plus one frame. Default 4 MiB, above 64
+    /// frames of 64 KiB.
+    pub stream_channel_bytes: usize,
     /// How often dead lanes (epochs that ended with no send since) are
     /// retired, which reports any frame left in their channel. Default 20 ms.
     pub lane_sweep: Duration,
@@ -83,6 +90,7 @@ impl VeloConfig {
             max_message_size: mux.max_record.saturating_sub(wire::OVERHEAD),
             close_wait: Duration::from_secs(1),
             stream_channel: 64,
+            stream_channel_bytes: 4 * 1024 * 1024,
             lane_sweep: Duration::from_millis(20),
             dial_wait: Duration::from_secs(10),
             stream_watch: Duration::from_secs(1),

@@ -15,6 +15,7 @@
 //! consumer leaves frames in the slot and the sender's credit is not
 //! returned (docs/velo.md § "A pump per slot").
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -163,11 +164,66 @@ fn to_velo(frame: Frame) -> (Vec<u8>, bool) {
     }
 }
 
-async fn ingress_pump(mut slot: SlotReceiver, tx: flume::Sender<Vec<u8>>, watch: Duration) {
+/// How often a pump over its byte limit looks whether velo took a frame
+/// (flume wakes a sender only when the channel was full in frames).
+const ROOM_POLL: Duration = Duration::from_millis(1);
+
+/// The bytes of the frames a pump put in velo's channel that velo has not
+/// taken yet. The channel is FIFO, so those are the newest `tx.len()`.
+struct ChannelBytes {
+    sizes: VecDeque<usize>,
+    bytes: usize,
+    limit: usize,
+}
+
+impl ChannelBytes {
+    fn new(limit: usize) -> ChannelBytes {
+        ChannelBytes {
+            sizes: VecDeque::new(),
+            bytes: 0,
+            limit,
+        }
+    }
+
+    fn sent(&mut self, len: usize) {
+        self.sizes.push_back(len);
+        self.bytes += len;
+    }
+
+    /// Forgets the frames velo took: all but the last `in_channel`.
+    fn settle(&mut self, in_channel: usize) {
+        while self.sizes.len() > in_channel {
+            self.bytes -= self.sizes.pop_front().unwrap_or(0);
+        }
+    }
+
+    /// Returns once the channel holds less than the limit (or velo has gone,
+    /// which the next send finds).
+    async fn room(&mut self, tx: &flume::Sender<Vec<u8>>) {
+        loop {
+            self.settle(tx.len());
+            if self.bytes < self.limit || tx.is_disconnected() {
+                return;
+            }
+            tokio::time::sleep(ROOM_POLL).await;
+        }
+    }
+}
+
+async fn ingress_pump(
+    mut slot: SlotReceiver,
+    tx: flume::Sender<Vec<u8>>,
+    watch: Duration,
+    byte_limit: usize,
+) {
     // One timer for the pump's life: an idle turn polls it, not a new one.
     let mut watch = tokio::time::interval_at(tokio::time::Instant::now() + watch, watch);
     watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut waiting = ChannelBytes::new(byte_limit);
     loop {
+        // Room before the frame leaves the slot: a frame left there holds
+        // its credit, so the sender waits instead of this node's memory.
+        waiting.room(&tx).await;
         let frame = match slot.try_recv() {
             Ok(frame) => frame,
             Err(RecvError::Ended) => break,
@@ -190,10 +246,12 @@ async fn ingress_pump(mut slot: SlotReceiver, tx: flume::Sender<Vec<u8>>, watch:
             },
         };
         let (bytes, end) = to_velo(frame);
+        let len = bytes.len();
         if tx.send_async(bytes).await.is_err() {
             // velo dropped the stream; dropping `slot` closes it.
             return;
         }
+        waiting.sent(len);
         if end {
             return;
         }
@@ -283,11 +341,16 @@ impl<N: Node> FrameTransport for QpmuxFrameTransport<N> {
             .mux()
             .bind(StreamKey::new(anchor_id, session_id))
             .map_err(AdapterError::Mux);
-        let (capacity, watch) = (self.config.stream_channel, self.config.stream_watch);
+        let config = &self.config;
+        let (capacity, watch, bytes) = (
+            config.stream_channel,
+            config.stream_watch,
+            config.stream_channel_bytes,
+        );
         Box::pin(async move {
             let slot = bound?;
             let (tx, rx) = flume::bounded(capacity);
-            tokio::spawn(ingress_pump(slot, tx, watch));
+            tokio::spawn(ingress_pump(slot, tx, watch, bytes));
             Ok(rx)
         })
     }

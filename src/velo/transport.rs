@@ -523,10 +523,11 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             .node
             .register(&endpoint)
             .map_err(AdapterError::Register)?;
-        lock(&self.inner.peers).insert(peer_info.instance_id(), peer);
+        // Before the instance is known: a check that finds it finds its entry.
         lock(&self.inner.lost_seen)
             .entry(peer_info.instance_id())
             .or_insert_with(Instant::now);
+        lock(&self.inner.peers).insert(peer_info.instance_id(), peer);
         drop(registering);
         // The gauge calls into velo's metrics: unlocked.
         self.inner.registered_gauge();
@@ -542,6 +543,8 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             let Some(peer) = peers.remove(&instance_id) else {
                 return;
             };
+            // Per instance, so also when another instance keeps the peer.
+            lock(&self.inner.lost_seen).remove(&instance_id);
             if peers.values().any(|other| *other == peer) {
                 drop(peers);
                 drop(registering);
@@ -560,7 +563,6 @@ impl<N: Node> Transport for QpmuxTransport<N> {
             (lane, unserved)
         };
         lock(&self.inner.connected).remove(&peer);
-        lock(&self.inner.lost_seen).remove(&instance_id);
         lock(&self.inner.limits).remove(&peer);
         self.inner.node.unregister(peer);
         drop(registering);

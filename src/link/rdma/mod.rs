@@ -832,7 +832,14 @@ impl<D: Device + 'static> Drop for RdmaBatch<D> {
         let end = shared.repost_locked(&mut st, self.idx).err();
         debug_assert!(st.credit.invariant_holds());
         let ended_now = end.is_some_and(|reason| st.set_end(reason));
+        // A re-post can free the last credit (it now has credit to carry):
+        // a `reserve` short of credit looks again now, not at the peer's
+        // next return.
+        let freed = end.is_none() && st.reserve_waiters > 0 && st.credit.can_reserve();
         drop(st);
+        if freed {
+            shared.wake_send.notify_waiters();
+        }
         if let Some(reason) = end.filter(|_| ended_now) {
             shared.after_end(reason);
         }

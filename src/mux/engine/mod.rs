@@ -694,20 +694,6 @@ fn retire<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, force: bool) -> boo
     true
 }
 
-/// Says goodbye if a link credit is free now (true; also when the link has
-/// ended and nothing can be said); false if none is, without waiting.
-async fn try_goodbye<L: Link>(link: &L, core: &mut PeerCore) -> bool {
-    let reserved = tokio::select! {
-        biased;
-        r = link.reserve() => r,
-        _ = std::future::ready(()) => return false,
-    };
-    if let Ok(buf) = reserved {
-        post_goodbye(link, core, buf);
-    }
-    true
-}
-
 /// Writes the Goodbye into `buf` and posts it as the epoch's last batch.
 fn post_goodbye<L: Link>(link: &L, core: &mut PeerCore, mut buf: L::SendBuf) {
     let len = core.poll_goodbye(&mut buf);
@@ -930,24 +916,21 @@ async fn serve_epoch<L: Link>(
             _ => idle_goodbye_until = None,
         }
         if let Some((end, until)) = ending {
-            // A `reserve` kept from an earlier turn may be ready (woken, not
-            // yet polled): ask it, rather than a second one that would take
-            // the link out of the pool's line.
-            let said = match reserving.as_mut().as_pin_mut() {
-                Some(kept) => match reserve_now(kept).await {
-                    Some(Ok(buf)) => {
-                        reserving.set(None);
-                        post_goodbye(link, core, buf);
-                        true
-                    }
-                    // The link ended: nothing can be said.
-                    Some(Err(_)) => true,
-                    None => false,
-                },
-                None => try_goodbye(link, core).await,
-            };
-            if said {
-                break end;
+            // Asked through the kept `reserve` (made here if none is): one
+            // from an earlier turn may be ready, woken and not yet polled,
+            // and a second would take the link out of the pool's line.
+            if reserving.is_none() {
+                reserving.set(Some(link.reserve()));
+            }
+            let kept = reserving.as_mut().as_pin_mut().expect("just set");
+            match reserve_now(kept).await {
+                Some(Ok(buf)) => {
+                    post_goodbye(link, core, buf);
+                    break end;
+                }
+                // The link ended under the goodbye: its end, as elsewhere.
+                Some(Err(err)) => break end_of(err),
+                None => {}
             }
             if now >= until {
                 tracing::debug!("no link credit came for the goodbye; the epoch ends without one");
