@@ -1023,6 +1023,32 @@ async fn a_peer_whose_epoch_ended_in_a_violation_is_redialled_after_a_backoff() 
     .await;
 }
 
+/// Likewise an epoch whose SENDs ran out of RNR retries (on RDMA: a peer that
+/// announced receives and posted none, which can end an epoch within
+/// microseconds if it asks for a short RNR timer): it used to be redialled
+/// at once, a handshake and a QP each time. The rule is the connector's,
+/// shared by both node kinds; the TCP link stands in for the RDMA one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_whose_sends_ran_out_of_rnr_retries_is_redialled_after_a_backoff() {
+    bounded(async {
+        let wait = Duration::from_secs(60);
+        let (a_node, a) = node_backing_off(A, wait).await;
+        let (b_node, b) = node(B, None).await;
+        a_node.register(B, b_node.local_addr());
+        let mut rx = one_stream(&a, B, &b, StreamKey::new(45, 1), 3).await;
+        assert_eq!(in_order_to_finalized(&mut rx).await.0, 3);
+        let link = a_node.link(B).expect("the link");
+        until(|| link.stats().batches_received > 0).await;
+        link.fail(EpochEnd::Fault(LinkFault::Completion {
+            status: LinkFault::RNR_RETRY_EXCEEDED,
+        }));
+        until(|| a.epoch(B).is_none()).await;
+        a_node.dialer().want_link(B);
+        assert_eq!(a_node.backoff(B), wait);
+    })
+    .await;
+}
+
 /// A forgotten peer (`Node::unregister`) is not dialled again, also when the
 /// forgetting comes while a dial waits out its backoff, and a slot to it
 /// still wants a link.

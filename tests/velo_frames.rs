@@ -193,14 +193,27 @@ async fn raw_channels_keep_fifo_and_epoch_death_is_velos_dropped<K: Kind>() {
 /// from the slot returned its credit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_consumers_channel_is_bounded_in_bytes_and_keeps_every_frame() {
+    slow_consumer_under(256 * 1024).await;
+}
+
+/// A limit of 0 lets one frame at a time through; it used to stall the
+/// stream for good (the channel was never under it, even empty).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_limit_of_zero_passes_one_frame_at_a_time() {
+    slow_consumer_under(0).await;
+}
+
+/// 40 frames of 60 KB and a terminal toward a consumer that reads only once
+/// the pump has had time to overfill its channel: at most `limit` rounded up
+/// to whole frames (one at least) wait there, and every frame arrives.
+async fn slow_consumer_under(limit: usize) {
     const FRAMES: usize = 40;
-    const LIMIT: usize = 256 * 1024;
     let kind = velo_nodes::Mem::new(Shape::Default);
     let a = worker(&kind, 1).await;
     let b = worker(&kind, 2).await;
     join(&a, &b);
     let frames = a.transport.frame_transport(VeloConfig {
-        stream_channel_bytes: LIMIT,
+        stream_channel_bytes: limit,
         ..VeloConfig::default()
     });
     let rx = frames.bind(11, 1).await.expect("bind");
@@ -218,12 +231,15 @@ async fn a_slow_consumers_channel_is_bounded_in_bytes_and_keeps_every_frame() {
             .await
             .expect("open");
     });
-    until("velo's channel has frames", || rx.len() * len >= LIMIT).await;
+    until("velo's channel has frames", || {
+        !rx.is_empty() && rx.len() * len >= limit
+    })
+    .await;
     // Time for the pump to overfill, had it no limit.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let waiting = rx.len();
     assert!(
-        waiting * len < LIMIT + len,
+        waiting <= limit.div_ceil(len).max(1),
         "{waiting} frames of {len} bytes"
     );
     for i in 0..FRAMES {

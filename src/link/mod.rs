@@ -84,6 +84,19 @@ pub enum LinkFault {
     Injected,
 }
 
+impl LinkFault {
+    /// `IBV_WC_RNR_RETRY_EXC_ERR`, the status both providers report.
+    pub const RNR_RETRY_EXCEEDED: u32 = 13;
+
+    /// Our SENDs ran out of RNR retries: the peer did not post the receives
+    /// its credit announced. An honest peer cannot cause it (our own credit
+    /// bug could, so it is a fault, not a violation); a connector redials
+    /// such a peer only after a backoff, as after a violation.
+    pub fn is_rnr_exhausted(&self) -> bool {
+        matches!(self, LinkFault::Completion { status } if *status == Self::RNR_RETRY_EXCEEDED)
+    }
+}
+
 /// Errors of link operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
 pub enum LinkError {

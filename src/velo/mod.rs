@@ -53,12 +53,14 @@ pub struct VeloConfig {
     /// Capacity of the channel between a stream's slot and velo, in frames.
     /// Default 64.
     pub stream_channel: usize,
-    /// Bytes of a bound stream's frames that may wait in velo's channel:
-    /// taking a frame from the slot returns its credit, so what waits there
-    /// is outside the mux's windows. Past it the pump leaves frames in the
-    /// slot until velo takes some; the frame that crosses it goes, so the
-    /// channel holds at most this plus one frame. Default 4 MiB, above 64
-    /// frames of 64 KiB.
+    /// Bytes of a bound stream's frames that may wait in the channel to
+    /// velo: taking a frame from the slot returns its credit, so what waits
+    /// there is outside the mux's windows. At or past it the pump leaves
+    /// frames in the slot until velo takes some; the frame that reaches it
+    /// goes, so the channel holds less than this plus one frame (one frame
+    /// at a time at 0). Default 4 MiB, 64 frames of 64 KiB. velo's anchors
+    /// drain this channel into one of their own (256 frames), which this
+    /// limit does not cover (docs/velo.md § "A pump per slot").
     pub stream_channel_bytes: usize,
     /// How often dead lanes (epochs that ended with no send since) are
     /// retired, which reports any frame left in their channel. Default 20 ms.

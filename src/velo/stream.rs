@@ -164,9 +164,13 @@ fn to_velo(frame: Frame) -> (Vec<u8>, bool) {
     }
 }
 
-/// How often a pump over its byte limit looks whether velo took a frame
-/// (flume wakes a sender only when the channel was full in frames).
+/// How soon a pump over its byte limit first looks again whether velo took
+/// a frame (flume wakes a sender only when the channel is full in frames);
+/// each look that finds none doubles the wait, up to [`ROOM_POLL_MAX`], so
+/// many stalled streams cost few wake-ups.
 const ROOM_POLL: Duration = Duration::from_millis(1);
+/// The longest wait between looks.
+const ROOM_POLL_MAX: Duration = Duration::from_millis(32);
 
 /// The bytes of the frames a pump put in velo's channel that velo has not
 /// taken yet. The channel is FIFO, so those are the newest `tx.len()`.
@@ -197,15 +201,18 @@ impl ChannelBytes {
         }
     }
 
-    /// Returns once the channel holds less than the limit (or velo has gone,
-    /// which the next send finds).
+    /// Returns once the channel holds less than the limit, or nothing (a
+    /// limit of 0 still lets one frame at a time through), or velo has gone
+    /// (which the next send finds).
     async fn room(&mut self, tx: &flume::Sender<Vec<u8>>) {
+        let mut poll = ROOM_POLL;
         loop {
             self.settle(tx.len());
-            if self.bytes < self.limit || tx.is_disconnected() {
+            if self.bytes < self.limit || self.sizes.is_empty() || tx.is_disconnected() {
                 return;
             }
-            tokio::time::sleep(ROOM_POLL).await;
+            tokio::time::sleep(poll).await;
+            poll = (poll * 2).min(ROOM_POLL_MAX);
         }
     }
 }

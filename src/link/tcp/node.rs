@@ -662,18 +662,22 @@ impl<E: EpochMaker> NodeInner<E> {
             return None;
         }
         if let Some(previous) = state.current.take() {
-            let violated = matches!(E::end_reason(&previous), Some(EpochEnd::Violation(_)))
-                || self
-                    .mux
-                    .get()
-                    .is_some_and(|mux| mux.ended_in_violation(peer, previous.epoch()));
+            let violated = match E::end_reason(&previous) {
+                Some(EpochEnd::Violation(_)) => true,
+                Some(EpochEnd::Fault(fault)) => fault.is_rnr_exhausted(),
+                _ => false,
+            } || self
+                .mux
+                .get()
+                .is_some_and(|mux| mux.ended_in_violation(peer, previous.epoch()));
             if E::carried_traffic(&previous) && !violated {
                 // The path worked: this is a fresh failure, redial at once.
                 state.backoff = Duration::ZERO;
                 state.retry_at = None;
             } else {
                 // Up and dead before a batch, or the peer broke the protocol
-                // (it would again): a failed attempt like a failed dial.
+                // or left its receives unposted (it would again): a failed
+                // attempt like a failed dial.
                 self.back_off(state);
             }
         }
