@@ -110,6 +110,7 @@ fn hello_with_windows(
     body.extend_from_slice(&windows.1.to_be_bytes());
     body.extend_from_slice(&windows.2.to_be_bytes());
     body.extend_from_slice(&(16u32 << 20).to_be_bytes()); // max record
+    body.extend_from_slice(&65_536u32.to_be_bytes()); // max slots
     body.push(0); // no MAC
     let mut out = (body.len() as u32).to_be_bytes().to_vec();
     out.extend_from_slice(&body);
@@ -300,7 +301,7 @@ async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_se
         expect(half, true, BootstrapError::Truncated).await;
 
         // Cases that need the connection's own nonce.
-        let cases: [(u16, PeerId, u32, Windows, BootstrapError); 9] = [
+        let cases: [(u16, PeerId, u32, Windows, BootstrapError); 10] = [
             (
                 1,
                 A,
@@ -323,6 +324,14 @@ async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_se
                 65536,
                 (1, 4096, 1),
                 BootstrapError::BadVersion { got: 4 },
+            ),
+            // Version 5 did not say its slot limit.
+            (
+                5,
+                A,
+                65536,
+                (1, 4096, 1),
+                BootstrapError::BadVersion { got: 5 },
             ),
             (
                 V,

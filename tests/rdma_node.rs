@@ -391,6 +391,7 @@ fn hello_to(listener: PeerId) -> Handshake {
             peer_window: 64 << 20,
             peer_credit: 64 << 20,
             max_record: 16 << 20,
+            max_slots: 65_536,
         },
         Some(listener),
         fresh_nonce(),

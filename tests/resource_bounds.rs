@@ -75,6 +75,52 @@ async fn local_opens_past_max_slots_per_peer_fail_by_name_and_free_up_when_slots
     .await;
 }
 
+/// Two nodes configured with different `max_slots_per_peer`: once an
+/// epoch's hellos have told each the other's, opens stay within the smaller
+/// at the opening end, failing there by name. Before the hello carried it,
+/// L opened past A's limit and A refused the extras (`CloseSlot(Refused)`,
+/// and past its cap of refusals owed at once, some went untold).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opens_toward_a_peer_with_a_smaller_slot_limit_stay_within_it() {
+    bounded(async {
+        let limit = 4;
+        let mux_config = |max_slots_per_peer| MuxConfig {
+            max_slots_per_peer,
+            ..MuxConfig::default()
+        };
+        let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let (l_node, l) = TcpNode::start(TcpNodeConfig::new(L), addr, mux_config(64))
+            .await
+            .expect("bind");
+        let (a_node, a) = TcpNode::start(TcpNodeConfig::new(A), addr, mux_config(limit))
+            .await
+            .expect("bind");
+        l_node.register(A, a_node.local_addr());
+        l_node.connect(A).await.expect("an epoch");
+        // The peer task has taken the epoch's terms.
+        until(|| l.epoch(A).is_some()).await;
+        let mut senders = Vec::new();
+        let mut receivers = Vec::new();
+        for s in 0..u64::from(limit) {
+            let key = StreamKey::new(L.0, s);
+            receivers.push(a.bind(key).expect("bind"));
+            senders.push(l.open(A, key).expect("open within A's limit"));
+        }
+        let over = StreamKey::new(L.0, 99);
+        let _unused = a.bind(over).expect("bind");
+        assert_eq!(
+            l.open(A, over).map(|_| ()),
+            Err(MuxError::SlotLimit { peer: A, limit })
+        );
+        for (tx, mut rx) in senders.into_iter().zip(receivers) {
+            tx.finish(Terminal::Finalized).expect("finish");
+            assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        }
+        assert_eq!(a.stats().opens_refused, 0);
+    })
+    .await;
+}
+
 async fn tcp_node(
     id: PeerId,
     shape: impl FnOnce(TcpNodeConfig) -> TcpNodeConfig,

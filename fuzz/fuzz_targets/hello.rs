@@ -90,6 +90,7 @@ fn fields(node: PeerId, proposes: u64, rdma: bool, credit: u32) -> HelloFields {
         peer_window: 64 << 20,
         peer_credit: credit % ((64 << 20) + 1),
         max_record: 16 << 20,
+        max_slots: 65_536,
     }
 }
 

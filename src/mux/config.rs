@@ -149,6 +149,11 @@ pub struct PeerTerms {
     /// The peer's [`MuxConfig::max_record`]: the largest record or message
     /// we may send it (a larger one would end the epoch there); 0 acts as 1.
     pub max_record: u32,
+    /// The peer's [`MuxConfig::max_slots_per_peer`]: our opens toward it
+    /// stay within the smaller of its limit and ours (it counts the same
+    /// slots, its ingress being our egress), so it is not asked for slots
+    /// it would refuse.
+    pub max_slots: u32,
 }
 
 impl PeerTerms {
@@ -159,6 +164,7 @@ impl PeerTerms {
             peer_window: config.peer_window,
             peer_credit: config.peer_window,
             max_record: u32::try_from(config.max_record.max(1)).unwrap_or(u32::MAX),
+            max_slots: config.max_slots_per_peer,
         }
     }
 }

@@ -114,6 +114,9 @@ pub(crate) struct PeerControl {
     /// The largest record or message the peer takes, as its latest epoch's
     /// terms said; 0 before any.
     pub peer_max_record: AtomicUsize,
+    /// The peer's `max_slots_per_peer`, as its latest epoch's terms said;
+    /// `usize::MAX` before any.
+    pub peer_max_slots: AtomicUsize,
 }
 
 #[derive(Debug, Default)]
@@ -144,6 +147,7 @@ impl PeerControl {
             peer_held: AtomicU64::new(0),
             peer_committed: AtomicU64::new(0),
             peer_max_record: AtomicUsize::new(0),
+            peer_max_slots: AtomicUsize::new(usize::MAX),
         }
     }
 

@@ -108,7 +108,8 @@ pub enum MuxError {
     SlotLimit {
         /// The peer.
         peer: PeerId,
-        /// The configured limit.
+        /// The limit met: our `max_slots_per_peer`, or the peer's if its
+        /// hello said a smaller one.
         limit: u32,
     },
     /// The peer refused the slot (no binding, or its own limit).

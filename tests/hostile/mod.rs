@@ -573,6 +573,7 @@ impl HostileDialer {
             peer_window: 64 << 20,
             peer_credit: 64 << 20,
             max_record: 16 << 20,
+            max_slots: 65_536,
         };
         let key = key.map(|k| ClusterKey::new(k).expect("key length"));
         let mut hs = Handshake::dialer(key, fields, Some(to), fresh_nonce());

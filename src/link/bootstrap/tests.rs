@@ -23,6 +23,7 @@ fn tcp(node: PeerId, proposed: u64) -> HelloFields {
         peer_window: (1 << 20) * (node.0 as u32 + 1),
         peer_credit: (1 << 19) * (node.0 as u32 + 1),
         max_record: (1 << 18) * (node.0 as u32 + 1),
+        max_slots: 65_536,
     }
 }
 

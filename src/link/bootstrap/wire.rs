@@ -12,7 +12,7 @@ use crate::mux::protocol::Epoch;
 /// Largest message body accepted or sent.
 pub const MAX_MESSAGE: usize = 4096;
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Leading bytes of a challenge and a hello.
 pub const MAGIC: [u8; 4] = *b"QPMX";
 /// Bytes in a nonce.
@@ -279,6 +279,10 @@ pub struct HelloFields {
     /// `MuxConfig::max_record`); the receiver of the hello sends none
     /// larger (0 acts as 1).
     pub max_record: u32,
+    /// The live slots, both ways, the sender allows with the receiver (its
+    /// `MuxConfig::max_slots_per_peer`); the receiver opens no more than
+    /// the smaller of this and its own limit.
+    pub max_slots: u32,
 }
 
 /// A decoded hello.
@@ -436,6 +440,7 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
                 return Err(BootstrapError::BadField("peer credit"));
             }
             let max_record = r.u32()?;
+            let max_slots = r.u32()?;
             let (mac, signed_len) = mac_trailer(body, &mut r)?;
             Ok(Message::Hello(HelloMessage {
                 fields: HelloFields {
@@ -447,6 +452,7 @@ pub(crate) fn decode(body: &[u8]) -> Result<Message, BootstrapError> {
                     peer_window,
                     peer_credit,
                     max_record,
+                    max_slots,
                 },
                 echo,
                 nonce,
@@ -495,6 +501,7 @@ pub(crate) fn hello_signed(fields: &HelloFields, echo: &Nonce, nonce: &Nonce) ->
     out.extend_from_slice(&fields.peer_window.to_be_bytes());
     out.extend_from_slice(&fields.peer_credit.to_be_bytes());
     out.extend_from_slice(&fields.max_record.to_be_bytes());
+    out.extend_from_slice(&fields.max_slots.to_be_bytes());
     out
 }
 

@@ -706,6 +706,7 @@ impl<E: EpochMaker> NodeInner<E> {
             peer_window: config.peer_window,
             peer_credit: mux.map_or(config.peer_window, |mux| mux.peer_room(peer)),
             max_record: PeerTerms::announced_by(config).max_record,
+            max_slots: config.max_slots_per_peer,
         }
     }
 }
@@ -1264,6 +1265,7 @@ fn install<E: EpochMaker>(
         peer_window: established.peer.peer_window,
         peer_credit: established.peer.peer_credit,
         max_record: established.peer.max_record,
+        max_slots: established.peer.max_slots,
     };
     mux.attach_with_terms(peer, link, terms, granted);
     Ok(established.epoch)

@@ -346,6 +346,10 @@ impl PeerCore {
             self.egress_max_record.max(1),
             std::sync::atomic::Ordering::Release,
         );
+        self.control.peer_max_slots.store(
+            terms.max_slots as usize,
+            std::sync::atomic::Ordering::Release,
+        );
         self.peer_credit = i64::from(terms.peer_credit.min(terms.peer_window));
         self.peer_unspent = u64::from(granted);
         self.grant_peer_room(now);

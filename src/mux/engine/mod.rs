@@ -478,7 +478,12 @@ impl<L: Link> MuxTransport for Mux<L> {
             }
             let entry = self.entry(peer);
             let config = &self.shared.config;
-            let limit = config.max_slots_per_peer;
+            // The peer's limit too, once an epoch's terms said it: opens
+            // past it would only be refused there.
+            let theirs = entry.control.peer_max_slots.load(Ordering::Acquire);
+            let limit = u32::try_from(theirs).map_or(config.max_slots_per_peer, |theirs| {
+                theirs.min(config.max_slots_per_peer)
+            });
             // Every inlet is admitted first; it releases its count when it ends.
             if !entry.control.admit_egress(limit as usize) {
                 return Err(MuxError::SlotLimit { peer, limit });
