@@ -1002,24 +1002,10 @@ async fn a_listener_giving_up_after_the_dialers_ready_costs_one_relink() {
 /// epoch).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_whose_epoch_ended_in_a_violation_is_redialled_after_a_backoff() {
-    bounded(async {
-        let wait = Duration::from_secs(60);
-        let (a_node, a) = node_backing_off(A, wait).await;
-        let (b_node, b) = node(B, None).await;
-        a_node.register(B, b_node.local_addr());
-        let mut rx = one_stream(&a, B, &b, StreamKey::new(44, 1), 3).await;
-        assert_eq!(in_order_to_finalized(&mut rx).await.0, 3);
-        let link = a_node.link(B).expect("the link");
-        // B's grants for what it read: the epoch carried traffic both ways.
-        until(|| link.stats().batches_received > 0).await;
-        link.fail(EpochEnd::Violation(ProtocolError::FrameTooLarge {
-            len: 1 << 30,
-            max: 65536,
-        }));
-        until(|| a.epoch(B).is_none()).await;
-        a_node.dialer().want_link(B);
-        assert_eq!(a_node.backoff(B), wait);
-    })
+    redialled_after_a_backoff(EpochEnd::Violation(ProtocolError::FrameTooLarge {
+        len: 1 << 30,
+        max: 65536,
+    }))
     .await;
 }
 
@@ -1030,18 +1016,26 @@ async fn a_peer_whose_epoch_ended_in_a_violation_is_redialled_after_a_backoff() 
 /// shared by both node kinds; the TCP link stands in for the RDMA one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_whose_sends_ran_out_of_rnr_retries_is_redialled_after_a_backoff() {
+    redialled_after_a_backoff(EpochEnd::Fault(LinkFault::Completion {
+        status: LinkFault::RNR_RETRY_EXCEEDED,
+    }))
+    .await;
+}
+
+/// Ends with `end` an epoch that carried batches both ways; the next ask for
+/// a link must wait out the whole backoff.
+async fn redialled_after_a_backoff(end: EpochEnd) {
     bounded(async {
         let wait = Duration::from_secs(60);
         let (a_node, a) = node_backing_off(A, wait).await;
         let (b_node, b) = node(B, None).await;
         a_node.register(B, b_node.local_addr());
-        let mut rx = one_stream(&a, B, &b, StreamKey::new(45, 1), 3).await;
+        let mut rx = one_stream(&a, B, &b, StreamKey::new(44, 1), 3).await;
         assert_eq!(in_order_to_finalized(&mut rx).await.0, 3);
         let link = a_node.link(B).expect("the link");
+        // B's grants for what it read: the epoch carried traffic both ways.
         until(|| link.stats().batches_received > 0).await;
-        link.fail(EpochEnd::Fault(LinkFault::Completion {
-            status: LinkFault::RNR_RETRY_EXCEEDED,
-        }));
+        link.fail(end);
         until(|| a.epoch(B).is_none()).await;
         a_node.dialer().want_link(B);
         assert_eq!(a_node.backoff(B), wait);
