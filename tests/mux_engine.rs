@@ -262,7 +262,8 @@ async fn backlogs_that_fill_the_peer_budget_do_not_hold_a_stream_that_keeps_up()
     // The backlogs fill the peer budget (4 × 64 KiB > 128 KiB): no room for
     // another record. Past it only by the one record a slot with nothing
     // queued may add, so waiting for the whole 128 KiB hung whenever no
-    // slot got to (120 records of 1,088 bytes is 130,560).
+    // slot got to (120 records of 1,088 bytes is 130,560). `withheld_bytes`
+    // is node-wide: this holds while A has one peer.
     let cost = 1024 + RECORD_OVERHEAD as u64;
     until(|| muxes[0].stats().withheld_bytes + cost > 128 * 1024).await;
     let fast_key = StreamKey::new(2, 100);

@@ -13,7 +13,8 @@ use qpmux::link::bootstrap::DeclineReason;
 use qpmux::link::mem::{MemConfig, MemFabric};
 use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
 use qpmux::mux::{
-    Frame, Mux, MuxConfig, MuxError, MuxTransport, PeerId, RECORD_OVERHEAD, StreamKey, Terminal,
+    CloseReason, Frame, Mux, MuxConfig, MuxError, MuxTransport, PeerId, RECORD_OVERHEAD, SendError,
+    StreamKey, Terminal,
 };
 use tokio::io::AsyncWriteExt;
 
@@ -117,6 +118,83 @@ async fn opens_toward_a_peer_with_a_smaller_slot_limit_stay_within_it() {
             assert_eq!(rx.recv().await, Some(Frame::Finalized));
         }
         assert_eq!(a.stats().opens_refused, 0);
+    })
+    .await;
+}
+
+/// Opens made before the first epoch's hellos, toward a peer whose limit
+/// turns out smaller: the peer task admits only that many when the epoch
+/// comes up and closes the rest at once, so every sender learns its fate.
+/// It used to write all their Opens; the peer refused the extras, but owes
+/// at most its limit's worth of refusals at once, so with heartbeats off
+/// two of these six senders never heard, and their places stayed taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opens_made_before_the_peers_limit_was_known_are_each_told_their_fate() {
+    bounded(async {
+        let limit = 4;
+        let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let quiet = MuxConfig {
+            heartbeat: None,
+            ..MuxConfig::default()
+        };
+        let small = MuxConfig {
+            max_slots_per_peer: limit,
+            ..MuxConfig::default()
+        };
+        let (l_node, l) = TcpNode::start(TcpNodeConfig::new(L), addr, quiet)
+            .await
+            .expect("bind");
+        let (a_node, a) = TcpNode::start(TcpNodeConfig::new(A), addr, small)
+            .await
+            .expect("bind");
+        let mut senders = Vec::new();
+        let mut receivers = Vec::new();
+        for s in 0..10 {
+            let key = StreamKey::new(L.0, s);
+            receivers.push(a.bind(key).expect("bind"));
+            senders.push(l.open(A, key).expect("our own limit allows it"));
+        }
+        // Now the link, and with it A's limit.
+        l_node.register(A, a_node.local_addr());
+        let mut open = senders;
+        let mut refused = 0;
+        while refused < 6 {
+            let mut still = Vec::new();
+            for tx in open {
+                match tokio::time::timeout(Duration::from_millis(1), tx.closed()).await {
+                    Ok(error) => {
+                        assert_eq!(error, SendError::PeerClosed(CloseReason::Refused));
+                        refused += 1;
+                    }
+                    Err(_) => still.push(tx),
+                }
+            }
+            open = still;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(open.len(), limit as usize, "A's limit's worth live");
+        for tx in open {
+            let key = tx.key();
+            tx.finish(Terminal::Finalized).expect("finish");
+            let rx = receivers
+                .iter_mut()
+                .find(|rx| rx.key() == key)
+                .expect("its receiver");
+            assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        }
+        // Every place came back.
+        let later = StreamKey::new(L.0, 99);
+        let mut rx = a.bind(later).expect("bind");
+        let tx = loop {
+            match l.open(A, later) {
+                Ok(tx) => break tx,
+                Err(MuxError::SlotLimit { .. }) => tokio::task::yield_now().await,
+                Err(other) => panic!("{other:?}"),
+            }
+        };
+        tx.finish(Terminal::Finalized).expect("finish");
+        assert_eq!(rx.recv().await, Some(Frame::Finalized));
+        assert_eq!(a.stats().opens_refused, 0, "A was asked for none past it");
     })
     .await;
 }

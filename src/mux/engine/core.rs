@@ -145,6 +145,9 @@ pub(crate) struct PeerCore {
     /// The largest record or message the peer takes, from its handshake
     /// (else ours).
     egress_max_record: usize,
+    /// Live slots both ways this epoch may hold: the smaller of our
+    /// `max_slots_per_peer` and the peer's, from its handshake (else ours).
+    slot_limit: u32,
     /// Slots whose next record waits for peer credit, in the order they met it.
     peer_blocked: Vec<u32>,
 
@@ -232,6 +235,7 @@ impl PeerCore {
         let egress_window = config.slot_window;
         let egress_peer_window = config.peer_window;
         let egress_max_record = config.max_record;
+        let slot_limit = config.max_slots_per_peer;
         held.settle();
         let core = PeerCore {
             epoch,
@@ -252,6 +256,7 @@ impl PeerCore {
             peer_credit: i64::from(egress_peer_window),
             egress_peer_window,
             egress_max_record,
+            slot_limit,
             peer_blocked: Vec::new(),
             ingress: HashMap::new(),
             by_rx: HashMap::new(),
@@ -350,6 +355,7 @@ impl PeerCore {
             terms.max_slots as usize,
             std::sync::atomic::Ordering::Release,
         );
+        self.slot_limit = terms.max_slots.min(self.config.max_slots_per_peer);
         self.peer_credit = i64::from(terms.peer_credit.min(terms.peer_window));
         self.peer_unspent = u64::from(granted);
         self.grant_peer_room(now);
@@ -749,8 +755,9 @@ impl PeerCore {
     // ---- egress internals ----
 
     fn adopt(&mut self, inlet: Arc<Inlet>, now: Instant) {
-        let limit = self.config.max_slots_per_peer;
-        if self.live_slots() >= limit as usize {
+        // The peer's limit too: an Open past it would only be refused
+        // there, and past its cap on refusals owed, never told.
+        if self.live_slots() >= self.slot_limit as usize {
             inlet.close(SendError::PeerClosed(CloseReason::Refused));
             return;
         }
