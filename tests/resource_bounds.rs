@@ -8,13 +8,13 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use hostile::{HostileDialer, bounded, read_to_close, until};
-use qpmux::link::Node;
 use qpmux::link::bootstrap::DeclineReason;
 use qpmux::link::mem::{MemConfig, MemFabric};
 use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
+use qpmux::link::{Link, Node};
 use qpmux::mux::{
     CloseReason, Frame, Mux, MuxConfig, MuxError, MuxTransport, PeerId, RECORD_OVERHEAD, SendError,
-    StreamKey, Terminal,
+    SlotSender, StreamKey, Terminal,
 };
 use tokio::io::AsyncWriteExt;
 
@@ -59,13 +59,7 @@ async fn local_opens_past_max_slots_per_peer_fail_by_name_and_free_up_when_slots
         let mut last = receivers.pop().expect("a receiver");
         assert_eq!(last.recv().await, Some(Frame::Finalized));
         let mut rx = a.bind(over).expect("bind");
-        let tx = loop {
-            match l.open(A, over) {
-                Ok(tx) => break tx,
-                Err(MuxError::SlotLimit { .. }) => tokio::task::yield_now().await,
-                Err(other) => panic!("{other:?}"),
-            }
-        };
+        let tx = open_when_room(&l, A, over).await;
         tx.finish(Terminal::Finalized).expect("finish");
         assert_eq!(rx.recv().await, Some(Frame::Finalized));
         let stats = l.stats();
@@ -89,13 +83,8 @@ async fn opens_toward_a_peer_with_a_smaller_slot_limit_stay_within_it() {
             max_slots_per_peer,
             ..MuxConfig::default()
         };
-        let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
-        let (l_node, l) = TcpNode::start(TcpNodeConfig::new(L), addr, mux_config(64))
-            .await
-            .expect("bind");
-        let (a_node, a) = TcpNode::start(TcpNodeConfig::new(A), addr, mux_config(limit))
-            .await
-            .expect("bind");
+        let (l_node, l) = mux_node(L, mux_config(64)).await;
+        let (a_node, a) = mux_node(A, mux_config(limit)).await;
         l_node.register(A, a_node.local_addr());
         l_node.connect(A).await.expect("an epoch");
         // The peer task has taken the epoch's terms.
@@ -132,7 +121,6 @@ async fn opens_toward_a_peer_with_a_smaller_slot_limit_stay_within_it() {
 async fn opens_made_before_the_peers_limit_was_known_are_each_told_their_fate() {
     bounded(async {
         let limit = 4;
-        let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
         let quiet = MuxConfig {
             heartbeat: None,
             ..MuxConfig::default()
@@ -141,12 +129,8 @@ async fn opens_made_before_the_peers_limit_was_known_are_each_told_their_fate() 
             max_slots_per_peer: limit,
             ..MuxConfig::default()
         };
-        let (l_node, l) = TcpNode::start(TcpNodeConfig::new(L), addr, quiet)
-            .await
-            .expect("bind");
-        let (a_node, a) = TcpNode::start(TcpNodeConfig::new(A), addr, small)
-            .await
-            .expect("bind");
+        let (l_node, l) = mux_node(L, quiet).await;
+        let (a_node, a) = mux_node(A, small).await;
         let mut senders = Vec::new();
         let mut receivers = Vec::new();
         for s in 0..10 {
@@ -185,13 +169,7 @@ async fn opens_made_before_the_peers_limit_was_known_are_each_told_their_fate() 
         // Every place came back.
         let later = StreamKey::new(L.0, 99);
         let mut rx = a.bind(later).expect("bind");
-        let tx = loop {
-            match l.open(A, later) {
-                Ok(tx) => break tx,
-                Err(MuxError::SlotLimit { .. }) => tokio::task::yield_now().await,
-                Err(other) => panic!("{other:?}"),
-            }
-        };
+        let tx = open_when_room(&l, A, later).await;
         tx.finish(Terminal::Finalized).expect("finish");
         assert_eq!(rx.recv().await, Some(Frame::Finalized));
         assert_eq!(a.stats().opens_refused, 0, "A was asked for none past it");
@@ -203,10 +181,29 @@ async fn tcp_node(
     id: PeerId,
     shape: impl FnOnce(TcpNodeConfig) -> TcpNodeConfig,
 ) -> (TcpNode, Mux<TcpLink>) {
+    start(shape(TcpNodeConfig::new(id)), MuxConfig::default()).await
+}
+
+/// A TCP node on loopback with default node settings and `mux` as its mux's.
+async fn mux_node(id: PeerId, mux: MuxConfig) -> (TcpNode, Mux<TcpLink>) {
+    start(TcpNodeConfig::new(id), mux).await
+}
+
+async fn start(node: TcpNodeConfig, mux: MuxConfig) -> (TcpNode, Mux<TcpLink>) {
     let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
-    TcpNode::start(shape(TcpNodeConfig::new(id)), addr, MuxConfig::default())
-        .await
-        .expect("bind")
+    TcpNode::start(node, addr, mux).await.expect("bind")
+}
+
+/// Opens `key` toward `peer` once a place is free (a slot that ended gives
+/// its place back once its terminal is out).
+async fn open_when_room<L: Link>(mux: &Mux<L>, peer: PeerId, key: StreamKey) -> SlotSender {
+    loop {
+        match mux.open(peer, key) {
+            Ok(tx) => return tx,
+            Err(MuxError::SlotLimit { .. }) => tokio::task::yield_now().await,
+            Err(other) => panic!("{other:?}"),
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
