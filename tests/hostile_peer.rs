@@ -869,11 +869,6 @@ async fn a_peer_that_violates_and_closes_is_redialled_after_a_backoff() {
         ours.send(Bytes::from_static(b"ours"))
             .await
             .expect("queued");
-        // The mux serves the epoch before the lie: a link that ends before
-        // the mux takes it up can be judged by the node without the mux's
-        // verdict (docs/design.md § "Redial backoff"; a CI failure,
-        // 2026-12-04: the backoff was 0).
-        until(|| target.epoch(EVIL).is_some()).await;
         let frame = tcp_frame(Epoch(epoch.0 + 7), |enc| {
             enc.push_ping(1).expect("fits");
         });
@@ -883,6 +878,60 @@ async fn a_peer_that_violates_and_closes_is_redialled_after_a_backoff() {
         until(|| target.epoch(EVIL).is_none()).await;
         target_node.dialer().want_link(EVIL);
         assert_eq!(target_node.backoff(EVIL), wait);
+    })
+    .await;
+}
+
+/// A link asked for after a peer's epoch ended but before the mux has read
+/// what it carried is not judged by its traffic alone: a liar whose bad
+/// batch and close arrive with its handshake is redialled only after a
+/// backoff, however early the ask comes (the node waits for the mux to
+/// release the link; docs/design.md § "Redial backoff").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_asked_for_before_the_mux_judged_the_last_one_waits_for_its_verdict() {
+    bounded(async {
+        use tokio::io::AsyncWriteExt;
+
+        let wait = Duration::from_secs(60);
+        let config = TcpNodeConfig {
+            key: ClusterKey::new(KEY),
+            backoff_min: wait,
+            backoff_max: wait,
+            ..TcpNodeConfig::new(TARGET)
+        };
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let (target_node, target) = TcpNode::start(config, any, MuxConfig::default())
+            .await
+            .expect("bind");
+        // Where the target would redial the liar: a listener that never
+        // answers, but whose backlog shows a dial.
+        let mute = tokio::net::TcpListener::bind(any).await.expect("bind");
+        target_node.register(EVIL, mute.local_addr().expect("addr"));
+        let dialer = HostileDialer::connect(target_node.local_addr()).await;
+        let (epoch, mut stream) = dialer
+            .establish(Some(KEY), EVIL, TARGET, Epoch::default())
+            .await
+            .expect("a link");
+        // Installed (an ask before would dial: no link, nothing to judge).
+        until(|| target_node.link(EVIL).is_some()).await;
+        let frame = tcp_frame(Epoch(epoch.0 + 7), |enc| {
+            enc.push_ping(1).expect("fits");
+        });
+        stream.write_all(&frame).await.expect("write");
+        drop(stream);
+        // Ask until the mux has judged the link: some asks land while the
+        // link is over and unjudged.
+        let dialer = target_node.dialer();
+        while target.stats().protocol_violations == 0 {
+            dialer.want_link(EVIL);
+            tokio::task::yield_now().await;
+        }
+        // Once more: every ask may have come while the link was live.
+        until(|| target.epoch(EVIL).is_none()).await;
+        dialer.want_link(EVIL);
+        until(|| target_node.backoff(EVIL) == wait).await;
+        let dialled = tokio::time::timeout(Duration::from_millis(500), mute.accept()).await;
+        assert!(dialled.is_err(), "redialled at once");
     })
     .await;
 }

@@ -416,7 +416,8 @@ struct PeerState<L> {
     dial: Dial,
     accepting: usize,
     /// The mux asked for a link while an accepted handshake was under way,
-    /// so no dial went: the accept that ends last without a link dials.
+    /// or while it still judged the last link, so no dial went: the accept
+    /// that ends last without a link dials, or the mux's release of the link.
     wanted: bool,
     last_epoch: Epoch,
     /// The most letting this entry go may raise the node's epoch floor to:
@@ -647,7 +648,8 @@ impl<E: EpochMaker> NodeInner<E> {
     /// The mux wants a link to `peer`: marks a dial started and returns when
     /// it may connect (`None`: at once), for the caller to spawn once the
     /// table lock is released. No dial while a link is live or one is under
-    /// way; while an accepted handshake is, the ask is kept for its end.
+    /// way; while an accepted handshake is, the ask is kept for its end, and
+    /// while the mux still judges the last link, for its release.
     fn dial_for(&self, peer: PeerId, state: &mut PeerState<E::Link>) -> Option<Option<Instant>> {
         state.wanted = false;
         if self.shutdown.load(Ordering::Acquire)
@@ -662,6 +664,13 @@ impl<E: EpochMaker> NodeInner<E> {
             return None;
         }
         if let Some(previous) = state.current.take() {
+            if (self.mux.get()).is_some_and(|mux| mux.is_judging(peer, previous.epoch())) {
+                // The mux has yet to read what the epoch carried, and its
+                // verdict sets the wait: its release of the link asks again.
+                state.current = Some(previous);
+                state.wanted = true;
+                return None;
+            }
             let violated = match E::end_reason(&previous) {
                 Some(EpochEnd::Violation(_)) => true,
                 Some(EpochEnd::Fault(fault)) => fault.is_rnr_exhausted(),
@@ -1004,11 +1013,25 @@ impl<E: EpochMaker> Dialer for NodeDialer<E> {
     }
 
     fn link_released(&self, peer: PeerId) {
+        let Some(inner) = self.node.upgrade() else {
+            return;
+        };
+        let mut peers = inner.peers();
+        // An ask that came while the mux was still judging the link is
+        // answered now, with its verdict.
+        let dial = match peers.get_mut(&peer) {
+            Some(state) if state.wanted && !NodeInner::<E>::live(state) => {
+                inner.dial_for(peer, state)
+            }
+            _ => None,
+        };
         // A peer that only dialled in is let go with its last link; one
         // registered here stays until it is unregistered.
-        if let Some(inner) = self.node.upgrade() {
-            let entry = inner.let_go(&mut inner.peers(), peer);
-            drop(entry);
+        let entry = inner.let_go(&mut peers, peer);
+        drop(peers);
+        drop(entry);
+        if let Some(wait) = dial {
+            inner.runtime.spawn(dial_task(inner.clone(), peer, wait));
         }
     }
 }

@@ -82,6 +82,10 @@ struct PeerEntry<L> {
     epoch: Mutex<Option<Epoch>>,
     /// The last epoch this mux ended over the peer's protocol violation.
     violated_in: Mutex<Option<Epoch>>,
+    /// The newest epoch handed to the peer task, and the newest it has
+    /// served to its end (and judged): [`Mux::is_judging`].
+    handed_through: Mutex<Option<Epoch>>,
+    served_through: Mutex<Option<Epoch>>,
     /// Epochs that ended without a Goodbye either way ([`Mux::epochs_lost`]).
     epochs_lost: Mutex<EpochLosses>,
 }
@@ -250,6 +254,9 @@ impl<L: Link> Mux<L> {
         if control.retired {
             return Err(link);
         }
+        let mut handed = lock(&entry.handed_through);
+        *handed = (*handed).max(Some(link.epoch()));
+        drop(handed);
         let previous = lock(&entry.incoming).replace((link, opening));
         drop(control);
         if let Some((stale, _)) = previous {
@@ -317,6 +324,19 @@ impl<L: Link> Mux<L> {
         lock(&self.shared.peers)
             .get(&peer)
             .is_some_and(|entry| *lock(&entry.violated_in) == Some(epoch))
+    }
+
+    /// Whether `peer`'s epoch `epoch` was handed to this mux and it has not
+    /// yet served it to its end: until then [`Mux::ended_in_violation`] may
+    /// not know the answer (a peer whose bad batch and close arrive with its
+    /// handshake ends the link before the mux reads the batch), and
+    /// [`Dialer::link_released`] comes when it is done.
+    pub fn is_judging(&self, peer: PeerId, epoch: Epoch) -> bool {
+        let Some(entry) = lock(&self.shared.peers).get(&peer).cloned() else {
+            return false;
+        };
+        let handed = *lock(&entry.handed_through) >= Some(epoch);
+        handed && *lock(&entry.served_through) < Some(epoch)
     }
 
     /// `peer`'s epochs that ended without a Goodbye either way (the link
@@ -414,6 +434,8 @@ impl<L: Link> Mux<L> {
             link_arrived: Notify::new(),
             epoch: Mutex::new(None),
             violated_in: Mutex::new(None),
+            handed_through: Mutex::new(None),
+            served_through: Mutex::new(None),
             epochs_lost: Mutex::new(EpochLosses::default()),
         });
         peers.insert(peer, entry.clone());
@@ -563,6 +585,9 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
             .instrument(span)
             .await;
         tracing::debug!(?peer, %epoch, %end, "epoch ended");
+        let mut served = lock(&entry.served_through);
+        *served = (*served).max(Some(epoch));
+        drop(served);
         shared.dialer.link_released(peer);
         if !matches!(end, EpochEnd::Closed | EpochEnd::Shutdown) {
             died = Some(Instant::now());
