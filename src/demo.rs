@@ -350,11 +350,10 @@ pub async fn run<L: Link>(
 ) -> anyhow::Result<Report> {
     workload.check(targets.len())?;
     let origin = Instant::now();
-    let received = Arc::new(AtomicU64::new(0));
-    let progress = Arc::new(Notify::new());
     let total = workload.timed_streams() * workload.passes * targets.len() as u64;
     let every_stream = workload.streams * targets.len() as u64;
-    let primed = Arc::new(AtomicU64::new(0));
+    let received = Arc::new(Countdown::new(total));
+    let primed = Arc::new(Countdown::new(every_stream));
     let slow_sent = Arc::new(AtomicU64::new(0));
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
     let stage_samples = Arc::new(Mutex::new(Vec::new()));
@@ -369,15 +368,14 @@ pub async fn run<L: Link>(
             let key = StreamKey::new(anchor, s);
             let mut rx = receiver.bind(key)?;
             let tx = sender.open(peer, key)?;
-            let (primed, progress) = (primed.clone(), progress.clone());
+            let primed = primed.clone();
             if s < workload.untimed_streams {
                 let delay = workload.slow_consumer;
                 side_tasks.spawn(async move {
                     while let Some(frame) = rx.recv().await {
                         match frame {
                             Frame::Data(record) if stamp_of(&record) == PRIMING_STAMP => {
-                                primed.fetch_add(1, Ordering::Relaxed);
-                                progress.notify_one();
+                                primed.tick();
                             }
                             Frame::Data(_) | Frame::Heartbeat => {
                                 if let Some(delay) = delay {
@@ -405,8 +403,7 @@ pub async fn run<L: Link>(
                     };
                     let stamp = stamp_of(&record);
                     if stamp == PRIMING_STAMP {
-                        primed.fetch_add(1, Ordering::Relaxed);
-                        progress.notify_one();
+                        primed.tick();
                         continue;
                     }
                     if stages::enabled() {
@@ -414,8 +411,7 @@ pub async fn run<L: Link>(
                     }
                     let now = origin.elapsed().as_nanos() as u64;
                     local.push(now.saturating_sub(stamp));
-                    received.fetch_add(1, Ordering::Relaxed);
-                    progress.notify_one();
+                    received.tick();
                 }
                 latencies.lock().await.extend(local);
                 stage_samples.lock().await.extend(offsets);
@@ -434,7 +430,7 @@ pub async fn run<L: Link>(
     let end_pass = || flush_all(sender, &peers, workload.flush_each_pass);
     end_pass()?;
     let patience = workload.patience();
-    if let Err(seen) = until_count(&primed, &progress, every_stream, patience).await {
+    if let Err(seen) = primed.reached(patience).await {
         anyhow::bail!("{seen} of {every_stream} streams primed, then none for {patience:?}");
     }
     let stalls_before = sender.stats().credit_stalls;
@@ -481,7 +477,7 @@ pub async fn run<L: Link>(
     // backlog it cannot pass) is a failed cell, not a hang, and a producer
     // that fails says why at once.
     let senders = producer_watched(&mut producer, &received, patience).await??;
-    if let Err(seen) = until_count(&received, &progress, total, patience).await {
+    if let Err(seen) = received.reached(patience).await {
         anyhow::bail!("{seen} of {total} records arrived, then none for {patience:?}");
     }
     let elapsed = start.elapsed();
@@ -530,26 +526,54 @@ pub async fn run<L: Link>(
 /// The shortest a run waits with nothing arriving before it gives up.
 pub const STALL: Duration = Duration::from_secs(5);
 
-/// Waits until `count` reaches `target`, woken by `progress`; `Err(seen)`
-/// once it stops moving for `patience` (a hang turned into a failure, not a
-/// measurement).
-pub async fn until_count(
-    count: &AtomicU64,
-    progress: &Notify,
+/// A count the consumers tick and the run awaits. Only the tick that
+/// reaches the target wakes the waiter: a wake-up per record would put the
+/// harness's cost into the cell's CPU (docs/benchmarks.md § "The harness
+/// wakes once a phase").
+pub struct Countdown {
+    count: AtomicU64,
     target: u64,
-    patience: Duration,
-) -> Result<(), u64> {
-    loop {
-        let seen = count.load(Ordering::Relaxed);
-        if seen >= target {
-            return Ok(());
+    reached: Notify,
+}
+
+impl Countdown {
+    /// A count from zero toward `target`.
+    pub fn new(target: u64) -> Self {
+        Countdown {
+            count: AtomicU64::new(0),
+            target,
+            reached: Notify::new(),
         }
-        if tokio::time::timeout(patience, progress.notified())
-            .await
-            .is_err()
-            && count.load(Ordering::Relaxed) == seen
-        {
-            return Err(seen);
+    }
+
+    /// Counts one.
+    pub fn tick(&self) {
+        if self.count.fetch_add(1, Ordering::Relaxed) + 1 == self.target {
+            self.reached.notify_one();
+        }
+    }
+
+    /// The count so far.
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    /// Waits until the count reaches its target; `Err(seen)` once it has not
+    /// moved for `patience` (a hang turned into a failure, not a
+    /// measurement).
+    pub async fn reached(&self, patience: Duration) -> Result<(), u64> {
+        loop {
+            let seen = self.count();
+            if seen >= self.target {
+                return Ok(());
+            }
+            if tokio::time::timeout(patience, self.reached.notified())
+                .await
+                .is_err()
+                && self.count() == seen
+            {
+                return Err(seen);
+            }
         }
     }
 }
@@ -561,15 +585,15 @@ pub async fn until_count(
 /// ~20% of its rate).
 pub async fn producer_watched<T>(
     producer: &mut tokio::task::JoinHandle<T>,
-    received: &AtomicU64,
+    received: &Countdown,
     patience: Duration,
 ) -> anyhow::Result<T> {
-    let mut seen = received.load(Ordering::Relaxed);
+    let mut seen = received.count();
     loop {
         tokio::select! {
             done = &mut *producer => return Ok(done?),
             () = tokio::time::sleep(patience) => {
-                let now = received.load(Ordering::Relaxed);
+                let now = received.count();
                 if now == seen {
                     producer.abort();
                     anyhow::bail!("{now} records arrived, then none for {patience:?}");

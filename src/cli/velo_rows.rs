@@ -16,18 +16,17 @@
 //! Priming turns that into a [`StreamWall`] naming how many streams did work.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tokio::sync::{Mutex, Notify};
+use tokio::sync::Mutex;
 use velo::Velo;
 use velo::streaming::StreamFrame;
 use velo::transports::tcp::TcpTransportBuilder;
 
 use crate::demo::{
-    Pacer, Report, SIDE_FILL, StreamWall, Workload, open_fds, peak_rss, percentiles, process_cpu,
-    process_runs, producer_watched, reset_peak_rss, until_count,
+    Countdown, Pacer, Report, SIDE_FILL, StreamWall, Workload, open_fds, peak_rss, percentiles,
+    process_cpu, process_runs, producer_watched, reset_peak_rss,
 };
 
 /// Which of velo's streaming paths carries the anchors.
@@ -91,11 +90,10 @@ fn stamp(buf: &mut [u8], origin: Instant, priming: bool) -> &[u8] {
 async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::Result<Report> {
     workload.check(targets.len())?;
     let origin = Instant::now();
-    let primed = Arc::new(AtomicU64::new(0));
-    let received = Arc::new(AtomicU64::new(0));
-    let progress = Arc::new(Notify::new());
     let wanted = workload.streams * targets.len() as u64;
     let total = workload.timed_streams() * workload.passes * targets.len() as u64;
+    let primed = Arc::new(Countdown::new(wanted));
+    let received = Arc::new(Countdown::new(total));
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
     let mut senders = Vec::new();
     // Timed consumers (awaited at the end); untimed consumers and slow
@@ -125,18 +123,13 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
                 return Err(wall(carried, format!("attach: {err}")).into());
             }
         };
-        let (primed, received, progress, latencies) = (
-            primed.clone(),
-            received.clone(),
-            progress.clone(),
-            latencies.clone(),
-        );
+        let (primed, received, latencies) = (primed.clone(), received.clone(), latencies.clone());
         let delay = workload.slow_consumer;
         let consumer = tokio::spawn(async move {
             let mut local = Vec::new();
             while let Some(Ok(StreamFrame::Item(item))) = anchor.next_bytes().await {
                 if item.get(8) == Some(&1) {
-                    primed.fetch_add(1, Ordering::Relaxed);
+                    primed.tick();
                 } else if untimed {
                     if let Some(delay) = delay {
                         tokio::time::sleep(delay).await;
@@ -145,9 +138,8 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
                 } else {
                     let stamp = u64::from_be_bytes(item[..8].try_into().expect("stamped"));
                     local.push((origin.elapsed().as_nanos() as u64).saturating_sub(stamp));
-                    received.fetch_add(1, Ordering::Relaxed);
+                    received.tick();
                 }
-                progress.notify_one();
             }
             latencies.lock().await.extend(local);
         });
@@ -164,12 +156,12 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
         if let Err(err) = tx.send_bytes(stamp(&mut buf, origin, true)).await {
             abort_all(&tasks);
             abort_all(&slow_tasks);
-            let carried = primed.load(Ordering::Relaxed);
+            let carried = primed.count();
             return Err(wall(carried, format!("priming send: {err}")).into());
         }
     }
     let patience = workload.patience();
-    if let Err(carried) = until_count(&primed, &progress, wanted, patience).await {
+    if let Err(carried) = primed.reached(patience).await {
         abort_all(&tasks);
         abort_all(&slow_tasks);
         let reason = format!(
@@ -214,7 +206,7 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
             return Err(err);
         }
     };
-    if let Err(seen) = until_count(&received, &progress, total, patience).await {
+    if let Err(seen) = received.reached(patience).await {
         abort_all(&tasks);
         abort_all(&slow_tasks);
         anyhow::bail!("{seen} of {total} records arrived, then none for {patience:?}");
