@@ -799,8 +799,18 @@ pub(crate) enum Pushed {
 pub(crate) struct ReceiverWakes(Vec<Waker>);
 
 impl ReceiverWakes {
+    /// Room for `waiters` up front: a batch wakes one receiver per stream,
+    /// and growing one push at a time cost a batch five reallocations.
+    pub fn with_capacity(waiters: usize) -> Self {
+        ReceiverWakes(Vec::with_capacity(waiters))
+    }
+
     pub fn push(&mut self, waiter: Waker) {
         self.0.push(waiter);
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
     }
 
     /// Wakes the first receiver now (a tokio worker's LIFO slot: no other
@@ -811,8 +821,10 @@ impl ReceiverWakes {
         if self.0.len() < 2 {
             return Deferred(None);
         }
-        let rest = Arc::new(DeferredWakes(Mutex::new(self.0.split_off(1))));
-        drop(self);
+        let first = self.0.remove(0);
+        // The list itself moves; only the `Arc` is allocated.
+        let rest = Arc::new(DeferredWakes(Mutex::new(std::mem::take(&mut self.0))));
+        first.wake();
         let waker = Waker::from(rest.clone());
         let mut yielded = std::pin::pin!(tokio::task::yield_now());
         let _pending = yielded.as_mut().poll(&mut Context::from_waker(&waker));

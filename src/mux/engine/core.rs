@@ -47,6 +47,12 @@ const REUSE_AFTER: usize = 64;
 /// Outbound messages the core pulls ahead of writing them.
 const MESSAGES_HELD: usize = 64;
 
+/// The maps a record looks its slot up in (twice per data record). foldhash
+/// is seeded per map, so a peer choosing slot indices cannot aim collisions
+/// without first learning the seed, and costs far less than SipHash
+/// (docs/benchmarks.md § "The decode's allocations and hashing").
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 #[derive(Debug)]
 struct EgressSlot {
     inlet: Arc<Inlet>,
@@ -127,7 +133,7 @@ pub(crate) struct PeerCore {
     table: Vec<IndexEntry>,
     /// Freed indices, oldest first; reused only once [`REUSE_AFTER`] wait.
     free: VecDeque<u32>,
-    by_inlet: HashMap<usize, u32>,
+    by_inlet: FastMap<usize, u32>,
     live_egress: usize,
     ready: VecDeque<u32>,
     opens_owed: VecDeque<u32>,
@@ -151,8 +157,8 @@ pub(crate) struct PeerCore {
     /// Slots whose next record waits for peer credit, in the order they met it.
     peer_blocked: Vec<u32>,
 
-    ingress: HashMap<u32, IngressSlot>,
-    by_rx: HashMap<usize, u32>,
+    ingress: FastMap<u32, IngressSlot>,
+    by_rx: FastMap<usize, u32>,
     /// Closed ingress slots whose consumer has not yet taken all they hold,
     /// this epoch's and earlier ones'.
     held: Held,
@@ -247,7 +253,7 @@ impl PeerCore {
             counters,
             table: Vec::new(),
             free: VecDeque::new(),
-            by_inlet: HashMap::new(),
+            by_inlet: FastMap::default(),
             live_egress: 0,
             ready: VecDeque::new(),
             opens_owed: VecDeque::new(),
@@ -258,8 +264,8 @@ impl PeerCore {
             egress_max_record,
             slot_limit,
             peer_blocked: Vec::new(),
-            ingress: HashMap::new(),
-            by_rx: HashMap::new(),
+            ingress: FastMap::default(),
+            by_rx: FastMap::default(),
             peer_outstanding: held.bytes(),
             peer_unspent: u64::from(egress_peer_window).saturating_sub(held.bytes()),
             held,
@@ -430,7 +436,8 @@ impl PeerCore {
         now: Instant,
     ) -> (Result<(), ProtocolError>, ReceiverWakes) {
         let handled = self.decode_batch(bytes, now);
-        (handled, std::mem::take(&mut self.wake_after_batch))
+        let next = ReceiverWakes::with_capacity(self.wake_after_batch.len());
+        (handled, std::mem::replace(&mut self.wake_after_batch, next))
     }
 
     fn decode_batch(&mut self, bytes: &[u8], now: Instant) -> Result<(), ProtocolError> {
