@@ -27,7 +27,8 @@ use velo_nodes::{Errors, Kind, Options, Shape, until};
 velo_kinds!(
     epoch_death_reports_what_was_not_written_and_the_next_epoch_works,
     a_send_from_a_thread_outside_the_runtime_reaches_the_peer,
-    a_health_check_reports_a_recently_lost_epoch_once
+    a_health_check_reports_a_recently_lost_epoch_once,
+    a_lost_epoch_that_carried_no_message_is_not_reported
 );
 
 struct End<N: Node> {
@@ -345,6 +346,46 @@ async fn a_health_check_reports_a_recently_lost_epoch_once<K: Kind>() {
     // and told by its first check.
     assert_eq!(b_check().await, Err(HealthCheckError::ConnectionFailed));
     assert_eq!(b_check().await, Ok(()), "told once");
+    assert_eq!(errors.count(), 0);
+}
+
+/// An epoch that carried only a native stream's records took nothing of
+/// velo's with it: its loss is not reported, so velo does not end the
+/// streams it opens next (one that carried a message still is).
+async fn a_lost_epoch_that_carried_no_message_is_not_reported<K: Kind>() {
+    let kind = K::new(Shape::Default);
+    let a = end_on(kind.node(1).await, VeloConfig::default()).await;
+    let b = end_on(kind.node(2).await, VeloConfig::default()).await;
+    a.transport.register(info(&b)).expect("registers");
+    b.transport.register(info(&a)).expect("registers");
+    let peer = a.transport.peer_id(b.id).expect("registered");
+    let mux = a.transport.node().mux();
+    let mut stream = mux
+        .open(peer, qpmux::mux::StreamKey::new(7, 1))
+        .expect("opens");
+    stream
+        .send(Bytes::from_static(b"a record, no message"))
+        .await
+        .expect("queued");
+    until("a link", || mux.epoch(peer).is_some()).await;
+    until("the record written", || mux.stats().batches_sent >= 1).await;
+    let check = || a.transport.check_health(b.id, Duration::from_secs(5));
+    assert_eq!(check().await, Ok(()), "connected");
+    assert!(kind.kill(a.transport.node(), peer), "a live link to kill");
+    until("the epoch ended", || mux.epoch(peer).is_none()).await;
+    assert_eq!(check().await, Ok(()), "no message lost");
+    assert_eq!(mux.epochs_lost(peer).count, 0);
+    // The same with a message in the epoch: reported.
+    let errors = Arc::new(Errors::default());
+    until("a link again", || mux.epoch(peer).is_some()).await;
+    drop(send(&a, b.id, MessageType::Message, b"up", &errors));
+    until("the message delivered", || {
+        !b.streams.message_stream.is_empty()
+    })
+    .await;
+    assert!(kind.kill(a.transport.node(), peer), "a live link to kill");
+    until("the epoch ended", || mux.epoch(peer).is_none()).await;
+    assert_eq!(check().await, Err(HealthCheckError::ConnectionFailed));
     assert_eq!(errors.count(), 0);
 }
 

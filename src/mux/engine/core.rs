@@ -190,6 +190,8 @@ pub(crate) struct PeerCore {
     /// wait, so a steady flow of either cannot hold the other back.
     data_goes_first: bool,
     message_seq_in: FrameSeq,
+    /// A message fragment was written or taken in this epoch.
+    carried_messages: bool,
     message_reassembly: Option<BytesMut>,
     /// Where inbound messages go: the mux's slot, read at each message, so
     /// a sink installed while this epoch runs gets the rest of it.
@@ -280,6 +282,7 @@ impl PeerCore {
             messages_in_batch: Vec::new(),
             message_seq_out: FrameSeq(0),
             message_seq_in: FrameSeq(0),
+            carried_messages: false,
             message_reassembly: None,
             sink: SinkSlot::default(),
             batch_seq_out: 0,
@@ -342,6 +345,12 @@ impl PeerCore {
 
     pub fn goodbye_received(&self) -> bool {
         self.goodbye_received
+    }
+
+    /// Whether a message went into a batch or came out of one this epoch:
+    /// an epoch without one cannot have lost a message.
+    pub fn carried_messages(&self) -> bool {
+        self.carried_messages
     }
 
     /// What the epoch's two hellos said: the peer's windows and the credit
@@ -751,6 +760,7 @@ impl PeerCore {
             enc.push_message(self.message_seq_out, &rest[..n], more)
                 .expect("body_room said it fits");
             self.message_seq_out = self.message_seq_out.next();
+            self.carried_messages = true;
             if more {
                 self.message_partial = Some((rest.slice(n..), message));
                 return false;
@@ -1252,6 +1262,7 @@ impl PeerCore {
             });
         }
         self.message_seq_in = seq.next();
+        self.carried_messages = true;
         let max = self.config.max_record.max(1);
         if self.message_reassembly.is_none() && body.len() > max {
             return Err(ProtocolError::RecordTooLarge {

@@ -86,11 +86,12 @@ struct PeerEntry<L> {
     /// served to its end (and judged): [`Mux::is_judging`].
     handed_through: Mutex<Option<Epoch>>,
     served_through: Mutex<Option<Epoch>>,
-    /// Epochs that ended without a Goodbye either way ([`Mux::epochs_lost`]).
+    /// Epochs that carried a message and ended without a Goodbye either way
+    /// ([`Mux::epochs_lost`]).
     epochs_lost: Mutex<EpochLosses>,
 }
 
-/// A peer's epochs that ended without a Goodbye either way
+/// A peer's epochs that carried a message and ended without a Goodbye
 /// ([`Mux::epochs_lost`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EpochLosses {
@@ -339,12 +340,14 @@ impl<L: Link> Mux<L> {
         handed && *lock(&entry.served_through) < Some(epoch)
     }
 
-    /// `peer`'s epochs that ended without a Goodbye either way (the link
-    /// failed or closed under us, the peer vanished or broke the protocol,
-    /// a new link replaced it) since its peer task started; none without one.
-    /// What was written into such an epoch may not have arrived, so a layer
-    /// with state of its own over the messages (velo's messenger mux) must
-    /// be told. A peer task that retired and started again counts afresh.
+    /// `peer`'s epochs that carried a message either way and ended without
+    /// a Goodbye either way (the link failed or closed under us, the peer
+    /// vanished or broke the protocol, a new link replaced it) since its
+    /// peer task started; none without one. What was written into such an
+    /// epoch may not have arrived, so a layer with state of its own over the
+    /// messages (velo's messenger mux) must be told; an epoch that carried
+    /// only streams' records lost nothing of that layer's. A peer task that
+    /// retired and started again counts afresh.
     pub fn epochs_lost(&self, peer: PeerId) -> EpochLosses {
         lock(&self.shared.peers)
             .get(&peer)
@@ -857,7 +860,7 @@ async fn run_epoch<L: Link>(
         EpochEnd::PeerClosed => core.goodbye_received(),
         _ => false,
     };
-    if !graceful {
+    if !graceful && core.carried_messages() {
         let mut losses = lock(&entry.epochs_lost);
         losses.count += 1;
         losses.last = Some(std::time::Instant::now());
