@@ -1066,6 +1066,32 @@ async fn a_forgotten_peer_is_not_dialled_again_even_by_a_waiting_dial() {
     .await;
 }
 
+/// A stream still waiting for its first link when its peer is forgotten
+/// ends with `Dropped(Unregistered)`: no link will come for it. Before, it
+/// waited (and its peer task asked for a link every second) until its
+/// producer dropped it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_waiting_for_a_forgotten_peer_ends() {
+    bounded(async {
+        let (a_node, a) = node_backing_off(A, Duration::from_millis(200)).await;
+        a_node.register(B, dead_addr().await);
+        let mut tx = a.open(B, StreamKey::new(44, 1)).expect("open");
+        tx.send(record(1, 0, 64)).await.expect("queued");
+        until(|| a_node.stats().dial_failures >= 1).await;
+        a_node.forget(B);
+        let mut seq = 1;
+        let ended = loop {
+            match tx.send(record(1, seq, 64)).await {
+                Err(err) => break err,
+                Ok(()) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+            seq += 1;
+        };
+        assert_eq!(ended, SendError::Dropped(DropReason::Unregistered));
+    })
+    .await;
+}
+
 /// A forgotten peer leaves the connection table once nothing is under way
 /// for it, and a link with it after it returns (a fresh process proposing
 /// epoch 0) still starts an epoch newer than any it had here.

@@ -127,6 +127,9 @@ pub(crate) struct ControlState {
     /// The newest Ping nonce callers wait on (coalesced: one Ping answers all).
     pub ping_wanted: Option<u64>,
     pub retired: bool,
+    /// The connector forgot the peer: the peer task ends the slots waiting
+    /// for a link when it next waits for one ([`crate::mux::Mux::forget_peer`]).
+    pub forgotten: bool,
 }
 
 impl PeerControl {

@@ -63,6 +63,9 @@ pub enum DropReason {
     SenderDropped,
     /// The transport is shutting down.
     Shutdown,
+    /// The peer was unregistered while the stream waited for a link to it:
+    /// none will come, and nothing of the stream went out.
+    Unregistered,
 }
 
 /// One item on a slot's typed sink, in send order.

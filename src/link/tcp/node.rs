@@ -875,6 +875,8 @@ impl<E: EpochMaker> Connector<E> {
     /// once no dial or handshake for it is under way; a later link with it
     /// still starts a newer epoch (the table keeps the newest epoch of any
     /// peer it let go), but a restart of the peer meanwhile is not counted.
+    /// The mux's slots still waiting for a link to it end with
+    /// `Dropped(Unregistered)` ([`Mux::forget_peer`]).
     pub fn forget(&self, peer: PeerId) {
         let (link, entry) = {
             let mut peers = self.inner.peers();
@@ -891,6 +893,9 @@ impl<E: EpochMaker> Connector<E> {
             link.fail(EpochEnd::Closed);
         }
         drop(entry);
+        if let Some(mux) = self.inner.mux.get() {
+            mux.forget_peer(peer);
+        }
     }
 
     /// Ends the current link to `peer` gracefully, if there is one.

@@ -267,6 +267,21 @@ impl<L: Link> Mux<L> {
         Ok(())
     }
 
+    /// The connector has forgotten `peer` (it was unregistered): no link to
+    /// it comes unless it is registered again. Its slots waiting for a link
+    /// end with [`DropReason::Unregistered`], and its queued messages report
+    /// themselves, once its peer task next waits for a link: at once if it
+    /// waits now, else when the epoch it serves ends (the slots whose Open
+    /// never left that epoch then end so too). A slot opened after this
+    /// call and before that moment ends with them.
+    pub fn forget_peer(&self, peer: PeerId) {
+        let Some(entry) = lock(&self.shared.peers).get(&peer).cloned() else {
+            return;
+        };
+        entry.control.state().forgotten = true;
+        entry.control.wake.notify_one();
+    }
+
     /// Stops the mux: each peer task writes what producers already queued
     /// (bounded by `shutdown_linger`), says goodbye, and ends its epoch; live
     /// slots then get `Dropped(Shutdown)`. Does not wait; see [`Mux::closed`].
@@ -614,6 +629,7 @@ async fn wait_for_link<L: Link>(
         let shutdown = shared.shutdown_notify.notified();
         tokio::pin!(shutdown);
         shutdown.as_mut().enable();
+        end_forgotten(entry);
         let now = Instant::now();
         let wants_link = !entry.control.state().dirty_inlets.is_empty()
             || lock(&entry.messages)
@@ -662,6 +678,24 @@ async fn wait_for_link<L: Link>(
             _ = sleep_until(next_check) => {}
             _ = shutdown => {}
         }
+    }
+}
+
+/// Ends what waits for a link to a peer the connector forgot
+/// ([`Mux::forget_peer`]).
+fn end_forgotten<L: Link>(entry: &PeerEntry<L>) {
+    let mut control = entry.control.state();
+    if !std::mem::take(&mut control.forgotten) {
+        return;
+    }
+    let waiting = std::mem::take(&mut control.dirty_inlets);
+    drop(control);
+    for inlet in waiting {
+        inlet.close(crate::mux::SendError::Dropped(DropReason::Unregistered));
+    }
+    if let Some(rx) = lock(&entry.messages).as_ref() {
+        // Each dropped message reports itself to its sender.
+        rx.drain().for_each(drop);
     }
 }
 
