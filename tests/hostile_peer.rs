@@ -833,6 +833,55 @@ async fn a_batch_before_an_oversized_tcp_frame_is_delivered_and_the_frame_is_a_c
     .await;
 }
 
+/// A target whose redial waits `wait` after a failed attempt, the liar
+/// registered with it at a listener that never answers (its backlog shows
+/// a dial), and a link the liar established to it: the epoch and the
+/// liar's end.
+struct LiarLinked {
+    target_node: TcpNode,
+    target: Mux<TcpLink>,
+    mute: tokio::net::TcpListener,
+    epoch: Epoch,
+    stream: tokio::net::TcpStream,
+}
+
+async fn liar_linked(wait: Duration) -> LiarLinked {
+    let config = TcpNodeConfig {
+        key: ClusterKey::new(KEY),
+        backoff_min: wait,
+        backoff_max: wait,
+        ..TcpNodeConfig::new(TARGET)
+    };
+    let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+    let (target_node, target) = TcpNode::start(config, any, MuxConfig::default())
+        .await
+        .expect("bind");
+    let mute = tokio::net::TcpListener::bind(any).await.expect("bind");
+    target_node.register(EVIL, mute.local_addr().expect("addr"));
+    let dialer = HostileDialer::connect(target_node.local_addr()).await;
+    let (epoch, stream) = dialer
+        .establish(Some(KEY), EVIL, TARGET, Epoch::default())
+        .await
+        .expect("a link");
+    LiarLinked {
+        target_node,
+        target,
+        mute,
+        epoch,
+        stream,
+    }
+}
+
+/// The liar's lie (a batch of the wrong epoch), and its close.
+async fn lie_and_close(mut stream: tokio::net::TcpStream, epoch: Epoch) {
+    use tokio::io::AsyncWriteExt;
+
+    let frame = tcp_frame(Epoch(epoch.0 + 7), |enc| {
+        enc.push_ping(1).expect("fits");
+    });
+    stream.write_all(&frame).await.expect("write");
+}
+
 /// A peer that sends a batch breaking the protocol and closes at once is
 /// redialled only after a backoff, though its link records the close
 /// first and the batch counts as traffic: the connector asks the mux for
@@ -840,27 +889,16 @@ async fn a_batch_before_an_oversized_tcp_frame_is_delivered_and_the_frame_is_a_c
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_violates_and_closes_is_redialled_after_a_backoff() {
     bounded(async {
-        use tokio::io::AsyncWriteExt;
-
         let wait = Duration::from_secs(60);
-        let config = TcpNodeConfig {
-            key: ClusterKey::new(KEY),
-            backoff_min: wait,
-            backoff_max: wait,
-            ..TcpNodeConfig::new(TARGET)
-        };
-        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
-        let (target_node, target) = TcpNode::start(config, any, MuxConfig::default())
-            .await
-            .expect("bind");
-        // Where the target would redial the liar: a listener that never answers.
-        let mute = tokio::net::TcpListener::bind(any).await.expect("bind");
-        target_node.register(EVIL, mute.local_addr().expect("addr"));
-        let dialer = HostileDialer::connect(target_node.local_addr()).await;
-        let (epoch, mut stream) = dialer
-            .establish(Some(KEY), EVIL, TARGET, Epoch::default())
-            .await
-            .expect("a link");
+        // The mute listener stays bound: a redial at once would hang there,
+        // not fail and back off.
+        let LiarLinked {
+            target_node,
+            target,
+            mute: _mute,
+            epoch,
+            stream,
+        } = liar_linked(wait).await;
         // The target has something to write too: its reserve or post may meet
         // the close first, and the drain after it finds the violation.
         let mut ours = target
@@ -869,66 +907,72 @@ async fn a_peer_that_violates_and_closes_is_redialled_after_a_backoff() {
         ours.send(Bytes::from_static(b"ours"))
             .await
             .expect("queued");
-        let frame = tcp_frame(Epoch(epoch.0 + 7), |enc| {
-            enc.push_ping(1).expect("fits");
-        });
-        stream.write_all(&frame).await.expect("write");
-        drop(stream);
+        lie_and_close(stream, epoch).await;
         until(|| target.stats().protocol_violations == 1).await;
         until(|| target.epoch(EVIL).is_none()).await;
         target_node.dialer().want_link(EVIL);
-        assert_eq!(target_node.backoff(EVIL), wait);
+        until(|| target_node.backoff(EVIL) == wait).await;
     })
     .await;
 }
 
+/// A message sink that holds the peer task in its first delivery until
+/// released: the mux has then read a batch and not yet the next.
+struct StallingSink {
+    entered: std::sync::atomic::AtomicBool,
+    release: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl qpmux::mux::MessageSink for StallingSink {
+    fn deliver(&self, _: PeerId, _: Bytes) {
+        self.entered
+            .store(true, std::sync::atomic::Ordering::Release);
+        // Off the worker, which takes its queued tasks and the I/O driver
+        // with it; blocking it in place would strand them.
+        tokio::task::block_in_place(|| {
+            let _ = self.release.lock().expect("sink").recv();
+        });
+    }
+}
+
 /// A link asked for after a peer's epoch ended but before the mux has read
-/// what it carried is not judged by its traffic alone: a liar whose bad
-/// batch and close arrive with its handshake is redialled only after a
-/// backoff, however early the ask comes (the node waits for the mux to
-/// release the link; docs/design.md § "Redial backoff").
+/// what it carried is not judged by its traffic alone: the liar's good
+/// batch (a message the mux is held delivering), its bad one and its close
+/// have all arrived, the link is over, and the ask waits for the mux's
+/// verdict, so the liar is redialled only after a backoff (docs/design.md
+/// § "Redial backoff").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_link_asked_for_before_the_mux_judged_the_last_one_waits_for_its_verdict() {
     bounded(async {
+        use std::sync::atomic::Ordering;
         use tokio::io::AsyncWriteExt;
 
         let wait = Duration::from_secs(60);
-        let config = TcpNodeConfig {
-            key: ClusterKey::new(KEY),
-            backoff_min: wait,
-            backoff_max: wait,
-            ..TcpNodeConfig::new(TARGET)
-        };
-        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
-        let (target_node, target) = TcpNode::start(config, any, MuxConfig::default())
-            .await
-            .expect("bind");
-        // Where the target would redial the liar: a listener that never
-        // answers, but whose backlog shows a dial.
-        let mute = tokio::net::TcpListener::bind(any).await.expect("bind");
-        target_node.register(EVIL, mute.local_addr().expect("addr"));
-        let dialer = HostileDialer::connect(target_node.local_addr()).await;
-        let (epoch, mut stream) = dialer
-            .establish(Some(KEY), EVIL, TARGET, Epoch::default())
-            .await
-            .expect("a link");
-        // Installed (an ask before would dial: no link, nothing to judge).
-        until(|| target_node.link(EVIL).is_some()).await;
-        let frame = tcp_frame(Epoch(epoch.0 + 7), |enc| {
-            enc.push_ping(1).expect("fits");
+        let LiarLinked {
+            target_node,
+            target,
+            mute,
+            epoch,
+            mut stream,
+        } = liar_linked(wait).await;
+        let (release, held) = std::sync::mpsc::channel();
+        let sink = std::sync::Arc::new(StallingSink {
+            entered: false.into(),
+            release: std::sync::Mutex::new(held),
         });
-        stream.write_all(&frame).await.expect("write");
-        drop(stream);
-        // Ask until the mux has judged the link: some asks land while the
-        // link is over and unjudged.
-        let dialer = target_node.dialer();
-        while target.stats().protocol_violations == 0 {
-            dialer.want_link(EVIL);
-            tokio::task::yield_now().await;
-        }
-        // Once more: every ask may have come while the link was live.
-        until(|| target.epoch(EVIL).is_none()).await;
-        dialer.want_link(EVIL);
+        assert!(target.set_message_sink(sink.clone()));
+        let message = tcp_frame(epoch, |enc| {
+            enc.push_message(FrameSeq(0), b"hold me", false)
+                .expect("fits");
+        });
+        stream.write_all(&message).await.expect("write");
+        until(|| sink.entered.load(Ordering::Acquire)).await;
+        lie_and_close(stream, epoch).await;
+        until(|| target_node.link(EVIL).is_some_and(|link| link.is_ended())).await;
+        target_node.dialer().want_link(EVIL);
+        assert_eq!(target_node.backoff(EVIL), Duration::ZERO, "not judged yet");
+        release.send(()).expect("release");
+        until(|| target.stats().protocol_violations == 1).await;
         until(|| target_node.backoff(EVIL) == wait).await;
         let dialled = tokio::time::timeout(Duration::from_millis(500), mute.accept()).await;
         assert!(dialled.is_err(), "redialled at once");

@@ -308,16 +308,23 @@ async fn a_send_from_a_thread_outside_the_runtime_reaches_the_peer<K: Kind>() {
     assert_eq!(errors.count(), 0);
 }
 
-/// An epoch lost since the last health check is reported by the next one,
-/// once, though the node has redialled by then: velo's messenger mux must
-/// end its own epoch, whose batches may have died with the link.
-async fn a_health_check_reports_a_recently_lost_epoch_once<K: Kind>() {
+/// Ends on `K`'s nodes 1 and 2 with the defaults, each registered with the
+/// other, and the peer id `a`'s node knows `b` by.
+async fn registered_pair<K: Kind>() -> (K, End<K::Node>, End<K::Node>, PeerId) {
     let kind = K::new(Shape::Default);
     let a = end_on(kind.node(1).await, VeloConfig::default()).await;
     let b = end_on(kind.node(2).await, VeloConfig::default()).await;
     a.transport.register(info(&b)).expect("registers");
     b.transport.register(info(&a)).expect("registers");
     let peer = a.transport.peer_id(b.id).expect("registered");
+    (kind, a, b, peer)
+}
+
+/// An epoch lost since the last health check is reported by the next one,
+/// once, though the node has redialled by then: velo's messenger mux must
+/// end its own epoch, whose batches may have died with the link.
+async fn a_health_check_reports_a_recently_lost_epoch_once<K: Kind>() {
+    let (kind, a, b, peer) = registered_pair::<K>().await;
     let errors = Arc::new(Errors::default());
     let delivered = async |n: usize| {
         let label = format!("message {n} delivered");
@@ -353,12 +360,7 @@ async fn a_health_check_reports_a_recently_lost_epoch_once<K: Kind>() {
 /// velo's with it: its loss is not reported, so velo does not end the
 /// streams it opens next (one that carried a message still is).
 async fn a_lost_epoch_that_carried_no_message_is_not_reported<K: Kind>() {
-    let kind = K::new(Shape::Default);
-    let a = end_on(kind.node(1).await, VeloConfig::default()).await;
-    let b = end_on(kind.node(2).await, VeloConfig::default()).await;
-    a.transport.register(info(&b)).expect("registers");
-    b.transport.register(info(&a)).expect("registers");
-    let peer = a.transport.peer_id(b.id).expect("registered");
+    let (kind, a, b, peer) = registered_pair::<K>().await;
     let mux = a.transport.node().mux();
     let mut stream = mux
         .open(peer, qpmux::mux::StreamKey::new(7, 1))

@@ -117,6 +117,8 @@ pub(crate) struct PeerControl {
     /// The peer's `max_slots_per_peer`, as its latest epoch's terms said;
     /// `usize::MAX` before any.
     pub peer_max_slots: AtomicUsize,
+    /// How often the connector has forgotten the peer (unregistered it).
+    pub forgets: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -127,8 +129,9 @@ pub(crate) struct ControlState {
     /// The newest Ping nonce callers wait on (coalesced: one Ping answers all).
     pub ping_wanted: Option<u64>,
     pub retired: bool,
-    /// The connector forgot the peer: the peer task ends the slots waiting
-    /// for a link when it next waits for one ([`crate::mux::Mux::forget_peer`]).
+    /// The connector forgot the peer: the peer task ends the slots opened
+    /// before it and waiting for a link when it next waits for one
+    /// ([`crate::mux::Mux::forget_peer`]).
     pub forgotten: bool,
 }
 
@@ -151,6 +154,7 @@ impl PeerControl {
             peer_committed: AtomicU64::new(0),
             peer_max_record: AtomicUsize::new(0),
             peer_max_slots: AtomicUsize::new(usize::MAX),
+            forgets: AtomicU64::new(0),
         }
     }
 
@@ -256,6 +260,9 @@ enum Room {
 pub(crate) struct Inlet {
     pub key: StreamKey,
     pub control: Arc<PeerControl>,
+    /// The peer's [`PeerControl::forgets`] when this slot opened: a forget
+    /// after it ends the slot if it still waits for a link.
+    pub opened_after_forgets: u64,
     slot_budget: usize,
     max_record: usize,
     state: Mutex<InletState>,
@@ -298,6 +305,7 @@ impl Inlet {
     ) -> Arc<Inlet> {
         Arc::new(Inlet {
             key,
+            opened_after_forgets: control.forgets.load(Ordering::Acquire),
             control,
             slot_budget,
             max_record,

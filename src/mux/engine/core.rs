@@ -445,7 +445,9 @@ impl PeerCore {
         now: Instant,
     ) -> (Result<(), ProtocolError>, ReceiverWakes) {
         let handled = self.decode_batch(bytes, now);
-        let next = ReceiverWakes::with_capacity(self.wake_after_batch.len());
+        // Room for as many as this batch woke; none allocated for one or none.
+        let woke = self.wake_after_batch.len();
+        let next = ReceiverWakes::with_capacity(if woke > 1 { woke } else { 0 });
         (handled, std::mem::replace(&mut self.wake_after_batch, next))
     }
 

@@ -268,17 +268,20 @@ impl<L: Link> Mux<L> {
     }
 
     /// The connector has forgotten `peer` (it was unregistered): no link to
-    /// it comes unless it is registered again. Its slots waiting for a link
-    /// end with [`DropReason::Unregistered`], and its queued messages report
-    /// themselves, once its peer task next waits for a link: at once if it
-    /// waits now, else when the epoch it serves ends (the slots whose Open
-    /// never left that epoch then end so too). A slot opened after this
-    /// call and before that moment ends with them.
+    /// it comes unless it is registered again. Its slots opened before this
+    /// call and waiting for a link end with [`DropReason::Unregistered`]
+    /// once its peer task next waits for one: at once if it waits now, else
+    /// when the epoch it serves ends (the slots whose Open never left that
+    /// epoch then end so too). Slots opened after it wait as any do (the
+    /// peer may be registered again). Messages keep their own deadlines.
     pub fn forget_peer(&self, peer: PeerId) {
         let Some(entry) = lock(&self.shared.peers).get(&peer).cloned() else {
             return;
         };
-        entry.control.state().forgotten = true;
+        let mut control = entry.control.state();
+        entry.control.forgets.fetch_add(1, Ordering::AcqRel);
+        control.forgotten = true;
+        drop(control);
         entry.control.wake.notify_one();
     }
 
@@ -482,11 +485,30 @@ impl<L: Link> Mux<L> {
                     panic = panic_message(&*panic),
                     "mux peer task panicked outside an epoch"
                 );
-                *task_entry
+                let serving = task_entry
                     .epoch
                     .lock()
-                    .unwrap_or_else(PoisonError::into_inner) = None;
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take();
                 task_entry.epoch.clear_poison();
+                // What it served or had taken up is over, judged as far as
+                // it got: a connector waiting on the verdict asks again.
+                let taken_up = serving.or_else(|| {
+                    let waiting = task_entry
+                        .incoming
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .is_some();
+                    let handed = task_entry
+                        .handed_through
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
+                    (!waiting).then_some(*handed).flatten()
+                });
+                if let Some(epoch) = taken_up {
+                    mark_served(&task_entry, epoch);
+                }
+                shared.dialer.link_released(peer);
                 if !restart_after_panic(&shared, &task_entry) {
                     return;
                 }
@@ -603,9 +625,6 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
             .instrument(span)
             .await;
         tracing::debug!(?peer, %epoch, %end, "epoch ended");
-        let mut served = lock(&entry.served_through);
-        *served = (*served).max(Some(epoch));
-        drop(served);
         shared.dialer.link_released(peer);
         if !matches!(end, EpochEnd::Closed | EpochEnd::Shutdown) {
             died = Some(Instant::now());
@@ -681,6 +700,12 @@ async fn wait_for_link<L: Link>(
     }
 }
 
+/// Records that the peer task is done with `epoch` ([`Mux::is_judging`]).
+fn mark_served<L: Link>(entry: &PeerEntry<L>, epoch: Epoch) {
+    let mut served = lock(&entry.served_through);
+    *served = (*served).max(Some(epoch));
+}
+
 /// Ends what waits for a link to a peer the connector forgot
 /// ([`Mux::forget_peer`]).
 fn end_forgotten<L: Link>(entry: &PeerEntry<L>) {
@@ -688,14 +713,14 @@ fn end_forgotten<L: Link>(entry: &PeerEntry<L>) {
     if !std::mem::take(&mut control.forgotten) {
         return;
     }
-    let waiting = std::mem::take(&mut control.dirty_inlets);
+    let forgets = entry.control.forgets.load(Ordering::Acquire);
+    let (before, after) = std::mem::take(&mut control.dirty_inlets)
+        .into_iter()
+        .partition::<Vec<_>, _>(|inlet| inlet.opened_after_forgets < forgets);
+    control.dirty_inlets = after;
     drop(control);
-    for inlet in waiting {
+    for inlet in before {
         inlet.close(crate::mux::SendError::Dropped(DropReason::Unregistered));
-    }
-    if let Some(rx) = lock(&entry.messages).as_ref() {
-        // Each dropped message reports itself to its sender.
-        rx.drain().for_each(drop);
     }
 }
 
@@ -899,6 +924,9 @@ async fn run_epoch<L: Link>(
         losses.count += 1;
         losses.last = Some(std::time::Instant::now());
     }
+    // Judged before it reads as over: a caller that sees no epoch finds
+    // the verdict in.
+    mark_served(entry, core.epoch());
     *lock(&entry.epoch) = None;
     (end, core.take_held())
 }
