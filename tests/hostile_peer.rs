@@ -890,12 +890,10 @@ async fn lie_and_close(mut stream: tokio::net::TcpStream, epoch: Epoch) {
 async fn a_peer_that_violates_and_closes_is_redialled_after_a_backoff() {
     bounded(async {
         let wait = Duration::from_secs(60);
-        // The mute listener stays bound: a redial at once would hang there,
-        // not fail and back off.
         let LiarLinked {
             target_node,
             target,
-            mute: _mute,
+            mute,
             epoch,
             stream,
         } = liar_linked(wait).await;
@@ -910,8 +908,12 @@ async fn a_peer_that_violates_and_closes_is_redialled_after_a_backoff() {
         lie_and_close(stream, epoch).await;
         until(|| target.stats().protocol_violations == 1).await;
         until(|| target.epoch(EVIL).is_none()).await;
+        // The epoch reads over only once it is judged: the ask finds the
+        // verdict.
         target_node.dialer().want_link(EVIL);
-        until(|| target_node.backoff(EVIL) == wait).await;
+        assert_eq!(target_node.backoff(EVIL), wait);
+        let dialled = tokio::time::timeout(Duration::from_millis(500), mute.accept()).await;
+        assert!(dialled.is_err(), "redialled at once");
     })
     .await;
 }

@@ -1092,6 +1092,38 @@ async fn a_stream_waiting_for_a_forgotten_peer_ends() {
     .await;
 }
 
+/// A forget ends only the slots opened before it: one opened after it (the
+/// peer registered again at once) waits for its link as any does. On one
+/// thread the peer task cannot run between the forget and the open.
+#[tokio::test(flavor = "current_thread")]
+async fn a_slot_opened_after_a_forget_is_not_ended_by_it() {
+    bounded(async {
+        let (a_node, a) = node_backing_off(A, Duration::from_millis(200)).await;
+        let dead = dead_addr().await;
+        a_node.register(B, dead);
+        let mut before = a.open(B, StreamKey::new(45, 1)).expect("open");
+        before.send(record(1, 0, 64)).await.expect("queued");
+        until(|| a_node.stats().dial_failures >= 1).await;
+        a_node.forget(B);
+        a_node.register(B, dead);
+        let mut after = a.open(B, StreamKey::new(45, 2)).expect("open");
+        after.send(record(2, 0, 64)).await.expect("queued");
+        let mut seq = 1;
+        let ended = loop {
+            match before.send(record(1, seq, 64)).await {
+                Err(err) => break err,
+                Ok(()) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+            seq += 1;
+        };
+        assert_eq!(ended, SendError::Dropped(DropReason::Unregistered));
+        let still = tokio::time::timeout(Duration::from_millis(300), after.closed()).await;
+        assert!(still.is_err(), "the slot opened after the forget ended");
+        after.send(record(2, 1, 64)).await.expect("still open");
+    })
+    .await;
+}
+
 /// A forgotten peer leaves the connection table once nothing is under way
 /// for it, and a link with it after it returns (a fresh process proposing
 /// epoch 0) still starts an epoch newer than any it had here.

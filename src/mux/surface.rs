@@ -53,6 +53,7 @@ pub enum Terminal {
 /// Why a stream ended without its sender's terminal. `Dropped` means "maybe
 /// delivered": records the sender saw accepted may or may not have arrived.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DropReason {
     /// The link's epoch ended (QP error, peer loss, protocol violation).
     EpochEnded {

@@ -493,22 +493,14 @@ impl<L: Link> Mux<L> {
                 task_entry.epoch.clear_poison();
                 // What it served or had taken up is over, judged as far as
                 // it got: a connector waiting on the verdict asks again.
-                let taken_up = serving.or_else(|| {
-                    let waiting = task_entry
-                        .incoming
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .is_some();
-                    let handed = task_entry
-                        .handed_through
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner);
-                    (!waiting).then_some(*handed).flatten()
-                });
-                if let Some(epoch) = taken_up {
-                    mark_served(&task_entry, epoch);
+                // Caught: a panic here (a poisoned lock) must not end the
+                // restart loop, or the peer's slots would never hear.
+                let released = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    release_after_panic(&shared, &task_entry, serving);
+                }));
+                if released.is_err() {
+                    tracing::error!(?peer, "releasing the link after a panic panicked");
                 }
-                shared.dialer.link_released(peer);
                 if !restart_after_panic(&shared, &task_entry) {
                     return;
                 }
@@ -700,6 +692,17 @@ async fn wait_for_link<L: Link>(
     }
 }
 
+/// Fails the link it holds if dropped while unwinding.
+struct FailOnUnwind<'a, L: Link>(&'a L);
+
+impl<L: Link> Drop for FailOnUnwind<'_, L> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.fail(EpochEnd::Internal);
+        }
+    }
+}
+
 /// Records that the peer task is done with `epoch` ([`Mux::is_judging`]).
 fn mark_served<L: Link>(entry: &PeerEntry<L>, epoch: Epoch) {
     let mut served = lock(&entry.served_through);
@@ -713,15 +716,38 @@ fn end_forgotten<L: Link>(entry: &PeerEntry<L>) {
     if !std::mem::take(&mut control.forgotten) {
         return;
     }
+    // A link waiting to be served (the peer dialled in, or was registered
+    // again and dialled): the peer is back, and the slots go with it.
+    if lock(&entry.incoming).is_some() {
+        return;
+    }
     let forgets = entry.control.forgets.load(Ordering::Acquire);
     let (before, after) = std::mem::take(&mut control.dirty_inlets)
         .into_iter()
         .partition::<Vec<_>, _>(|inlet| inlet.opened_after_forgets < forgets);
     control.dirty_inlets = after;
     drop(control);
+    Counters::add(&entry.control.counters.slots_dropped, before.len() as u64);
     for inlet in before {
         inlet.close(crate::mux::SendError::Dropped(DropReason::Unregistered));
     }
+}
+
+/// After a peer task panicked outside an epoch's catch: the epoch it served
+/// (`serving`), or else the link it had taken up, is over and judged as far
+/// as it got, and the connector is told, so an ask it keeps for the verdict
+/// is answered. A link still waiting in `incoming` is the restart's to serve.
+fn release_after_panic<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, serving: Option<Epoch>) {
+    let taken_up = serving.or_else(|| {
+        // Under the control lock, as `hand_over` stores both.
+        let _control = entry.control.state();
+        let waiting = lock(&entry.incoming).is_some();
+        (!waiting).then(|| *lock(&entry.handed_through)).flatten()
+    });
+    if let Some(epoch) = taken_up {
+        mark_served(entry, epoch);
+    }
+    shared.dialer.link_released(entry.control.peer);
 }
 
 /// After a peer task panicked outside an epoch: true if it should run
@@ -840,6 +866,9 @@ async fn run_epoch<L: Link>(
     opening: Opening,
     held: Held,
 ) -> (EpochEnd, Held) {
+    // A panic past the epoch's own catch still ends the link, so the
+    // connector, which holds it too, does not count it live.
+    let _fail_on_unwind = FailOnUnwind(&link);
     let config = shared.config.clone();
     let mut core = PeerCore::new(
         link.epoch(),
