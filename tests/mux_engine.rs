@@ -1373,6 +1373,59 @@ async fn a_peer_task_that_panics_outside_an_epoch_runs_again_and_serves_its_slot
     served.expect("the slot queued on the panicked task never left");
 }
 
+/// A dialer whose `link_released` always panics: the peer task's restart
+/// tells the dialer again, and that panic too must not end the task.
+struct PanicsOnReleaseDialer {
+    inner: Arc<dyn qpmux::mux::Dialer>,
+}
+
+impl qpmux::mux::Dialer for PanicsOnReleaseDialer {
+    fn want_link(&self, peer: PeerId) {
+        self.inner.want_link(peer);
+    }
+
+    fn link_released(&self, _: PeerId) {
+        panic!("a bug in the dialer's release");
+    }
+}
+
+/// A release that panics, and panics again when the restart tells the
+/// dialer once more, leaves the peer task restarting: the next epoch comes
+/// up and `closed` resolves at shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_panics_twice_does_not_end_the_peer_task() {
+    let closed = tokio::time::timeout(Duration::from_secs(20), async {
+        let fabric = MemFabric::new(MemConfig::default());
+        let dialer = Arc::new(PanicsOnReleaseDialer {
+            inner: fabric.dialer(A),
+        });
+        let a = Mux::new(MuxConfig::default(), dialer);
+        let b = Mux::new(MuxConfig::default(), fabric.dialer(B));
+        fabric.add(A, a.clone());
+        fabric.add(B, b.clone());
+        let key = StreamKey::new(7, 3);
+        let mut rx = b.bind(key).expect("bind");
+        let mut tx = a.open(B, key).expect("open");
+        tx.send(Bytes::from_static(b"first")).await.expect("send");
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(Bytes::from_static(b"first")))
+        );
+        assert!(fabric.kill(A, B, EpochEnd::Fault(LinkFault::Injected)));
+        until(|| a.stats().peer_task_panics >= 1).await;
+        let mut again = a.open(B, StreamKey::new(7, 4)).expect("open");
+        again
+            .send(Bytes::from_static(b"again"))
+            .await
+            .expect("send");
+        until(|| a.epoch(B).is_some_and(|epoch| epoch > Epoch(1))).await;
+        a.shutdown();
+        a.closed().await;
+    })
+    .await;
+    closed.expect("the peer task ended for good");
+}
+
 /// A dialer that always panics: what panicked would panic again.
 struct AlwaysPanicsDialer;
 

@@ -875,8 +875,8 @@ impl<E: EpochMaker> Connector<E> {
     /// once no dial or handshake for it is under way; a later link with it
     /// still starts a newer epoch (the table keeps the newest epoch of any
     /// peer it let go), but a restart of the peer meanwhile is not counted.
-    /// The mux's slots still waiting for a link to it end with
-    /// `Dropped(Unregistered)` ([`Mux::forget_peer`]).
+    /// The mux's slots opened before this and still waiting for a link to
+    /// it end with `Dropped(Unregistered)` ([`Mux::forget_peer`]).
     pub fn forget(&self, peer: PeerId) {
         let (link, entry) = {
             let mut peers = self.inner.peers();

@@ -692,13 +692,18 @@ async fn wait_for_link<L: Link>(
     }
 }
 
-/// Fails the link it holds if dropped while unwinding.
-struct FailOnUnwind<'a, L: Link>(&'a L);
+/// Fails the link it holds if dropped before the epoch finished: a future
+/// that panicked is dropped after the panic was caught, so `panicking()`
+/// would not tell.
+struct FailUnlessFinished<'a, L: Link> {
+    link: &'a L,
+    finished: bool,
+}
 
-impl<L: Link> Drop for FailOnUnwind<'_, L> {
+impl<L: Link> Drop for FailUnlessFinished<'_, L> {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.fail(EpochEnd::Internal);
+        if !self.finished {
+            self.link.fail(EpochEnd::Internal);
         }
     }
 }
@@ -868,7 +873,10 @@ async fn run_epoch<L: Link>(
 ) -> (EpochEnd, Held) {
     // A panic past the epoch's own catch still ends the link, so the
     // connector, which holds it too, does not count it live.
-    let _fail_on_unwind = FailOnUnwind(&link);
+    let mut unfinished = FailUnlessFinished {
+        link: &link,
+        finished: false,
+    };
     let config = shared.config.clone();
     let mut core = PeerCore::new(
         link.epoch(),
@@ -957,6 +965,7 @@ async fn run_epoch<L: Link>(
     // the verdict in.
     mark_served(entry, core.epoch());
     *lock(&entry.epoch) = None;
+    unfinished.finished = true;
     (end, core.take_held())
 }
 
