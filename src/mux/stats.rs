@@ -84,7 +84,8 @@ pub struct Stats {
     pub peer_held_bytes: u64,
     /// Epochs that ended.
     pub epoch_deaths: u64,
-    /// Slots that ended with `Dropped` because an epoch died (both directions).
+    /// Slots that ended with `Dropped` because an epoch died (both directions)
+    /// or, still waiting for a link, because their peer was unregistered.
     pub slots_dropped: u64,
     /// Egress slots whose Open never left a dying epoch, handed to the next
     /// one instead of dropped (each time it happens).
