@@ -1326,6 +1326,19 @@ async fn a_refused_open_reaches_its_sender_as_refused() {
     assert_eq!(closed, SendError::PeerClosed(CloseReason::Refused));
 }
 
+/// Muxes A and B on a mem fabric, A asking for links through the dialer
+/// `wrap` makes of the fabric's own.
+fn a_dialing_through(
+    wrap: impl FnOnce(Arc<dyn qpmux::mux::Dialer>) -> Arc<dyn qpmux::mux::Dialer>,
+) -> (Arc<MemFabric>, Mux<MemLink>, Mux<MemLink>) {
+    let fabric = MemFabric::new(MemConfig::default());
+    let a = Mux::new(MuxConfig::default(), wrap(fabric.dialer(A)));
+    let b = Mux::new(MuxConfig::default(), fabric.dialer(B));
+    fabric.add(A, a.clone());
+    fabric.add(B, b.clone());
+    (fabric, a, b)
+}
+
 /// A dialer whose first call panics: a bug outside any epoch's turns.
 struct PanicsOnceDialer {
     inner: Arc<dyn qpmux::mux::Dialer>,
@@ -1347,15 +1360,12 @@ impl qpmux::mux::Dialer for PanicsOnceDialer {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_task_that_panics_outside_an_epoch_runs_again_and_serves_its_slots() {
     let served = tokio::time::timeout(Duration::from_secs(20), async {
-        let fabric = MemFabric::new(MemConfig::default());
-        let dialer = Arc::new(PanicsOnceDialer {
-            inner: fabric.dialer(A),
-            panicked: Default::default(),
+        let (_fabric, a, b) = a_dialing_through(|inner| {
+            Arc::new(PanicsOnceDialer {
+                inner,
+                panicked: Default::default(),
+            })
         });
-        let a = Mux::new(MuxConfig::default(), dialer);
-        let b = Mux::new(MuxConfig::default(), fabric.dialer(B));
-        fabric.add(A, a.clone());
-        fabric.add(B, b.clone());
         let key = StreamKey::new(7, 1);
         let mut rx = b.bind(key).expect("bind");
         let mut tx = a.open(B, key).expect("open");
@@ -1395,14 +1405,7 @@ impl qpmux::mux::Dialer for PanicsOnReleaseDialer {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_that_panics_twice_does_not_end_the_peer_task() {
     let closed = tokio::time::timeout(Duration::from_secs(20), async {
-        let fabric = MemFabric::new(MemConfig::default());
-        let dialer = Arc::new(PanicsOnReleaseDialer {
-            inner: fabric.dialer(A),
-        });
-        let a = Mux::new(MuxConfig::default(), dialer);
-        let b = Mux::new(MuxConfig::default(), fabric.dialer(B));
-        fabric.add(A, a.clone());
-        fabric.add(B, b.clone());
+        let (fabric, a, b) = a_dialing_through(|inner| Arc::new(PanicsOnReleaseDialer { inner }));
         let key = StreamKey::new(7, 3);
         let mut rx = b.bind(key).expect("bind");
         let mut tx = a.open(B, key).expect("open");

@@ -11,7 +11,7 @@ use qpmux::link::tcp::{ConnectError, TcpLink, TcpLinkConfig, TcpNode, TcpNodeCon
 use qpmux::link::{EpochEnd, Link, LinkFault};
 use qpmux::mux::{
     DropReason, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, ProtocolError, SendError,
-    StreamKey, Terminal,
+    SlotSender, StreamKey, Terminal,
 };
 use rand::{Rng, SeedableRng};
 
@@ -1066,6 +1066,19 @@ async fn a_forgotten_peer_is_not_dialled_again_even_by_a_waiting_dial() {
     .await;
 }
 
+/// Sends stream `s`'s records from seq 1 on, a few ms apart, until the
+/// slot ends; what it ended with.
+async fn sent_until_ended(tx: &mut SlotSender, s: u64) -> SendError {
+    let mut seq = 1;
+    loop {
+        if let Err(err) = tx.send(record(s, seq, 64)).await {
+            return err;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        seq += 1;
+    }
+}
+
 /// A stream still waiting for its first link when its peer is forgotten
 /// ends with `Dropped(Unregistered)`: no link will come for it. Before, it
 /// waited (and its peer task asked for a link every second) until its
@@ -1079,15 +1092,10 @@ async fn a_stream_waiting_for_a_forgotten_peer_ends() {
         tx.send(record(1, 0, 64)).await.expect("queued");
         until(|| a_node.stats().dial_failures >= 1).await;
         a_node.forget(B);
-        let mut seq = 1;
-        let ended = loop {
-            match tx.send(record(1, seq, 64)).await {
-                Err(err) => break err,
-                Ok(()) => tokio::time::sleep(Duration::from_millis(5)).await,
-            }
-            seq += 1;
-        };
-        assert_eq!(ended, SendError::Dropped(DropReason::Unregistered));
+        assert_eq!(
+            sent_until_ended(&mut tx, 1).await,
+            SendError::Dropped(DropReason::Unregistered)
+        );
     })
     .await;
 }
@@ -1108,15 +1116,10 @@ async fn a_slot_opened_after_a_forget_is_not_ended_by_it() {
         a_node.register(B, dead);
         let mut after = a.open(B, StreamKey::new(45, 2)).expect("open");
         after.send(record(2, 0, 64)).await.expect("queued");
-        let mut seq = 1;
-        let ended = loop {
-            match before.send(record(1, seq, 64)).await {
-                Err(err) => break err,
-                Ok(()) => tokio::time::sleep(Duration::from_millis(5)).await,
-            }
-            seq += 1;
-        };
-        assert_eq!(ended, SendError::Dropped(DropReason::Unregistered));
+        assert_eq!(
+            sent_until_ended(&mut before, 1).await,
+            SendError::Dropped(DropReason::Unregistered)
+        );
         let still = tokio::time::timeout(Duration::from_millis(300), after.closed()).await;
         assert!(still.is_err(), "the slot opened after the forget ended");
         after.send(record(2, 1, 64)).await.expect("still open");
