@@ -1454,3 +1454,50 @@ async fn a_peer_task_that_keeps_panicking_retires_at_shutdown() {
     .await;
     closed.expect("the restarting task kept the mux from closing");
 }
+
+/// A runtime that goes away mid-epoch drops its peer tasks unfinished; the
+/// links they served end with them, so the peer's slots hear `Dropped`
+/// instead of waiting on a link nobody serves (the fabric still holds it).
+#[test]
+fn a_peer_task_dropped_mid_epoch_ends_its_link() {
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    };
+    let (a_runtime, b_runtime) = (runtime(), runtime());
+    let fabric = MemFabric::new(MemConfig::default());
+    let on = |runtime: &tokio::runtime::Runtime, id| {
+        let _entered = runtime.enter();
+        let mux = Mux::new(MuxConfig::default(), fabric.dialer(id));
+        fabric.add(id, mux.clone());
+        mux
+    };
+    let (a, b) = (on(&a_runtime, A), on(&b_runtime, B));
+    let key = StreamKey::new(7, 9);
+    let mut rx = b.bind(key).expect("bind");
+    let tx = a_runtime.block_on(async {
+        let mut tx = a.open(B, key).expect("open");
+        tx.send(Bytes::from_static(b"before")).await.expect("send");
+        tx
+    });
+    b_runtime.block_on(async {
+        let first = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await;
+        assert_eq!(
+            first.expect("delivered"),
+            Some(Frame::Data(Bytes::from_static(b"before")))
+        );
+    });
+    drop(a_runtime);
+    assert!(fabric.link(A, B).is_some_and(|link| link.is_ended()));
+    b_runtime.block_on(async {
+        let end = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await;
+        assert_eq!(
+            end.expect("the epoch ended at B"),
+            Some(Frame::Dropped(DropReason::EpochEnded { epoch: Epoch(1) }))
+        );
+    });
+    drop(tx);
+}

@@ -3,7 +3,7 @@
 //! Each node's [`Dialer`] asks the fabric for a link; the fabric makes a
 //! pair for the next epoch of that node pair and attaches one end to each mux.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use super::{MemConfig, MemLink, pair};
@@ -16,6 +16,9 @@ struct Nodes {
     muxes: HashMap<PeerId, Mux<MemLink>>,
     links: HashMap<(PeerId, PeerId), MemLink>,
     epochs: HashMap<(PeerId, PeerId), Epoch>,
+    /// `(me, peer)`: `me` unregistered `peer` and has not registered it
+    /// again, so `me`'s dialer does not reach for it.
+    forgotten: HashSet<(PeerId, PeerId)>,
 }
 
 /// Muxes by node id, and the mem link currently joining each pair.
@@ -81,6 +84,14 @@ impl MemFabric {
         Some(epoch)
     }
 
+    /// What node `me`'s dialer asks for: a link to `peer`, unless `me`
+    /// forgot it ([`Node::unregister`]). `peer` may still reach `me`.
+    fn dial(&self, me: PeerId, peer: PeerId) {
+        if !self.nodes().forgotten.contains(&(me, peer)) {
+            self.connect(me, peer);
+        }
+    }
+
     /// Ends the current link between `a` and `b` with `reason` (seen by `a`).
     pub fn kill(&self, a: PeerId, b: PeerId, reason: EpochEnd) -> bool {
         let pair_key = if a < b { (a, b) } else { (b, a) };
@@ -119,7 +130,7 @@ struct FabricDialer {
 impl Dialer for FabricDialer {
     fn want_link(&self, peer: PeerId) {
         if let Some(fabric) = self.fabric.upgrade() {
-            fabric.connect(self.me, peer);
+            fabric.dial(self.me, peer);
         }
     }
 }
@@ -157,11 +168,14 @@ impl Node for MemNode {
         if peer == self.me {
             return Err(RegisterError::Own);
         }
+        self.fabric.nodes().forgotten.remove(&(self.me, peer));
         Ok(peer)
     }
 
     fn unregister(&self, peer: PeerId) {
+        self.fabric.nodes().forgotten.insert((self.me, peer));
         self.fabric.kill(self.me, peer, EpochEnd::Closed);
+        self.mux.forget_peer(peer);
     }
 
     fn shutdown(&self) {

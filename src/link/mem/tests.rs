@@ -224,3 +224,93 @@ async fn a_post_into_an_ended_epoch_keeps_its_credit() {
     ));
     assert_eq!(a.credit_state().held, 2);
 }
+
+mod node {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+
+    use crate::link::Node;
+    use crate::link::mem::MemFabric;
+    use crate::mux::protocol::Epoch;
+    use crate::mux::{
+        DropReason, Frame, MuxConfig, MuxTransport, PeerId, SendError, SlotSender, StreamKey,
+    };
+
+    const A: PeerId = PeerId(1);
+    const B: PeerId = PeerId(2);
+
+    async fn sent_until_ended(tx: &mut SlotSender) -> SendError {
+        loop {
+            if let Err(err) = tx.send(Bytes::from_static(b"more")).await {
+                return err;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// An unregistered peer is not dialled again until it is registered
+    /// again: a slot opened in between waits, and its record goes once the
+    /// peer is back. The live link's slot ends with its epoch.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unregistered_peer_is_not_dialled_until_registered_again() {
+        let bounded = tokio::time::timeout(Duration::from_secs(20), async {
+            let fabric = MemFabric::new(crate::link::mem::MemConfig::default());
+            let a = fabric.node(A, MuxConfig::default());
+            let b = fabric.node(B, MuxConfig::default());
+            let (first, second) = (StreamKey::new(9, 1), StreamKey::new(9, 2));
+            let (mut rx1, mut rx2) = (
+                b.mux().bind(first).expect("bind"),
+                b.mux().bind(second).expect("bind"),
+            );
+            assert_eq!(a.register(&b.address()), Ok(B));
+            let mut tx1 = a.mux().open(B, first).expect("open");
+            tx1.send(Bytes::from_static(b"one")).await.expect("send");
+            assert_eq!(
+                rx1.recv().await,
+                Some(Frame::Data(Bytes::from_static(b"one")))
+            );
+
+            a.unregister(B);
+            assert_eq!(
+                sent_until_ended(&mut tx1).await,
+                SendError::Dropped(DropReason::EpochEnded { epoch: Epoch(1) })
+            );
+            let mut tx2 = a.mux().open(B, second).expect("open");
+            tx2.send(Bytes::from_static(b"two")).await.expect("queued");
+            let waited = tokio::time::timeout(Duration::from_millis(1_500), rx2.recv()).await;
+            assert!(waited.is_err(), "a forgotten peer was dialled: {waited:?}");
+            assert!(fabric.link(A, B).is_some_and(|link| link.is_ended()));
+
+            assert_eq!(a.register(&b.address()), Ok(B));
+            assert_eq!(
+                rx2.recv().await,
+                Some(Frame::Data(Bytes::from_static(b"two")))
+            );
+            assert_eq!(a.mux().epoch(B), Some(Epoch(2)));
+        })
+        .await;
+        bounded.expect("timed out");
+    }
+
+    /// A slot waiting for a link to a peer that is not on the fabric ends
+    /// with `Dropped(Unregistered)` when the peer is unregistered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slot_waiting_for_an_unregistered_peer_ends() {
+        let bounded = tokio::time::timeout(Duration::from_secs(20), async {
+            let fabric = MemFabric::new(crate::link::mem::MemConfig::default());
+            let a = fabric.node(A, MuxConfig::default());
+            let absent = PeerId(77);
+            assert_eq!(a.register(&absent.0.to_be_bytes()), Ok(absent));
+            let mut tx = a.mux().open(absent, StreamKey::new(9, 3)).expect("open");
+            tx.send(Bytes::from_static(b"never")).await.expect("queued");
+            a.unregister(absent);
+            assert_eq!(
+                sent_until_ended(&mut tx).await,
+                SendError::Dropped(DropReason::Unregistered)
+            );
+        })
+        .await;
+        bounded.expect("timed out");
+    }
+}

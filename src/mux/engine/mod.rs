@@ -871,8 +871,9 @@ async fn run_epoch<L: Link>(
     opening: Opening,
     held: Held,
 ) -> (EpochEnd, Held) {
-    // A panic past the epoch's own catch still ends the link, so the
-    // connector, which holds it too, does not count it live.
+    // A panic past the epoch's own catch, or a runtime dropping the task,
+    // still ends the link, so the connector, which holds it too, does not
+    // count it live.
     let mut unfinished = FailUnlessFinished {
         link: &link,
         finished: false,
