@@ -522,3 +522,42 @@ async fn one_stream_between(sender: MuxConfig, receiver: MuxConfig) {
     b_node.register(A, a_node.local_addr());
     slots::late_consumer_stream(&a, A, &b, B, 4).await;
 }
+
+/// Reads one framed handshake message and returns its body.
+async fn message(s: &mut TcpStream) -> Vec<u8> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).await.expect("a message's length");
+    let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut body).await.expect("a message's body");
+    body
+}
+
+/// A second dial from the same process while its first is still finishing
+/// the handshake here is declined as unavailable: the first installs, then
+/// the redial replaces it, so what the peer sent on the first is read out
+/// before the second epoch (it used to be accepted, and the first, installed
+/// last, refused as superseded with what was sent on it).
+#[tokio::test]
+async fn a_dial_while_the_same_processs_last_one_finishes_its_handshake_is_declined() {
+    bounded(async {
+        let (b_node, _b) = node(B, None).await;
+        let (mut first, nonce) = raw(&b_node).await;
+        first
+            .write_all(&hello(V, A, &nonce, 64 * 1024))
+            .await
+            .expect("hello");
+        assert_eq!(message(&mut first).await[0], 2, "the listener's hello");
+        let (mut second, nonce) = raw(&b_node).await;
+        second
+            .write_all(&hello(V, A, &nonce, 64 * 1024))
+            .await
+            .expect("hello");
+        assert_eq!(
+            message(&mut second).await,
+            vec![4, 3],
+            "declined: unavailable"
+        );
+        assert_eq!(b_node.stats().refused, 0, "a decline, not a refusal");
+    })
+    .await;
+}

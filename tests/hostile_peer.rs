@@ -1116,24 +1116,25 @@ async fn a_peer_that_proposes_the_top_epoch_cannot_lock_new_peers_out() {
 }
 
 /// One peer id opens handshakes and never finishes them (the hello, then
-/// silence where the Ready belongs). Each accepted hello has made its
-/// epoch's resources (on RDMA a QP and a receive ring) before it is
-/// answered, so past `MAX_ACCEPTS_PER_PEER` the hello is declined by name,
-/// and an honest peer still gets in.
+/// silence where the Ready belongs), claiming a new incarnation each time
+/// (the same one's second is declined while its first is under way). Each
+/// accepted hello has made its epoch's resources (on RDMA a QP and a
+/// receive ring) before it is answered, so past `MAX_ACCEPTS_PER_PEER` the
+/// hello is declined by name, and an honest peer still gets in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_peer_cannot_hold_more_than_its_share_of_half_done_handshakes() {
     bounded(async {
         let (target_node, target) = tcp_node(TARGET).await;
         let addr = target_node.local_addr();
         let mut stalled = Vec::new();
-        for _ in 0..MAX_ACCEPTS_PER_PEER {
+        for incarnation in 0..MAX_ACCEPTS_PER_PEER as u64 {
             let mut liar = HostileDialer::connect(addr).await;
-            let hello = liar.hello(Some(KEY), EVIL, TARGET);
+            let hello = liar.hello_of(Some(KEY), EVIL, TARGET, incarnation);
             liar.say(&hello).await;
             stalled.push(liar);
         }
         let mut one_more = HostileDialer::connect(addr).await;
-        let hello = one_more.hello(Some(KEY), EVIL, TARGET);
+        let hello = one_more.hello_of(Some(KEY), EVIL, TARGET, MAX_ACCEPTS_PER_PEER as u64);
         one_more.say(&hello).await;
         until(|| target_node.last_refusal().is_some()).await;
         assert_eq!(

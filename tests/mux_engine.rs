@@ -1501,3 +1501,39 @@ fn a_peer_task_dropped_mid_epoch_ends_its_link() {
     });
     drop(tx);
 }
+
+/// A link replaced before the peer task took it up is read out first: what
+/// the peer sent on it is delivered, its streams end, then the newer link
+/// is served (it used to be failed unread).
+#[tokio::test]
+async fn a_link_replaced_before_it_was_served_is_read_out_first() {
+    let outcome = tokio::time::timeout(Duration::from_secs(10), async {
+        let fabric = MemFabric::new(MemConfig::default());
+        let mux = Mux::new(MuxConfig::default(), fabric.dialer(A));
+        let key = StreamKey::new(4, 4);
+        let mut rx = mux.bind(key).expect("bind");
+        let (ours1, theirs1) = pair(Epoch(1), MemConfig::default());
+        let (ours2, _theirs2) = pair(Epoch(2), MemConfig::default());
+        mux.attach(B, ours1);
+        let slot = SlotId::new(0, 0).expect("slot");
+        post_batch(&theirs1, 0, |enc| {
+            enc.push_open(slot, FrameSeq(0), 4, 4).expect("fits");
+            enc.push_data(slot, FrameSeq(1), b"early", false)
+                .expect("fits");
+        })
+        .await;
+        // On this one thread the peer task has not run: link 1 still waits.
+        mux.attach(B, ours2);
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(Bytes::from_static(b"early")))
+        );
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Dropped(DropReason::EpochEnded { epoch: Epoch(1) }))
+        );
+        until(|| mux.epoch(B) == Some(Epoch(2))).await;
+    })
+    .await;
+    outcome.expect("the replaced link's record never came");
+}

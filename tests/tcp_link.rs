@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use qpmux::link::bootstrap::ClusterKey;
 use qpmux::link::tcp::{ConnectError, TcpLink, TcpLinkConfig, TcpNode, TcpNodeConfig};
-use qpmux::link::{EpochEnd, Link, LinkFault};
+use qpmux::link::{EpochEnd, Link, LinkError, LinkFault};
 use qpmux::mux::{
     DropReason, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, ProtocolError, SendError,
     SlotSender, StreamKey, Terminal,
@@ -726,7 +726,8 @@ async fn a_restarted_peer_replaces_a_link_that_still_looks_alive() {
         a_node.register(B, b2_node.local_addr());
         stream(&b2, A, &a, 2, 2).await;
         assert!(old.is_ended(), "the old link was replaced");
-        assert_eq!(old.ended().await, EpochEnd::Replaced);
+        // Cut, not read out: nobody behind it closes it.
+        assert_eq!(old.ended().await, EpochEnd::PeerLost);
         assert_eq!(a.epoch(B), Some(Epoch(2)), "max(0, 1) + 1");
         assert_eq!(a_node.stats().restarts_seen, 1);
         b1.shutdown();
@@ -1189,6 +1190,43 @@ async fn clients_coming_and_going_concurrently_are_all_served() {
         }
         assert_eq!(server_node.stats().refused, 0);
         until(|| server_node.stats().peers_known == 0).await;
+    })
+    .await;
+}
+
+/// A replaced link delivers what its peer sent before closing it: the
+/// reader, stalled on back-pressure with the rest still in the socket, goes
+/// on after the end, and `recv` ends only at the peer's EOF (it used to cut
+/// the socket and return what the inbox held).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_link_delivers_what_its_peer_sent_before_closing() {
+    bounded(async {
+        let config = TcpLinkConfig {
+            recv_batches: 1,
+            ..TcpLinkConfig::default()
+        };
+        let (a, b) = link_pair(&config).await;
+        for i in 0..8u8 {
+            post(&a, &[i; 100]).await;
+        }
+        a.fail(EpochEnd::Closed);
+        until(|| a.stats().batches_sent == 8).await;
+        b.fail(EpochEnd::Replaced);
+        let mut got = Vec::new();
+        let end = loop {
+            match b.recv().await {
+                Ok(batch) => got.push(batch[0]),
+                Err(err) => break err,
+            }
+        };
+        assert_eq!(got, (0..8).collect::<Vec<u8>>());
+        assert_eq!(
+            end,
+            LinkError::Ended {
+                epoch: Epoch(1),
+                reason: EpochEnd::Replaced
+            }
+        );
     })
     .await;
 }

@@ -28,7 +28,9 @@ velo_kinds!(
     epoch_death_reports_what_was_not_written_and_the_next_epoch_works,
     a_send_from_a_thread_outside_the_runtime_reaches_the_peer,
     a_health_check_reports_a_recently_lost_epoch_once,
-    a_lost_epoch_that_carried_no_message_is_not_reported
+    a_lost_epoch_that_carried_no_message_is_not_reported,
+    sends_racing_a_shutdown_are_each_delivered_or_reported_once,
+    sends_racing_unregister_and_register_are_each_delivered_or_reported_once
 );
 
 struct End<N: Node> {
@@ -895,4 +897,125 @@ async fn a_restarted_peer_survives_the_old_instance_being_unregistered() {
         .expect("delivered");
     assert_eq!(&got.payload[..], b"still here");
     assert_eq!(errors.count(), 0);
+}
+
+/// Sends `THREADS` × `EACH` frames, each payload its own, from threads
+/// outside the runtime while `meanwhile` runs; then every frame must reach
+/// `b` or be reported, exactly once and never both.
+async fn each_delivered_or_reported_once<N: Node>(
+    a: &Arc<End<N>>,
+    b: &End<N>,
+    meanwhile: impl std::future::Future<Output = ()>,
+) {
+    const THREADS: u32 = 4;
+    const EACH: u32 = 400;
+    let errors = Arc::new(Errors::default());
+    let senders: Vec<_> = (0..THREADS)
+        .map(|thread| {
+            let (a, errors, to) = (a.clone(), errors.clone(), b.id);
+            std::thread::spawn(move || {
+                for i in 0..EACH {
+                    let body = (thread * EACH + i).to_be_bytes();
+                    drop(send(&a, to, MessageType::Message, &body, &errors));
+                    if i % 16 == 0 {
+                        std::thread::yield_now();
+                    }
+                }
+            })
+        })
+        .collect();
+    meanwhile.await;
+    until("the senders finish", || {
+        senders.iter().all(|s| s.is_finished())
+    })
+    .await;
+    for sender in senders {
+        sender.join().expect("a sender panicked");
+    }
+    let mut delivered = std::collections::HashSet::new();
+    let total = (THREADS * EACH) as usize;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        for message in b.streams.message_stream.drain() {
+            assert!(delivered.insert(message.payload), "delivered twice");
+        }
+        if delivered.len() + errors.count() >= total {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            let reported = errors.reported();
+            let missing: Vec<u32> = (0..total as u32)
+                .filter(|n| {
+                    let body = Bytes::copy_from_slice(&n.to_be_bytes());
+                    !delivered.contains(&body) && !reported.contains(&body)
+                })
+                .collect();
+            panic!(
+                "delivered {} reported {} of {total}; neither: {missing:?}\nA {:?}\nB {:?}",
+                delivered.len(),
+                reported.len(),
+                a.transport.node().mux().stats(),
+                b.transport.node().mux().stats(),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for message in b.streams.message_stream.drain() {
+        assert!(delivered.insert(message.payload), "delivered twice");
+    }
+    assert_eq!(errors.twice(), 0, "a frame reported twice");
+    let reported = errors.reported();
+    assert_eq!(
+        delivered.intersection(&reported).count(),
+        0,
+        "a frame delivered and reported"
+    );
+    assert_eq!(
+        delivered.len() + reported.len(),
+        total,
+        "a frame lost silently"
+    );
+}
+
+/// Two ends, A's message channel short (8) so that sends queue in its gate.
+async fn racing_pair<K: Kind>() -> (K, Arc<End<K::Node>>, End<K::Node>) {
+    let kind = K::new(Shape::Default);
+    let config = VeloConfig {
+        message_channel: 8,
+        ..VeloConfig::default()
+    };
+    let a = Arc::new(end_on(kind.node(1).await, config).await);
+    let b = end_on(kind.node(2).await, VeloConfig::default()).await;
+    a.transport.register(info(&b)).expect("registers");
+    (kind, a, b)
+}
+
+/// Senders on four threads race a shutdown of their transport.
+async fn sends_racing_a_shutdown_are_each_delivered_or_reported_once<K: Kind>() {
+    let (_kind, a, b) = racing_pair::<K>().await;
+    let racing = async {
+        until("some frames arrive", || {
+            b.streams.message_stream.len() >= 50
+        })
+        .await;
+        a.transport.shutdown();
+    };
+    each_delivered_or_reported_once(&a, &b, racing).await;
+    a.transport.closed().await;
+}
+
+/// Senders on four threads race the peer being unregistered and registered
+/// again, twenty times over.
+async fn sends_racing_unregister_and_register_are_each_delivered_or_reported_once<K: Kind>() {
+    let (_kind, a, b) = racing_pair::<K>().await;
+    let churn = async {
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_millis(3)).await;
+            a.transport.unregister(b.id);
+            tokio::task::yield_now().await;
+            a.transport.register(info(&b)).expect("registers again");
+        }
+    };
+    each_delivered_or_reported_once(&a, &b, churn).await;
 }

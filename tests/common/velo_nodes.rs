@@ -315,6 +315,11 @@ impl Errors {
     pub fn twice(&self) -> usize {
         self.twice.load(Ordering::SeqCst)
     }
+
+    /// The payloads reported so far.
+    pub fn reported(&self) -> std::collections::HashSet<Bytes> {
+        self.seen.lock().expect("lock").clone()
+    }
 }
 
 /// Consumes a `u32` anchor stream up to its `Finalized`.

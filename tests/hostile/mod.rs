@@ -557,16 +557,35 @@ impl HostileDialer {
     /// The hello a real dialer `me` with `key` would send to `to` on this
     /// connection (its MAC is under `key`, whatever the listener's is).
     pub fn hello(&self, key: Option<&[u8]>, me: PeerId, to: PeerId) -> Vec<u8> {
-        let mut hs = self.handshake(key, me, to, Epoch::default());
+        self.hello_of(key, me, to, 7)
+    }
+
+    /// [`HostileDialer::hello`] from process incarnation `incarnation` (a
+    /// liar may claim a restart on every connection).
+    pub fn hello_of(
+        &self,
+        key: Option<&[u8]>,
+        me: PeerId,
+        to: PeerId,
+        incarnation: u64,
+    ) -> Vec<u8> {
+        let mut hs = self.handshake(key, me, to, Epoch::default(), incarnation);
         hs.poll_transmit().expect("the hello")
     }
 
     /// A real dialer's handshake machine on this connection, its hello (which
     /// proposes `proposed`) queued.
-    fn handshake(&self, key: Option<&[u8]>, me: PeerId, to: PeerId, proposed: Epoch) -> Handshake {
+    fn handshake(
+        &self,
+        key: Option<&[u8]>,
+        me: PeerId,
+        to: PeerId,
+        proposed: Epoch,
+        incarnation: u64,
+    ) -> Handshake {
         let fields = HelloFields {
             node: me,
-            incarnation: 7,
+            incarnation,
             proposed,
             endpoint: Endpoint::Tcp(TcpEndpoint { max_batch: 65536 }),
             slot_window: 256 * 1024,
@@ -591,7 +610,7 @@ impl HostileDialer {
         to: PeerId,
         proposed: Epoch,
     ) -> Result<(Epoch, TcpStream), BootstrapError> {
-        let mut hs = self.handshake(key, me, to, proposed);
+        let mut hs = self.handshake(key, me, to, proposed, 7);
         let mut buf = [0u8; 1024];
         loop {
             if let Some(out) = hs.poll_transmit() {

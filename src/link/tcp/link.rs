@@ -6,6 +6,7 @@
 //!  recv() ◄─ inbox ◄─ reader task ◄─ read len|batch ◄─ socket   (stops while `recv_batches` are held)
 //!  fail() / socket error / EOF ─► ended (first reason wins) ─► shutdown(Both)
 //!  graceful end ─► writer flushes, shutdown(Write); reader reads out to EOF
+//!  replaced ─► writer flushes, shutdown(Write); reader delivers to EOF, then recv() ends
 //! ```
 //!
 //! TCP does its own flow control, so a link credit is a free send buffer and
@@ -88,6 +89,10 @@ struct State {
     /// The reader stopped for back-pressure and waits for a batch to drop.
     reader_stalled: bool,
     ended: Option<EpochEnd>,
+    /// Past it, a replaced link stops waiting for the peer's EOF.
+    read_out_until: Option<tokio::time::Instant>,
+    /// The reader task is gone: after a `Replaced` end, `recv` ends only then.
+    reader_done: bool,
     batches_sent: u64,
     batches_received: u64,
 }
@@ -140,8 +145,11 @@ impl Inner {
             return;
         }
         state.ended = Some(reason);
+        if reason == EpochEnd::Replaced {
+            state.read_out_until = Some(tokio::time::Instant::now() + FLUSH_GRACE * 2);
+        }
         drop(state);
-        if !graceful(reason) {
+        if !flushes(reason) {
             self.shutdown_socket();
         }
         self.wake_send.notify_waiters();
@@ -173,6 +181,20 @@ impl Inner {
     fn closing_gracefully(&self) -> bool {
         self.lock().ended.is_some_and(graceful)
     }
+}
+
+/// Whether the writer flushes what was posted before it sends its FIN: a
+/// graceful end, or a replaced link, whose peer moved on to a newer epoch and
+/// closes this one after its own flush (docs/design.md § "A replaced link
+/// delivers what its peer sent").
+fn flushes(reason: EpochEnd) -> bool {
+    graceful(reason) || delivers_read_out(reason)
+}
+
+/// Whether the reader goes on delivering batches after the end, up to the
+/// peer's EOF (bounded by `read_out_until`).
+fn delivers_read_out(reason: EpochEnd) -> bool {
+    reason == EpochEnd::Replaced
 }
 
 fn graceful(reason: EpochEnd) -> bool {
@@ -328,7 +350,18 @@ pub(crate) fn configure(stream: &TcpStream, config: &TcpLinkConfig) -> io::Resul
     Ok(())
 }
 
+/// Marks the reader gone however its task ends (returned, unwound, dropped).
+struct ReaderDone(Arc<Inner>);
+
+impl Drop for ReaderDone {
+    fn drop(&mut self) {
+        self.0.lock().reader_done = true;
+        self.0.wake_recv.notify_waiters();
+    }
+}
+
 async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
+    let _done = ReaderDone(inner.clone());
     let mut rd = BufReader::with_capacity(64 * 1024, std::io::Cursor::new(prefix).chain(rd));
     let reason = loop {
         // Back-pressure: stop reading while the consumer holds enough. The
@@ -336,23 +369,28 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
         // permit if we are not waiting yet, so no waiter is registered
         // before the check (a stale permit costs one more look).
         loop {
-            let (ended, stalled) = {
+            let (cut, stalled) = {
                 let mut state = inner.lock();
                 let stalled = state.inbox.len() + state.held >= inner.recv_batches;
                 state.reader_stalled = stalled;
-                (state.ended.is_some(), stalled)
+                (state.ended.is_some_and(|r| !delivers_read_out(r)), stalled)
             };
-            if ended {
+            if cut {
                 return read_out_close(&inner, &mut rd).await;
             }
             if !stalled {
                 break;
             }
-            inner.reader.notified().await;
+            tokio::select! {
+                () = inner.reader.notified() => {}
+                () = until_cut(&inner) => return read_out_close(&inner, &mut rd).await,
+            }
         }
+        // A replaced link's read is not cancelled: what the peer sent before
+        // its EOF is delivered, and a frame cut in half would be lost.
         let read = tokio::select! {
             read = read_batch(&mut rd, inner.recv_max) => read,
-            () = wait_ended(&inner) => return read_out_close(&inner, &mut rd).await,
+            () = until_cut(&inner) => return read_out_close(&inner, &mut rd).await,
         };
         match read {
             Ok(Some(batch)) => {
@@ -366,7 +404,7 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
                 );
                 let delivered = {
                     let mut state = inner.lock();
-                    let open = state.ended.is_none();
+                    let open = state.ended.is_none_or(delivers_read_out);
                     if open {
                         state.inbox.push_back(batch);
                         state.batches_received += 1;
@@ -396,8 +434,12 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
 /// resets a connection that receives data after `shutdown(SHUT_RD)`, or is
 /// closed with data unread, and purges what our flush left in the send
 /// queue; a peer returning credit for the drain it reads would cut its tail.
+/// A replaced link that got here waited its time for the peer's EOF: cut.
 async fn read_out_close<R: tokio::io::AsyncRead + Unpin>(inner: &Inner, rd: &mut R) {
     if !inner.closing_gracefully() {
+        if inner.lock().ended == Some(EpochEnd::Replaced) {
+            inner.shutdown_socket();
+        }
         return;
     }
     let mut scratch = vec![0u8; 16 * 1024];
@@ -436,15 +478,24 @@ async fn read_batch<R: tokio::io::AsyncBufRead + Unpin>(
     Ok(Some(batch))
 }
 
-async fn wait_ended(inner: &Inner) {
-    loop {
+/// Resolves once the reader must stop: the epoch ended, and for a replaced
+/// link, once its time to read out has passed too.
+async fn until_cut(inner: &Inner) {
+    let read_out_until = loop {
         let notified = inner.wake_end.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        if inner.lock().ended.is_some() {
-            return;
+        let (ended, read_out_until) = {
+            let state = inner.lock();
+            (state.ended.is_some(), state.read_out_until)
+        };
+        if ended {
+            break read_out_until;
         }
         notified.await;
+    };
+    if let Some(deadline) = read_out_until {
+        tokio::time::sleep_until(deadline).await;
     }
 }
 
@@ -458,7 +509,7 @@ async fn write_loop(inner: Arc<Inner>) {
             let ended = state.ended;
             let n = state.queue.len().min(WRITE_BATCHES);
             let work: Vec<Queued> = match ended {
-                Some(reason) if !graceful(reason) => Vec::new(),
+                Some(reason) if !flushes(reason) => Vec::new(),
                 Some(_) | None => state.queue.drain(..n).collect(),
             };
             state.writer_busy = !work.is_empty();
@@ -466,7 +517,7 @@ async fn write_loop(inner: Arc<Inner>) {
         };
         if work.is_empty() {
             if let Some(reason) = ended {
-                if graceful(reason) {
+                if flushes(reason) {
                     // Flushed: send our FIN and let the reader take the
                     // peer's last bytes (`read_out_close`).
                     inner.shutdown(Shutdown::Write);
@@ -735,7 +786,8 @@ impl Link for TcpLink {
                         inner: inner.clone(),
                     });
                 }
-                if let Some(err) = inner.ended_error(&state) {
+                let reading_out = state.ended.is_some_and(delivers_read_out) && !state.reader_done;
+                if let Some(err) = inner.ended_error(&state).filter(|_| !reading_out) {
                     return Err(err);
                 }
             }

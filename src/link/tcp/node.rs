@@ -19,8 +19,10 @@
 //! floor under every peer's next. Crossed dials settle on the connection
 //! dialed by the lower node id: a listener declines a higher-id dialer while
 //! it is connecting to that peer itself (not while it only waits out a
-//! backoff), and declines any dial proposing an epoch older than the running
-//! one (it predates it). Declines are not errors. Backoff rule:
+//! backoff), declines any dial proposing an epoch older than the running
+//! one (it predates it), and declines a process whose previous handshake here
+//! is still under way (that one installs first). Declines are not errors.
+//! Backoff rule:
 //! docs/design.md § "Redial backoff"; the table's bounds: § "A peer counts
 //! against `max_peers` while anything of it is kept".
 
@@ -415,6 +417,9 @@ struct PeerState<L> {
     addr: Option<SocketAddr>,
     dial: Dial,
     accepting: usize,
+    /// The incarnation of the last handshake accepted (while `accepting`
+    /// counts it, the one still to be installed).
+    accepting_from: Option<u64>,
     /// The mux asked for a link while an accepted handshake was under way,
     /// or while it still judged the last link, so no dial went: the accept
     /// that ends last without a link dials, or the mux's release of the link.
@@ -436,6 +441,7 @@ impl<L> Default for PeerState<L> {
             addr: None,
             dial: Dial::Idle,
             accepting: 0,
+            accepting_from: None,
             wanted: false,
             last_epoch: Epoch::default(),
             floor_claim: Epoch::default(),
@@ -1269,7 +1275,8 @@ fn install<E: EpochMaker>(
         .epochs
         .finish(armed, stream, prefix, established.epoch)?;
     let incarnation = established.peer.incarnation;
-    if state.incarnation.is_some_and(|known| known != incarnation) {
+    let restarted = state.incarnation.is_some_and(|known| known != incarnation);
+    if restarted {
         bump(&inner.counters.restarts_seen);
         tracing::info!(?peer, "peer restarted (new incarnation)");
     }
@@ -1277,7 +1284,14 @@ fn install<E: EpochMaker>(
     state.last_epoch = established.epoch;
     state.floor_claim = Epoch(state.floor_claim.0.saturating_add(1));
     if let Some(old) = state.current.replace(link.clone()) {
-        old.fail(EpochEnd::Replaced);
+        // The same process moved on: it closes the old link after its flush,
+        // and what it sent there is read out. A restarted one's old link
+        // has nobody behind it: cut now.
+        old.fail(if restarted {
+            EpochEnd::PeerLost
+        } else {
+            EpochEnd::Replaced
+        });
     }
     state.wanted = false;
     if let Side::Accepted(counted) = side {
@@ -1495,6 +1509,14 @@ fn decide<E: EpochMaker>(
     {
         return Err((DeclineReason::StaleDial, None));
     }
+    if state.accepting > 0 && state.accepting_from == Some(hello.incarnation) {
+        // An earlier connection of the same process still finishes its
+        // handshake here, and the peer may already send on it: it installs
+        // first, and this dial, asked again, replaces it, so what was sent
+        // there is read out before this epoch (docs/design.md § "A replaced
+        // link delivers what its peer sent").
+        return Err((DeclineReason::Unavailable, None));
+    }
     if state.accepting >= MAX_ACCEPTS_PER_PEER {
         bump(&inner.counters.peer_limit_refusals);
         return Err((
@@ -1506,6 +1528,7 @@ fn decide<E: EpochMaker>(
         ));
     }
     state.accepting += 1;
+    state.accepting_from = Some(hello.incarnation);
     Ok(state.last_epoch)
 }
 

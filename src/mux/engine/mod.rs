@@ -4,8 +4,8 @@
 //! ```text
 //!  Mux::open / bind / flush ──► PeerControl (coalesced) ──wake──┐
 //!  Mux::attach(peer, link) ──► PeerEntry.incoming ──────────────┤
-//!                                                               ▼
-//!                     peer task: loop { wait for a link; run_epoch(link); fail_all }
+//!      (the link it replaces, unserved ──► PeerEntry.superseded) ▼
+//!                     peer task: loop { wait for a link; read out superseded; run_epoch(link); fail_all }
 //!                     run_epoch:  select { recv → handle_batch
 //!                                          | wake → handle_control (→ poll_batch → post, room permitting)
 //!                                          | reserve (if the gate says) → poll_batch → post
@@ -21,7 +21,7 @@ mod error;
 pub mod fuzzing;
 mod held;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
@@ -54,6 +54,9 @@ const RESTART_MIN: Duration = Duration::from_millis(1);
 const RESTART_MAX: Duration = Duration::from_secs(1);
 /// Registry entries (bound or opened streams) per node.
 const MAX_REGISTRY_ENTRIES: usize = 1 << 20;
+/// Links replaced before the peer task served them, kept to read out (the
+/// oldest goes unread past this).
+const SUPERSEDED_MAX: usize = 4;
 
 /// Brings links up on the mux's behalf.
 pub trait Dialer: Send + Sync + 'static {
@@ -78,6 +81,10 @@ struct PeerEntry<L> {
     /// The outbound message channel for the current (or next) epoch.
     messages: Mutex<Option<flume::Receiver<OutboundMessage>>>,
     incoming: Mutex<Option<(L, Opening)>>,
+    /// Links a newer one replaced in `incoming` before the task took them up,
+    /// oldest first: read out before the newest is served (docs/design.md §
+    /// "A replaced link delivers what its peer sent").
+    superseded: Mutex<VecDeque<(L, Opening)>>,
     link_arrived: Notify,
     epoch: Mutex<Option<Epoch>>,
     /// The last epoch this mux ended over the peer's protocol violation.
@@ -259,10 +266,18 @@ impl<L: Link> Mux<L> {
         *handed = (*handed).max(Some(link.epoch()));
         drop(handed);
         let previous = lock(&entry.incoming).replace((link, opening));
-        drop(control);
-        if let Some((stale, _)) = previous {
+        if let Some((stale, opening)) = previous {
+            // Ended (its read-out waits for that) and kept under the control
+            // lock with the replace, so the task that takes up the newer link
+            // finds the older one here.
             stale.fail(EpochEnd::Replaced);
+            let mut superseded = lock(&entry.superseded);
+            if superseded.len() == SUPERSEDED_MAX {
+                superseded.pop_front();
+            }
+            superseded.push_back((stale, opening));
         }
+        drop(control);
         entry.link_arrived.notify_one();
         Ok(())
     }
@@ -452,6 +467,7 @@ impl<L: Link> Mux<L> {
             )),
             messages: Mutex::new(None),
             incoming: Mutex::new(None),
+            superseded: Mutex::new(VecDeque::new()),
             link_arrived: Notify::new(),
             epoch: Mutex::new(None),
             violated_in: Mutex::new(None),
@@ -603,6 +619,13 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
         if let Some(at) = died.take() {
             shared.counters.record_reconnect(at.elapsed());
         }
+        let superseded: Vec<_> = lock(&entry.superseded).drain(..).collect();
+        for (old, opening) in superseded {
+            let span = tracing::debug_span!("epoch", ?peer, epoch = %old.epoch());
+            (_, *held) = run_epoch(&shared, &entry, old, opening, held.clone(), Serve::ReadOut)
+                .instrument(span)
+                .await;
+        }
         let epoch = link.epoch();
         let span = tracing::debug_span!("epoch", ?peer, %epoch);
         // Instrumented, not entered: a guard held across an await leaks the
@@ -613,7 +636,7 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
         // what was held before this epoch, not nothing (it misses slots
         // closed during the epoch, and counts bytes read meanwhile until
         // their slots finish).
-        (end, *held) = run_epoch(&shared, &entry, link, opening, held.clone())
+        (end, *held) = run_epoch(&shared, &entry, link, opening, held.clone(), Serve::Whole)
             .instrument(span)
             .await;
         tracing::debug!(?peer, %epoch, %end, "epoch ended");
@@ -690,6 +713,16 @@ async fn wait_for_link<L: Link>(
             _ = shutdown => {}
         }
     }
+}
+
+/// How much of an epoch the peer task runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Serve {
+    /// Its whole life: our slots and messages go out on it.
+    Whole,
+    /// A link replaced before it was taken up: only what the peer already
+    /// sent on it is delivered, then its slots end.
+    ReadOut,
 }
 
 /// Fails the link it holds if dropped before the epoch finished: a future
@@ -814,6 +847,7 @@ fn retire<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, force: bool) -> boo
     if let Some((link, _)) = lock(&entry.incoming).take() {
         link.fail(EpochEnd::Shutdown);
     }
+    lock(&entry.superseded).clear();
     true
 }
 
@@ -870,6 +904,7 @@ async fn run_epoch<L: Link>(
     link: L,
     opening: Opening,
     held: Held,
+    serve: Serve,
 ) -> (EpochEnd, Held) {
     // A panic past the epoch's own catch, or a runtime dropping the task,
     // still ends the link, so the connector, which holds it too, does not
@@ -890,10 +925,18 @@ async fn run_epoch<L: Link>(
     core.set_peer_terms(opening.theirs, opening.granted, Instant::now());
     *lock(&entry.epoch) = Some(link.epoch());
     core.set_sink(shared.sink.clone());
-    core.handle_control(Instant::now());
-    let mut messages: Option<flume::Receiver<OutboundMessage>> = lock(&entry.messages).take();
+    // A link read out only takes none of our slots or messages: they wait
+    // for the link that replaced it.
+    let mut messages: Option<flume::Receiver<OutboundMessage>> = None;
+    if serve == Serve::Whole {
+        core.handle_control(Instant::now());
+        messages = lock(&entry.messages).take();
+    }
     let served = CatchPanic(Box::pin(async {
-        let end = serve_epoch(shared, entry, &link, &mut core, &mut messages).await;
+        let end = match serve {
+            Serve::Whole => serve_epoch(shared, entry, &link, &mut core, &mut messages).await,
+            Serve::ReadOut => EpochEnd::Replaced,
+        };
         if let EpochEnd::Violation(violation) = end {
             *lock(&entry.violated_in) = Some(core.epoch());
             Counters::add(&shared.counters.protocol_violations, 1);
