@@ -1514,7 +1514,6 @@ async fn a_link_replaced_before_it_was_served_is_read_out_first() {
         let mut rx = mux.bind(key).expect("bind");
         let (ours1, theirs1) = pair(Epoch(1), MemConfig::default());
         let (ours2, _theirs2) = pair(Epoch(2), MemConfig::default());
-        mux.attach(B, ours1);
         let slot = SlotId::new(0, 0).expect("slot");
         post_batch(&theirs1, 0, |enc| {
             enc.push_open(slot, FrameSeq(0), 4, 4).expect("fits");
@@ -1522,7 +1521,8 @@ async fn a_link_replaced_before_it_was_served_is_read_out_first() {
                 .expect("fits");
         })
         .await;
-        // On this one thread the peer task has not run: link 1 still waits.
+        // Link 2 comes before the peer task can run (no await between).
+        mux.attach(B, ours1);
         mux.attach(B, ours2);
         assert_eq!(
             rx.recv().await,

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use qpmux::link::bootstrap::ClusterKey;
-use qpmux::link::tcp::{ConnectError, TcpLink, TcpLinkConfig, TcpNode, TcpNodeConfig};
+use qpmux::link::tcp::{
+    ConnectError, ReadOutBudget, TcpLink, TcpLinkConfig, TcpNode, TcpNodeConfig,
+};
 use qpmux::link::{EpochEnd, Link, LinkError, LinkFault};
 use qpmux::mux::{
     DropReason, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, ProtocolError, SendError,
@@ -1227,6 +1229,90 @@ async fn a_replaced_link_delivers_what_its_peer_sent_before_closing() {
                 reason: EpochEnd::Replaced
             }
         );
+    })
+    .await;
+}
+
+/// Every batch `link` returns until its end, or until `within` passes.
+async fn read_until_end(link: &TcpLink, within: Duration) -> (Vec<u8>, Option<LinkError>) {
+    let mut got = Vec::new();
+    let end = tokio::time::timeout(within, async {
+        loop {
+            match link.recv().await {
+                Ok(batch) => got.push(batch[0]),
+                Err(err) => break err,
+            }
+        }
+    })
+    .await
+    .ok();
+    (got, end)
+}
+
+/// A link whose peer is a raw socket that has written four framed batches
+/// (first bytes 0..4) and then neither reads nor closes.
+async fn link_beside_a_silent_peer(config: &TcpLinkConfig) -> (TcpLink, tokio::net::TcpStream) {
+    let listener = tokio::net::TcpListener::bind(any_port())
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (dialed, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+    let mut raw = dialed.expect("connect");
+    let link = TcpLink::new(
+        accepted.expect("accept").0,
+        Vec::new(),
+        Epoch(1),
+        config,
+        256,
+    )
+    .expect("link");
+    for i in 0..4u8 {
+        let mut frame = 100u32.to_be_bytes().to_vec();
+        frame.extend_from_slice(&[i; 100]);
+        tokio::io::AsyncWriteExt::write_all(&mut raw, &frame)
+            .await
+            .expect("write");
+    }
+    (link, raw)
+}
+
+/// Replaced links read out within their node's budget. Past it one is cut
+/// at once, as before read-outs, so a peer that never closes its old
+/// connections holds no more sockets open than the budget; a fault cuts a
+/// read-out short, and its share of the budget comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replaced_links_past_the_read_out_budget_are_cut() {
+    bounded(async {
+        let config = TcpLinkConfig {
+            recv_batches: 1,
+            read_outs: ReadOutBudget::new(1),
+            ..TcpLinkConfig::default()
+        };
+        let (b1, _silent1) = link_beside_a_silent_peer(&config).await;
+        let (b2, _silent2) = link_beside_a_silent_peer(&config).await;
+        // Neither peer closes: b1 reads out, b2 finds no budget left.
+        b1.fail(EpochEnd::Replaced);
+        b2.fail(EpochEnd::Replaced);
+        let (cut, end) = read_until_end(&b2, Duration::from_secs(2)).await;
+        assert!(cut.len() < 4, "read out past the budget: {cut:?}");
+        assert!(end.is_some(), "the link past the budget was not cut");
+        for i in 0..4u8 {
+            assert_eq!(b1.recv().await.expect("read out")[0], i);
+        }
+        // A fault cuts the read-out before its deadline.
+        b1.fail(EpochEnd::Fault(LinkFault::Injected));
+        let (rest, end) = read_until_end(&b1, Duration::from_secs(2)).await;
+        assert_eq!((rest, end.is_some()), (Vec::new(), true));
+        // Its share came back: the next replaced link reads out.
+        let (a3, b3) = link_pair(&config).await;
+        for i in 0..4u8 {
+            post(&a3, &[i; 100]).await;
+        }
+        until(|| a3.stats().batches_sent == 4).await;
+        b3.fail(EpochEnd::Replaced);
+        a3.fail(EpochEnd::Closed);
+        let (all, end) = read_until_end(&b3, Duration::from_secs(10)).await;
+        assert_eq!((all, end.is_some()), ((0..4).collect(), true));
     })
     .await;
 }

@@ -17,6 +17,7 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::net::{Shutdown, SocketAddr};
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -49,6 +50,48 @@ pub struct TcpLinkConfig {
     /// `TCP_USER_TIMEOUT` (Linux): unacknowledged data older than this kills
     /// the connection. Default 5 s.
     pub user_timeout: Option<Duration>,
+    /// How many replaced links made with this config (one node's) may read
+    /// out at once. Default 16.
+    pub read_outs: ReadOutBudget,
+}
+
+/// Replaced links that may read out at once, shared by the clones of one
+/// [`TcpLinkConfig`]. Past it a replaced link is cut at once, as a fault's
+/// link is: a peer that never closes its old connections cannot pile up
+/// sockets and buffers for 4 s each (docs/design.md § "A replaced link
+/// delivers what its peer sent").
+#[derive(Clone, Debug)]
+pub struct ReadOutBudget {
+    in_use: Arc<AtomicUsize>,
+    max: usize,
+}
+
+impl ReadOutBudget {
+    /// A budget of `max` read-outs at once (0: every replaced link is cut).
+    pub fn new(max: usize) -> ReadOutBudget {
+        ReadOutBudget {
+            in_use: Arc::new(AtomicUsize::new(0)),
+            max,
+        }
+    }
+
+    fn try_take(&self) -> bool {
+        self.in_use
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self) {
+        self.in_use.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Default for ReadOutBudget {
+    fn default() -> Self {
+        ReadOutBudget::new(16)
+    }
 }
 
 impl Default for TcpLinkConfig {
@@ -59,6 +102,7 @@ impl Default for TcpLinkConfig {
             recv_batches: 16,
             keepalive: Some(Duration::from_secs(1)),
             user_timeout: Some(Duration::from_secs(5)),
+            read_outs: ReadOutBudget::default(),
         }
     }
 }
@@ -89,6 +133,9 @@ struct State {
     /// The reader stopped for back-pressure and waits for a batch to drop.
     reader_stalled: bool,
     ended: Option<EpochEnd>,
+    /// Replaced, with a read-out from the budget: the writer flushes and the
+    /// reader delivers until the peer's EOF or `read_out_until`.
+    reading_out: bool,
     /// Past it, a replaced link stops waiting for the peer's EOF.
     read_out_until: Option<tokio::time::Instant>,
     /// The reader task is gone: after a `Replaced` end, `recv` ends only then.
@@ -103,6 +150,7 @@ struct Inner {
     send_max: usize,
     recv_max: usize,
     recv_batches: usize,
+    read_outs: ReadOutBudget,
     peer: Option<SocketAddr>,
     socket: Socket,
     /// Written by `post` itself when the writer is idle, else by the writer.
@@ -138,18 +186,36 @@ impl Inner {
     }
 
     /// Ends the epoch (first reason wins). A graceful end lets the writer
-    /// flush what is queued before it shuts the socket; any other shuts now.
+    /// flush what is queued before it shuts the socket, and so does a
+    /// replaced link that gets a read-out; any other shuts now. A fault,
+    /// violation or panic after a replacement cuts its read-out short (the
+    /// mux's own `Replaced`, or the peer's EOF, does not).
     fn end(&self, reason: EpochEnd) {
         let mut state = self.lock();
         if state.ended.is_some() {
+            let now = tokio::time::Instant::now();
+            let fault = matches!(
+                reason,
+                EpochEnd::Fault(_) | EpochEnd::Violation(_) | EpochEnd::Internal
+            );
+            if state.reading_out && fault && state.read_out_until.is_some_and(|until| until > now) {
+                state.read_out_until = Some(now);
+                drop(state);
+                self.shutdown_socket();
+                self.wake_end.notify_waiters();
+            }
             return;
         }
         state.ended = Some(reason);
-        if reason == EpochEnd::Replaced {
+        // A reader already gone (its runtime dropped it) reads nothing out.
+        let reading_out =
+            reason == EpochEnd::Replaced && !state.reader_done && self.read_outs.try_take();
+        if reading_out {
+            state.reading_out = true;
             state.read_out_until = Some(tokio::time::Instant::now() + FLUSH_GRACE * 2);
         }
         drop(state);
-        if !flushes(reason) {
+        if !graceful(reason) && !reading_out {
             self.shutdown_socket();
         }
         self.wake_send.notify_waiters();
@@ -181,20 +247,6 @@ impl Inner {
     fn closing_gracefully(&self) -> bool {
         self.lock().ended.is_some_and(graceful)
     }
-}
-
-/// Whether the writer flushes what was posted before it sends its FIN: a
-/// graceful end, or a replaced link, whose peer moved on to a newer epoch and
-/// closes this one after its own flush (docs/design.md § "A replaced link
-/// delivers what its peer sent").
-fn flushes(reason: EpochEnd) -> bool {
-    graceful(reason) || delivers_read_out(reason)
-}
-
-/// Whether the reader goes on delivering batches after the end, up to the
-/// peer's EOF (bounded by `read_out_until`).
-fn delivers_read_out(reason: EpochEnd) -> bool {
-    reason == EpochEnd::Replaced
 }
 
 fn graceful(reason: EpochEnd) -> bool {
@@ -271,6 +323,7 @@ impl TcpLink {
             send_max,
             recv_max: config.max_batch,
             recv_batches: config.recv_batches.max(1),
+            read_outs: config.read_outs.clone(),
             peer,
             socket,
             wr,
@@ -350,12 +403,20 @@ pub(crate) fn configure(stream: &TcpStream, config: &TcpLinkConfig) -> io::Resul
     Ok(())
 }
 
-/// Marks the reader gone however its task ends (returned, unwound, dropped).
+/// Marks the reader gone however its task ends (returned, unwound,
+/// dropped), and gives back its read-out, if it had one.
 struct ReaderDone(Arc<Inner>);
 
 impl Drop for ReaderDone {
     fn drop(&mut self) {
-        self.0.lock().reader_done = true;
+        let reading_out = {
+            let mut state = self.0.lock();
+            state.reader_done = true;
+            state.reading_out
+        };
+        if reading_out {
+            self.0.read_outs.give_back();
+        }
         self.0.wake_recv.notify_waiters();
     }
 }
@@ -373,7 +434,7 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
                 let mut state = inner.lock();
                 let stalled = state.inbox.len() + state.held >= inner.recv_batches;
                 state.reader_stalled = stalled;
-                (state.ended.is_some_and(|r| !delivers_read_out(r)), stalled)
+                (state.ended.is_some() && !state.reading_out, stalled)
             };
             if cut {
                 return read_out_close(&inner, &mut rd).await;
@@ -404,7 +465,7 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
                 );
                 let delivered = {
                     let mut state = inner.lock();
-                    let open = state.ended.is_none_or(delivers_read_out);
+                    let open = state.ended.is_none() || state.reading_out;
                     if open {
                         state.inbox.push_back(batch);
                         state.batches_received += 1;
@@ -437,7 +498,7 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
 /// A replaced link that got here waited its time for the peer's EOF: cut.
 async fn read_out_close<R: tokio::io::AsyncRead + Unpin>(inner: &Inner, rd: &mut R) {
     if !inner.closing_gracefully() {
-        if inner.lock().ended == Some(EpochEnd::Replaced) {
+        if inner.lock().reading_out {
             inner.shutdown_socket();
         }
         return;
@@ -478,10 +539,11 @@ async fn read_batch<R: tokio::io::AsyncBufRead + Unpin>(
     Ok(Some(batch))
 }
 
-/// Resolves once the reader must stop: the epoch ended, and for a replaced
-/// link, once its time to read out has passed too.
+/// Resolves once the reader must stop: the epoch ended, and for a link
+/// reading out, once its time to read out has passed too (a later fault
+/// brings that forward).
 async fn until_cut(inner: &Inner) {
-    let read_out_until = loop {
+    loop {
         let notified = inner.wake_end.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
@@ -489,13 +551,14 @@ async fn until_cut(inner: &Inner) {
             let state = inner.lock();
             (state.ended.is_some(), state.read_out_until)
         };
-        if ended {
-            break read_out_until;
+        match (ended, read_out_until) {
+            (false, _) => notified.await,
+            (true, None) => return,
+            (true, Some(deadline)) => tokio::select! {
+                () = notified => {}
+                () = tokio::time::sleep_until(deadline) => return,
+            },
         }
-        notified.await;
-    };
-    if let Some(deadline) = read_out_until {
-        tokio::time::sleep_until(deadline).await;
     }
 }
 
@@ -506,18 +569,22 @@ async fn write_loop(inner: Arc<Inner>) {
         notified.as_mut().enable();
         let (work, ended) = {
             let mut state = inner.lock();
-            let ended = state.ended;
+            // Whether to flush: a graceful end, or a replaced link reading
+            // out, whose peer reads it out too.
+            let ended = state
+                .ended
+                .map(|reason| graceful(reason) || state.reading_out);
             let n = state.queue.len().min(WRITE_BATCHES);
             let work: Vec<Queued> = match ended {
-                Some(reason) if !flushes(reason) => Vec::new(),
-                Some(_) | None => state.queue.drain(..n).collect(),
+                Some(false) => Vec::new(),
+                Some(true) | None => state.queue.drain(..n).collect(),
             };
             state.writer_busy = !work.is_empty();
             (work, ended)
         };
         if work.is_empty() {
-            if let Some(reason) = ended {
-                if flushes(reason) {
+            if let Some(flushes) = ended {
+                if flushes {
                     // Flushed: send our FIN and let the reader take the
                     // peer's last bytes (`read_out_close`).
                     inner.shutdown(Shutdown::Write);
@@ -786,7 +853,7 @@ impl Link for TcpLink {
                         inner: inner.clone(),
                     });
                 }
-                let reading_out = state.ended.is_some_and(delivers_read_out) && !state.reader_done;
+                let reading_out = state.reading_out && !state.reader_done;
                 if let Some(err) = inner.ended_error(&state).filter(|_| !reading_out) {
                     return Err(err);
                 }

@@ -17,7 +17,7 @@ mod node;
 mod transport;
 
 pub(crate) use link::configure;
-pub use link::{TcpBatch, TcpLink, TcpLinkConfig, TcpLinkStats, TcpSendBuf};
+pub use link::{ReadOutBudget, TcpBatch, TcpLink, TcpLinkConfig, TcpLinkStats, TcpSendBuf};
 pub use node::{
     ConnectError, Connector, ConnectorConfig, EpochMaker, MAX_ACCEPTS_PER_PEER, NodeStats,
     TcpEpochs, TcpNode, TcpNodeConfig,

@@ -272,8 +272,12 @@ impl<L: Link> Mux<L> {
             // finds the older one here.
             stale.fail(EpochEnd::Replaced);
             let mut superseded = lock(&entry.superseded);
-            if superseded.len() == SUPERSEDED_MAX {
-                superseded.pop_front();
+            if let Some((unread, _)) = (superseded.len() == SUPERSEDED_MAX)
+                .then(|| superseded.pop_front())
+                .flatten()
+            {
+                tracing::debug!(peer = ?entry.control.peer, epoch = %unread.epoch(),
+                    "too many links replaced unserved; the oldest goes unread");
             }
             superseded.push_back((stale, opening));
         }
@@ -612,20 +616,27 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
     // When the last epoch died (not a graceful end): the reconnect clock.
     let mut died: Option<Instant> = None;
     loop {
-        let Some((link, opening)) = wait_for_link(&shared, &entry, held).await else {
+        let Some(((link, opening), superseded)) = wait_for_link(&shared, &entry, held).await else {
             tracing::debug!(?peer, "mux peer task retired");
             return;
         };
         if let Some(at) = died.take() {
             shared.counters.record_reconnect(at.elapsed());
         }
-        let superseded: Vec<_> = lock(&entry.superseded).drain(..).collect();
+        // Should a read-out panic past its catch, the newest link, which the
+        // connector counts live, is ended too.
+        let mut waiting = FailUnlessFinished {
+            link: &link,
+            finished: false,
+        };
         for (old, opening) in superseded {
             let span = tracing::debug_span!("epoch", ?peer, epoch = %old.epoch());
             (_, *held) = run_epoch(&shared, &entry, old, opening, held.clone(), Serve::ReadOut)
                 .instrument(span)
                 .await;
         }
+        waiting.finished = true;
+        drop(waiting);
         let epoch = link.epoch();
         let span = tracing::debug_span!("epoch", ?peer, %epoch);
         // Instrumented, not entered: a guard held across an await leaks the
@@ -648,14 +659,15 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
 }
 
 /// Waits for the next link, keeping count of what consumers take from the
-/// peer's closed streams meanwhile. Returns `None` when the task should
-/// retire: never while those streams hold the peer's data (unless shutting
-/// down), since the count would go with it.
+/// peer's closed streams meanwhile. Returns it with the links it replaced
+/// unserved, oldest first, to read out before it. Returns `None` when the
+/// task should retire: never while those streams hold the peer's data
+/// (unless shutting down), since the count would go with it.
 async fn wait_for_link<L: Link>(
     shared: &Shared<L>,
     entry: &PeerEntry<L>,
     held: &mut Held,
-) -> Option<(L, Opening)> {
+) -> Option<Taken<L>> {
     let peer = entry.control.peer;
     let mut idle_since = Instant::now();
     let mut drain_until: Option<Instant> = None;
@@ -678,8 +690,15 @@ async fn wait_for_link<L: Link>(
                 return None;
             }
         }
-        if let Some(incoming) = lock(&entry.incoming).take() {
-            return Some(incoming);
+        // Both under the control lock, as `hand_over` stores them: a link
+        // installed meanwhile is not read out before the one taken here.
+        let taken = {
+            let _control = entry.control.state();
+            let incoming = lock(&entry.incoming).take();
+            incoming.map(|link| (link, lock(&entry.superseded).drain(..).collect()))
+        };
+        if taken.is_some() {
+            return taken;
         }
         let visited = std::mem::take(&mut entry.control.state().dirty_rx);
         for rx in visited {
@@ -714,6 +733,9 @@ async fn wait_for_link<L: Link>(
         }
     }
 }
+
+/// The next link, and the links it replaced before they were served.
+type Taken<L> = ((L, Opening), Vec<(L, Opening)>);
 
 /// How much of an epoch the peer task runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1000,7 +1022,8 @@ async fn run_epoch<L: Link>(
         EpochEnd::PeerClosed => core.goodbye_received(),
         _ => false,
     };
-    if !graceful && core.carried_messages() {
+    // A read-out delivers up to the peer's close: nothing of ours rode it.
+    if !graceful && serve == Serve::Whole && core.carried_messages() {
         let mut losses = lock(&entry.epochs_lost);
         losses.count += 1;
         losses.last = Some(std::time::Instant::now());
