@@ -1537,3 +1537,34 @@ async fn a_link_replaced_before_it_was_served_is_read_out_first() {
     .await;
     outcome.expect("the replaced link's record never came");
 }
+
+/// A link handed over but not yet served has its grant left out of the
+/// next hello's credit: two links that arrive before the peer task runs
+/// cannot each be granted the whole window (the first is read out too).
+/// Every grant comes back once both epochs are over.
+#[tokio::test]
+async fn a_grant_to_a_link_not_yet_served_is_left_out_of_the_next() {
+    let outcome = tokio::time::timeout(Duration::from_secs(10), async {
+        let fabric = MemFabric::new(MemConfig::default());
+        let config = MuxConfig::default();
+        let mux = Mux::new(config.clone(), fabric.dialer(A));
+        let terms = qpmux::mux::PeerTerms::announced_by(&config);
+        let (ours1, _theirs1) = pair(Epoch(1), MemConfig::default());
+        let (ours2, theirs2) = pair(Epoch(2), MemConfig::default());
+        let whole = mux.peer_room(B);
+        assert_eq!(whole, config.peer_window);
+        mux.attach_with_terms(B, ours1, terms, whole);
+        assert_eq!(mux.peer_room(B), 0, "the unserved link's grant was free");
+        mux.attach_with_terms(B, ours2, terms, mux.peer_room(B));
+        until(|| mux.epoch(B) == Some(Epoch(2))).await;
+        theirs2.fail(EpochEnd::Closed);
+        until(|| mux.epoch(B).is_none()).await;
+        assert_eq!(
+            mux.peer_room(B),
+            config.peer_window,
+            "a grant never came back"
+        );
+    })
+    .await;
+    outcome.expect("the epochs never ended");
+}

@@ -111,6 +111,10 @@ pub(crate) struct PeerControl {
     /// not yet used (0 once the epoch is over): what the next hello's
     /// credit leaves out, so an epoch that replaces a live one adds nothing.
     pub peer_committed: AtomicU64,
+    /// The credit the hellos of links handed to the peer task and not yet
+    /// served granted the peer: the next hello's credit leaves it out too,
+    /// since a link replaced unserved is still read out.
+    pub unserved_grants: AtomicU64,
     /// The largest record or message the peer takes, as its latest epoch's
     /// terms said; 0 before any.
     pub peer_max_record: AtomicUsize,
@@ -152,6 +156,7 @@ impl PeerControl {
             ingress_live: AtomicUsize::new(0),
             peer_held: AtomicU64::new(0),
             peer_committed: AtomicU64::new(0),
+            unserved_grants: AtomicU64::new(0),
             peer_max_record: AtomicUsize::new(0),
             peer_max_slots: AtomicUsize::new(usize::MAX),
             forgets: AtomicU64::new(0),

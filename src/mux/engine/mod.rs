@@ -80,11 +80,11 @@ struct PeerEntry<L> {
     control: Arc<PeerControl>,
     /// The outbound message channel for the current (or next) epoch.
     messages: Mutex<Option<flume::Receiver<OutboundMessage>>>,
-    incoming: Mutex<Option<(L, Opening)>>,
+    incoming: Mutex<Option<Handed<L>>>,
     /// Links a newer one replaced in `incoming` before the task took them up,
     /// oldest first: read out before the newest is served (docs/design.md §
     /// "A replaced link delivers what its peer sent").
-    superseded: Mutex<VecDeque<(L, Opening)>>,
+    superseded: Mutex<VecDeque<Handed<L>>>,
     link_arrived: Notify,
     epoch: Mutex<Option<Epoch>>,
     /// The last epoch this mux ended over the peer's protocol violation.
@@ -194,13 +194,15 @@ impl<L: Link> Mux<L> {
     /// The peer credit to give `peer` at the start of its next epoch, for the
     /// hello: our peer window less what we still hold of its data (streams
     /// closed or dropped but not yet read) and, while an epoch with it is
-    /// still live, less what that epoch may yet receive. Counted per peer
+    /// still live, less what that epoch may yet receive, and less what the
+    /// links handed over but not yet served were granted. Counted per peer
     /// across epochs, so a reconnect does not bring a fresh window; room
     /// found free when the epoch starts is granted then.
     pub fn peer_room(&self, peer: PeerId) -> u32 {
         let window = self.shared.config.peer_window;
         let held = lock(&self.shared.peers).get(&peer).map_or(0, |entry| {
             entry.control.peer_committed.load(Ordering::Acquire)
+                + entry.control.unserved_grants.load(Ordering::Acquire)
         });
         u32::try_from(u64::from(window).saturating_sub(held)).unwrap_or(window)
     }
@@ -265,21 +267,22 @@ impl<L: Link> Mux<L> {
         let mut handed = lock(&entry.handed_through);
         *handed = (*handed).max(Some(link.epoch()));
         drop(handed);
-        let previous = lock(&entry.incoming).replace((link, opening));
-        if let Some((stale, opening)) = previous {
+        let grant = UnservedGrant::new(&entry.control, opening.granted);
+        let previous = lock(&entry.incoming).replace((link, opening, grant));
+        if let Some((stale, opening, grant)) = previous {
             // Ended (its read-out waits for that) and kept under the control
             // lock with the replace, so the task that takes up the newer link
             // finds the older one here.
             stale.fail(EpochEnd::Replaced);
             let mut superseded = lock(&entry.superseded);
-            if let Some((unread, _)) = (superseded.len() == SUPERSEDED_MAX)
+            if let Some((unread, ..)) = (superseded.len() == SUPERSEDED_MAX)
                 .then(|| superseded.pop_front())
                 .flatten()
             {
                 tracing::debug!(peer = ?entry.control.peer, epoch = %unread.epoch(),
                     "too many links replaced unserved; the oldest goes unread");
             }
-            superseded.push_back((stale, opening));
+            superseded.push_back((stale, opening, grant));
         }
         drop(control);
         entry.link_arrived.notify_one();
@@ -616,7 +619,8 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
     // When the last epoch died (not a graceful end): the reconnect clock.
     let mut died: Option<Instant> = None;
     loop {
-        let Some(((link, opening), superseded)) = wait_for_link(&shared, &entry, held).await else {
+        let Some(((link, opening, grant), superseded)) = wait_for_link(&shared, &entry, held).await
+        else {
             tracing::debug!(?peer, "mux peer task retired");
             return;
         };
@@ -629,9 +633,10 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
             link: &link,
             finished: false,
         };
-        for (old, opening) in superseded {
+        for (old, opening, grant) in superseded {
             let span = tracing::debug_span!("epoch", ?peer, epoch = %old.epoch());
-            (_, *held) = run_epoch(&shared, &entry, old, opening, held.clone(), Serve::ReadOut)
+            let old = (old, opening, grant);
+            (_, *held) = run_epoch(&shared, &entry, old, held.clone(), Serve::ReadOut)
                 .instrument(span)
                 .await;
         }
@@ -647,7 +652,8 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
         // what was held before this epoch, not nothing (it misses slots
         // closed during the epoch, and counts bytes read meanwhile until
         // their slots finish).
-        (end, *held) = run_epoch(&shared, &entry, link, opening, held.clone(), Serve::Whole)
+        let link = (link, opening, grant);
+        (end, *held) = run_epoch(&shared, &entry, link, held.clone(), Serve::Whole)
             .instrument(span)
             .await;
         tracing::debug!(?peer, %epoch, %end, "epoch ended");
@@ -735,7 +741,37 @@ async fn wait_for_link<L: Link>(
 }
 
 /// The next link, and the links it replaced before they were served.
-type Taken<L> = ((L, Opening), Vec<(L, Opening)>);
+type Taken<L> = (Handed<L>, Vec<Handed<L>>);
+
+/// A link handed to the peer task, with what its hello said and its grant.
+type Handed<L> = (L, Opening, UnservedGrant);
+
+/// A handed link's grant, counted in `unserved_grants` (and so left out of
+/// the next hello's credit, [`Mux::peer_room`]) from the hand-over until
+/// its epoch's core counts it, or the link goes unserved (dropped).
+struct UnservedGrant {
+    control: Arc<PeerControl>,
+    granted: u64,
+}
+
+impl UnservedGrant {
+    fn new(control: &Arc<PeerControl>, granted: u32) -> UnservedGrant {
+        let granted = u64::from(granted);
+        control.unserved_grants.fetch_add(granted, Ordering::AcqRel);
+        UnservedGrant {
+            control: control.clone(),
+            granted,
+        }
+    }
+}
+
+impl Drop for UnservedGrant {
+    fn drop(&mut self) {
+        self.control
+            .unserved_grants
+            .fetch_sub(self.granted, Ordering::AcqRel);
+    }
+}
 
 /// How much of an epoch the peer task runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -866,7 +902,7 @@ fn retire<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, force: bool) -> boo
     for inlet in orphans {
         inlet.close(crate::mux::SendError::Dropped(DropReason::Shutdown));
     }
-    if let Some((link, _)) = lock(&entry.incoming).take() {
+    if let Some((link, ..)) = lock(&entry.incoming).take() {
         link.fail(EpochEnd::Shutdown);
     }
     lock(&entry.superseded).clear();
@@ -923,8 +959,7 @@ fn end_of(err: LinkError) -> EpochEnd {
 async fn run_epoch<L: Link>(
     shared: &Shared<L>,
     entry: &PeerEntry<L>,
-    link: L,
-    opening: Opening,
+    (link, opening, grant): Handed<L>,
     held: Held,
     serve: Serve,
 ) -> (EpochEnd, Held) {
@@ -945,6 +980,8 @@ async fn run_epoch<L: Link>(
         Instant::now(),
     );
     core.set_peer_terms(opening.theirs, opening.granted, Instant::now());
+    // The core counts the grant now (`peer_committed`).
+    drop(grant);
     *lock(&entry.epoch) = Some(link.epoch());
     core.set_sink(shared.sink.clone());
     // A link read out only takes none of our slots or messages: they wait
