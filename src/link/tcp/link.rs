@@ -193,16 +193,13 @@ impl Inner {
     fn end(&self, reason: EpochEnd) {
         let mut state = self.lock();
         if state.ended.is_some() {
-            let now = tokio::time::Instant::now();
+            drop(state);
             let fault = matches!(
                 reason,
                 EpochEnd::Fault(_) | EpochEnd::Violation(_) | EpochEnd::Internal
             );
-            if state.reading_out && fault && state.read_out_until.is_some_and(|until| until > now) {
-                state.read_out_until = Some(now);
-                drop(state);
-                self.shutdown_socket();
-                self.wake_end.notify_waiters();
+            if fault {
+                self.cut_read_out();
             }
             return;
         }
@@ -223,6 +220,20 @@ impl Inner {
         self.wake_end.notify_waiters();
         self.writer.notify_one();
         self.reader.notify_one();
+    }
+
+    /// Ends a read-out now, if one is under way: the socket is shut and the
+    /// reader stops at its next look.
+    fn cut_read_out(&self) {
+        let mut state = self.lock();
+        let now = tokio::time::Instant::now();
+        if !(state.reading_out && state.read_out_until.is_some_and(|until| until > now)) {
+            return;
+        }
+        state.read_out_until = Some(now);
+        drop(state);
+        self.shutdown_socket();
+        self.wake_end.notify_waiters();
     }
 
     /// A panic in the reader or writer (a bug here): the epoch ends as
@@ -279,6 +290,8 @@ struct Handle(Arc<Inner>);
 impl Drop for Handle {
     fn drop(&mut self) {
         self.0.end(EpochEnd::Closed);
+        // Nobody is left to take what a read-out would deliver.
+        self.0.cut_read_out();
     }
 }
 
@@ -342,7 +355,8 @@ impl TcpLink {
             panic_on_read: Default::default(),
         });
         let ended = inner.clone();
-        spawn_catching(read_loop(inner.clone(), prefix, rd), move || {
+        let done = ReaderDone(inner.clone());
+        spawn_catching(read_loop(inner.clone(), prefix, rd, done), move || {
             ended.end_after_panic();
         });
         let ended = inner.clone();
@@ -409,20 +423,21 @@ struct ReaderDone(Arc<Inner>);
 
 impl Drop for ReaderDone {
     fn drop(&mut self) {
-        let reading_out = {
-            let mut state = self.0.lock();
-            state.reader_done = true;
-            state.reading_out
-        };
-        if reading_out {
+        let mut state = self.0.lock();
+        state.reader_done = true;
+        // Under the lock: whoever sees the reader done finds the budget back.
+        if state.reading_out {
             self.0.read_outs.give_back();
         }
+        drop(state);
         self.0.wake_recv.notify_waiters();
     }
 }
 
-async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf) {
-    let _done = ReaderDone(inner.clone());
+/// `done` is made with the task, so a task dropped before its first poll
+/// still marks the reader gone.
+async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf, done: ReaderDone) {
+    let _done = done;
     let mut rd = BufReader::with_capacity(64 * 1024, std::io::Cursor::new(prefix).chain(rd));
     let reason = loop {
         // Back-pressure: stop reading while the consumer holds enough. The

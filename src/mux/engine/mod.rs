@@ -201,8 +201,11 @@ impl<L: Link> Mux<L> {
     pub fn peer_room(&self, peer: PeerId) -> u32 {
         let window = self.shared.config.peer_window;
         let held = lock(&self.shared.peers).get(&peer).map_or(0, |entry| {
-            entry.control.peer_committed.load(Ordering::Acquire)
-                + entry.control.unserved_grants.load(Ordering::Acquire)
+            // Unserved first: an epoch starting meanwhile publishes its grant
+            // as committed before it leaves `unserved_grants`, so a grant is
+            // counted twice rather than missed.
+            let unserved = entry.control.unserved_grants.load(Ordering::Acquire);
+            unserved.saturating_add(entry.control.peer_committed.load(Ordering::Acquire))
         });
         u32::try_from(u64::from(window).saturating_sub(held)).unwrap_or(window)
     }
@@ -1017,6 +1020,8 @@ async fn run_epoch<L: Link>(
                     Counters::add(&shared.counters.protocol_violations, 1);
                     tracing::warn!(peer = ?entry.control.peer, epoch = %core.epoch(), %violation,
                         "peer violated the mux protocol while its epoch ended");
+                    // A read-out of an offender is cut, not waited out.
+                    link.fail(EpochEnd::Violation(violation));
                     break;
                 }
             }
