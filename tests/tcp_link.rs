@@ -1214,20 +1214,14 @@ async fn a_replaced_link_delivers_what_its_peer_sent_before_closing() {
         a.fail(EpochEnd::Closed);
         until(|| a.stats().batches_sent == 8).await;
         b.fail(EpochEnd::Replaced);
-        let mut got = Vec::new();
-        let end = loop {
-            match b.recv().await {
-                Ok(batch) => got.push(batch[0]),
-                Err(err) => break err,
-            }
-        };
+        let (got, end) = read_until_end(&b, Duration::from_secs(10)).await;
         assert_eq!(got, (0..8).collect::<Vec<u8>>());
         assert_eq!(
             end,
-            LinkError::Ended {
+            Some(LinkError::Ended {
                 epoch: Epoch(1),
                 reason: EpochEnd::Replaced
-            }
+            })
         );
     })
     .await;
