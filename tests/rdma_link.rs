@@ -320,6 +320,51 @@ async fn fail_ends_both_sides_after_completed_receives() {
     assert!(a.reserve().await.is_err() && a.recv().await.is_err());
 }
 
+/// A graceful close delivers both ways on RDMA too: the SENDs the peer
+/// posted before it heard of our close land in our receives and are
+/// delivered before the end, and the peer ends `PeerClosed`. `pair` tells
+/// the peer at once, so the window in which the peer's SENDs are still in
+/// flight is short here; over a liveness connection it is longer, and
+/// `velo_transport::rdma::sends_both_ways_…` fails without the wait for
+/// the peer's last SENDs (docs/design.md § "A closed link delivers both
+/// ways").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_close_delivers_what_the_peer_had_posted() {
+    let (_da, _db, a, b) = linked(16).await;
+    let sender = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            let mut posted = 0u32;
+            while let Ok(mut buf) = b.reserve().await {
+                buf[..4].copy_from_slice(&posted.to_be_bytes());
+                if b.post(buf, 4).is_err() {
+                    break;
+                }
+                posted += 1;
+            }
+            posted
+        })
+    };
+    // a reads a while, closes mid-stream, and reads on to the end.
+    let mut got = 0u32;
+    let end = loop {
+        if got == 200 {
+            a.fail(EpochEnd::Closed);
+        }
+        match a.recv().await {
+            Ok(batch) => {
+                assert_eq!(&batch[..4], &got.to_be_bytes()[..], "in order");
+                got += 1;
+            }
+            Err(end) => break end,
+        }
+    };
+    let posted = sender.await.expect("sender");
+    assert_eq!(got, posted, "every SEND b posted was delivered: {end:?}");
+    assert_eq!(a.ended().await, EpochEnd::Closed);
+    assert_eq!(b.ended().await, EpochEnd::PeerClosed);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_qp_ends_the_epoch_and_delivers_completed_receives() {
     let (_da, _db, a, b) = linked(8).await;

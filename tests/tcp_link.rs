@@ -412,6 +412,65 @@ async fn a_peer_that_sends_after_our_close_still_gets_all_we_flushed() {
     .await;
 }
 
+/// A graceful close delivers both ways: what each end had posted and not
+/// yet written when the close came reaches the other. The closing end's
+/// reader delivers what the peer sends until its EOF (it used to discard
+/// it), and the peer, on our FIN, writes what it had queued before its own
+/// (it used to drop it): docs/design.md § "A closed link delivers both
+/// ways".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_close_delivers_what_both_ends_had_posted() {
+    bounded(async {
+        let config = TcpLinkConfig {
+            recv_batches: 1,
+            send_buffers: 128,
+            ..TcpLinkConfig::default()
+        };
+        // Buffers not so small that one loopback segment overflows them
+        // (the kernel then drops it and backs off its retransmits past the
+        // flush's grace on a loaded machine).
+        let (a, b) = link_pair_with_buffers(&config, Some(64 * 1024)).await;
+        // Far more than both sockets hold: the rest waits in each end's queue.
+        const N: u32 = 100;
+        for i in 0..N {
+            let mut body = [0u8; 4000];
+            body[..4].copy_from_slice(&i.to_be_bytes());
+            post(&a, &body).await;
+            post(&b, &body).await;
+        }
+        // Each end holds its first batch, so both readers stall.
+        let (a_first, b_first) = (
+            a.recv().await.expect("a's first"),
+            b.recv().await.expect("b's first"),
+        );
+        a.fail(EpochEnd::Closed);
+        let drain = |link: TcpLink| async move {
+            let mut got = 1u32;
+            let end = loop {
+                match link.recv().await {
+                    Ok(batch) => {
+                        assert_eq!(&batch[..4], &got.to_be_bytes()[..], "in order");
+                        got += 1;
+                    }
+                    Err(end) => break end,
+                }
+            };
+            (got, end)
+        };
+        // b reads all a flushed, and a's FIN, while a's reader still
+        // stalls: b's tail is still queued when b sees the close.
+        drop(b_first);
+        let (at_b, b_end) = drain(b.clone()).await;
+        assert_eq!(at_b, N, "all a posted reached b: {b_end:?}");
+        assert_eq!(b.ended().await, EpochEnd::PeerClosed);
+        drop(a_first);
+        let (at_a, a_end) = drain(a.clone()).await;
+        assert_eq!(at_a, N, "all b posted reached a: {a_end:?}");
+        assert_eq!(a.ended().await, EpochEnd::Closed);
+    })
+    .await;
+}
+
 /// A post whose write fails before a byte leaves (the peer reset, and our
 /// reader, stalled behind a held batch, has not seen it) is refused, so the
 /// mux keeps the batch's messages to report, and the epoch ends.

@@ -30,7 +30,8 @@ velo_kinds!(
     a_health_check_reports_a_recently_lost_epoch_once,
     a_lost_epoch_that_carried_no_message_is_not_reported,
     sends_racing_a_shutdown_are_each_delivered_or_reported_once,
-    sends_racing_unregister_and_register_are_each_delivered_or_reported_once
+    sends_racing_unregister_and_register_are_each_delivered_or_reported_once,
+    sends_both_ways_racing_unregister_and_register_are_each_delivered_or_reported_once
 );
 
 struct End<N: Node> {
@@ -957,7 +958,9 @@ async fn each_delivered_or_reported_once<N: Node>(
                 })
                 .collect();
             panic!(
-                "delivered {} reported {} of {total}; neither: {missing:?}\nA {:?}\nB {:?}",
+                "{} to {}: delivered {} reported {} of {total}; neither: {missing:?}\nA {:?}\nB {:?}",
+                a.id,
+                b.id,
                 delivered.len(),
                 reported.len(),
                 a.transport.node().mux().stats(),
@@ -1028,4 +1031,36 @@ async fn sends_racing_unregister_and_register_are_each_delivered_or_reported_onc
     // Each round's `fail_all` at the unregister, and one for a lane a send
     // found stale.
     each_delivered_or_reported_once(&a, &b, 2 * ROUNDS, churn).await;
+}
+
+/// Both ends send, each to the other, while A unregisters and registers B
+/// again: what B had queued on an epoch that A ends must reach A or be
+/// reported to B, as A's frames must to A.
+async fn sends_both_ways_racing_unregister_and_register_are_each_delivered_or_reported_once<
+    K: Kind,
+>() {
+    const ROUNDS: usize = 20;
+    let kind = K::new(Shape::Default);
+    let config = VeloConfig {
+        message_channel: 8,
+        ..VeloConfig::default()
+    };
+    let a = Arc::new(end_on(kind.node(1).await, config.clone()).await);
+    let b = Arc::new(end_on(kind.node(2).await, config).await);
+    a.transport.register(info(&b)).expect("a registers b");
+    b.transport.register(info(&a)).expect("b registers a");
+    let churn = async {
+        for _ in 0..ROUNDS {
+            tokio::time::sleep(Duration::from_millis(3)).await;
+            a.transport.unregister(b.id);
+            tokio::task::yield_now().await;
+            a.transport.register(info(&b)).expect("registers again");
+        }
+    };
+    // Each end's gate fails once per epoch that ends under it, and once
+    // for a lane a send found stale.
+    tokio::join!(
+        each_delivered_or_reported_once(&a, &b, 2 * ROUNDS, churn),
+        each_delivered_or_reported_once(&b, &a, 2 * ROUNDS, async {}),
+    );
 }

@@ -13,7 +13,7 @@
 //! (another module) does what `pair` does across hosts and owns liveness.
 
 use std::collections::VecDeque;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use tokio::sync::Notify;
@@ -187,6 +187,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             recv_posted: config.recv_depth,
             reserve_waiters: 0,
             ended: None,
+            last_sent: false,
             torn_down: false,
             violated: false,
             drained: false,
@@ -209,6 +210,8 @@ impl<D: Device + 'static> PreparedEnd<D> {
             polling: poller::PollBuf::new(),
             detached: AtomicBool::new(false),
             on_end: Mutex::new(Vec::new()),
+            on_last_sent: Mutex::new(Vec::new()),
+            peer_finished: AtomicBool::new(false),
             span: tracing::debug_span!(
                 "rdma_link",
                 %epoch,
@@ -236,7 +239,8 @@ impl<D: Device + 'static> PreparedEnd<D> {
 /// Both ends of a link in one process (one device twice is fine: two QPs),
 /// addresses exchanged directly. Each end's end is told to the other as
 /// [`EpochEnd::PeerClosed`], standing in for the bootstrap TCP connection's
-/// close.
+/// close: a graceful end's last-sent point as the peer's graceful end and
+/// [`RdmaLink::peer_finished`] (the half-close), its teardown as an end now.
 ///
 /// # Panics
 /// Outside a tokio runtime, as [`PreparedEnd::connect`].
@@ -252,6 +256,19 @@ pub fn pair<D: Device + 'static>(
     let link_a = end_a.connect(&addr_b, epoch)?;
     let link_b = end_b.connect(&addr_a, epoch)?;
     for (me, peer) in [(&link_a, &link_b), (&link_b, &link_a)] {
+        let (told, teller) = (Arc::downgrade(peer.shared()), Arc::downgrade(me.shared()));
+        me.on_last_sent(move || match told.upgrade() {
+            Some(peer) => {
+                peer.peer_finished.store(true, Ordering::Release);
+                peer.fail(EpochEnd::PeerClosed);
+            }
+            // Nobody is left to send to us.
+            None => {
+                if let Some(me) = teller.upgrade() {
+                    me.peer_finished.store(true, Ordering::Release);
+                }
+            }
+        });
         let peer = Arc::downgrade(peer.shared());
         me.on_end(move |_| {
             if let Some(peer) = peer.upgrade() {

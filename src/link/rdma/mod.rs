@@ -7,6 +7,8 @@
 //!                       ─► send WC (every k-th signaled) ─► chunks to the pool, SQ slots back
 //!  mux ◄─ recv() ◄─ ready ─ Batch (owned guard on a receive MR) ─ drop ─► re-post ─► owed
 //!  error WC, failed post, fail() ─► QP to ERR ─► ended; completed receives drain first
+//!  graceful end (Closed, Shutdown, PeerClosed): posted SENDs complete ─► on_last_sent
+//!      (the peer is told) ─► the peer's last SENDs land ─► peer_finished ─► QP to ERR
 //! ```
 //!
 //! Owner: `Shared::state` (one mutex) holds credit, SQ slots, posted chunks
@@ -248,6 +250,9 @@ struct State<D: Device> {
     /// `reserve` calls waiting for credit (their SENDs' starved bit).
     reserve_waiters: usize,
     ended: Option<EpochEnd>,
+    /// A graceful end saw its posted SENDs complete (or gave up on them)
+    /// and ran the last-sent hooks.
+    last_sent: bool,
     /// The end's teardown ran (the QP moved to ERR, or found gone): only
     /// then do the flushes come that end the poller's watch. A graceful
     /// close keeps the QP up a while after `ended` is set.
@@ -281,6 +286,7 @@ impl<D: Device> State<D> {
 }
 
 type EndHook = Box<dyn FnOnce(EpochEnd) + Send>;
+type LastSentHook = Box<dyn FnOnce() + Send>;
 
 /// Least a graceful close keeps the QP up for SENDs already posted; it waits
 /// up to the QP's own retry budget when that is longer ([`close_wait`]). The
@@ -329,6 +335,11 @@ struct Shared<D: Device> {
     polling: Mutex<poller::PollBuf>,
     detached: AtomicBool,
     on_end: Mutex<Vec<EndHook>>,
+    /// Told when a graceful end has nothing more to send: the channel that
+    /// tells the peer (the liveness connection's half-close, or `pair`).
+    on_last_sent: Mutex<Vec<LastSentHook>>,
+    /// The peer said it sends nothing more on this QP ([`RdmaLink::peer_finished`]).
+    peer_finished: AtomicBool,
     /// `rdma_link{epoch, qpn, peer_qpn}`: the poller and liveness tasks run in it.
     span: tracing::Span,
     /// Makes the next completions handled panic (unit tests).
@@ -410,11 +421,35 @@ impl<D: Device + 'static> Shared<D> {
         self.wake_end.notify_waiters();
     }
 
-    /// A graceful local end (after a Goodbye): nothing more may be posted,
-    /// but the QP stays up until the SENDs already posted have completed
-    /// (bounded by [`GRACEFUL_CLOSE`]), so the Goodbye and the batches before
-    /// it are not flushed by our own teardown. docs/rdma-link.md
-    /// § "Graceful close waits for posted SENDs".
+    /// Ends the epoch: gracefully for our close or the peer's (Closed,
+    /// Shutdown, PeerClosed) when a runtime is there to wait in, else now.
+    fn fail(self: &Arc<Self>, reason: EpochEnd) {
+        match reason {
+            EpochEnd::Closed | EpochEnd::Shutdown | EpochEnd::PeerClosed
+                if tokio::runtime::Handle::try_current().is_ok() =>
+            {
+                self.end_gracefully(reason)
+            }
+            EpochEnd::Closed
+            | EpochEnd::Shutdown
+            | EpochEnd::PeerClosed
+            | EpochEnd::PeerLost
+            | EpochEnd::Fault(_)
+            | EpochEnd::Violation(_)
+            | EpochEnd::Replaced
+            | EpochEnd::Internal => self.end(reason),
+        }
+    }
+
+    /// A graceful end, ours or the peer's: nothing more may be posted, but
+    /// the QP stays up until the SENDs already posted have completed, so our
+    /// last batches (the Goodbye among them) are not flushed by our own
+    /// teardown; then the last-sent hooks tell the peer, and the QP stays up
+    /// until the peer says the same, so its last SENDs land in our receives
+    /// and are delivered. Each wait is bounded by [`close_wait`]; a link
+    /// with no last-sent hook has nobody to hear from and skips the second.
+    /// docs/rdma-link.md § "Graceful close waits for posted SENDs",
+    /// docs/design.md § "A closed link delivers both ways".
     fn end_gracefully(self: &Arc<Self>, reason: EpochEnd) {
         if !self.lock().set_end(reason) {
             return;
@@ -423,7 +458,8 @@ impl<D: Device + 'static> Shared<D> {
         self.wake_end.notify_waiters();
         let shared = self.clone();
         tokio::spawn(async move {
-            let deadline = tokio::time::Instant::now() + close_wait(&shared.config);
+            let wait = close_wait(&shared.config);
+            let deadline = tokio::time::Instant::now() + wait;
             let waiting = |st: &State<D>| !st.posted.is_empty() && !st.violated;
             while waiting(&shared.lock()) && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
@@ -433,8 +469,43 @@ impl<D: Device + 'static> Shared<D> {
                 let _in_link = shared.span.enter();
                 tracing::debug!(unfinished, "graceful close gave up on posted SENDs");
             }
+            if shared.run_last_sent() {
+                let deadline = tokio::time::Instant::now() + wait;
+                let waiting = |shared: &Shared<D>| {
+                    !shared.peer_finished.load(Ordering::Acquire) && !shared.lock().violated
+                };
+                while waiting(&shared) && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+                if !shared.peer_finished.load(Ordering::Acquire) {
+                    let _in_link = shared.span.enter();
+                    tracing::debug!("graceful close gave up waiting for the peer's last SENDs");
+                }
+            }
             shared.after_end(reason);
         });
+    }
+
+    /// Runs the last-sent hooks (once); true if there were any.
+    fn run_last_sent(&self) -> bool {
+        let hooks = {
+            let mut hooks = self
+                .on_last_sent
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            self.lock().last_sent = true;
+            std::mem::take(&mut *hooks)
+        };
+        let any = !hooks.is_empty();
+        for hook in hooks {
+            if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(hook)) {
+                tracing::error!(
+                    panic = crate::unwind::panic_message(&*panic),
+                    "a last-sent hook panicked"
+                );
+            }
+        }
+        any
     }
 
     /// The work of an end, outside the state lock: QP to ERR (flushing every
@@ -448,6 +519,13 @@ impl<D: Device + 'static> Shared<D> {
             self.mark_drained();
         }
         self.lock().torn_down = true;
+        // A non-graceful end sends no last-sent word.
+        drop(std::mem::take(
+            &mut *self
+                .on_last_sent
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        ));
         self.wake_send.notify_waiters();
         self.wake_recv.notify_waiters();
         self.wake_end.notify_waiters();
@@ -748,6 +826,41 @@ impl<D: Device + 'static> RdmaLink<D> {
         }
     }
 
+    /// Calls `hook` once when a graceful end (ours or the peer's) has seen
+    /// its posted SENDs complete, or given up on them: nothing more will be
+    /// sent on this QP, and the peer may be told so (at once if that point
+    /// has passed). A non-graceful end never calls it. A link with such a
+    /// hook keeps its QP up after that point until [`RdmaLink::peer_finished`]
+    /// (bounded), so the peer's last SENDs land. The bootstrap connection
+    /// half-closes its liveness channel; the in-process [`pair`] tells the
+    /// other side.
+    pub fn on_last_sent(&self, hook: impl FnOnce() + Send + 'static) {
+        let shared = self.shared();
+        let mut hooks = shared
+            .on_last_sent
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let (passed, torn_down) = {
+            let st = shared.lock();
+            (st.last_sent, st.torn_down)
+        };
+        if passed {
+            drop(hooks);
+            if !torn_down {
+                hook();
+            }
+        } else {
+            hooks.push(Box::new(hook));
+        }
+    }
+
+    /// The peer will send nothing more on this QP (it said so after its own
+    /// posted SENDs completed): a graceful close stops waiting for its last
+    /// SENDs and tears the QP down.
+    pub fn peer_finished(&self) {
+        self.shared().peer_finished.store(true, Ordering::Release);
+    }
+
     /// The send pool this end takes its buffers from (the node's, or the
     /// private one of [`PreparedEnd::new`]).
     pub fn send_pool(&self) -> &SendPool<D> {
@@ -980,21 +1093,7 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
     }
 
     fn fail(&self, reason: EpochEnd) {
-        match reason {
-            EpochEnd::Closed | EpochEnd::Shutdown
-                if tokio::runtime::Handle::try_current().is_ok() =>
-            {
-                self.shared().end_gracefully(reason)
-            }
-            EpochEnd::Closed
-            | EpochEnd::Shutdown
-            | EpochEnd::PeerClosed
-            | EpochEnd::PeerLost
-            | EpochEnd::Fault(_)
-            | EpochEnd::Violation(_)
-            | EpochEnd::Replaced
-            | EpochEnd::Internal => self.shared().end(reason),
-        }
+        self.shared().fail(reason);
     }
 
     async fn ended(&self) -> EpochEnd {

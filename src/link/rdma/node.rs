@@ -7,7 +7,9 @@
 //!  listener: challenge ─ dialer hello authenticated + decide ─ PreparedEnd::on_pool ─ RTR/RTS
 //!            ─ hello ─► ◄─ ready ─ Established ─► mux.attach
 //!  liveness: the bootstrap TCP connection stays open (keepalive, TCP_USER_TIMEOUT):
-//!            EOF ─► fail(PeerClosed); error ─► fail(PeerLost); link end ─► close it
+//!            EOF ─► peer_finished, fail(PeerClosed); error ─► fail(PeerLost);
+//!            graceful end's last SEND done ─► shutdown(Write); teardown ─► close
+//!            (reset, if no half-close came first)
 //! ```
 //!
 //! Owner: [`RdmaEpochs`] makes each epoch's link and spawns one liveness
@@ -24,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tracing::Instrument;
@@ -128,10 +130,13 @@ impl RdmaNodeConfig {
     }
 }
 
-/// One liveness task's controls: the link ended, or a test severs it.
+/// One liveness task's controls: the link's graceful end has sent its last,
+/// the link was torn down, or a test severs it.
 #[derive(Default)]
 struct Liveness {
     wake: Notify,
+    last_sent: AtomicBool,
+    torn_down: AtomicBool,
     sever: AtomicBool,
 }
 
@@ -382,7 +387,15 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
         let qpn = link.address().qpn.value();
         self.lock().insert(qpn, ctl.clone());
         let wake = ctl.clone();
-        link.on_end(move |_| wake.wake.notify_one());
+        link.on_last_sent(move || {
+            wake.last_sent.store(true, Ordering::Release);
+            wake.wake.notify_one();
+        });
+        let wake = ctl.clone();
+        link.on_end(move |_| {
+            wake.torn_down.store(true, Ordering::Release);
+            wake.wake.notify_one();
+        });
         let span = link.span().clone();
         let (ended, table) = (link.clone(), self.live.clone());
         spawn_catching(
@@ -410,8 +423,13 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
     }
 }
 
-/// Holds the bootstrap connection for the link's epoch: its EOF or error
-/// ends the link; the link's end closes it.
+/// Holds the bootstrap connection for the link's epoch. Its EOF is the
+/// peer's word that it sends nothing more on the QP (its graceful end, or
+/// its teardown) and its error a lost peer; either ends the link. Our
+/// graceful end's last SEND done half-closes it; our teardown closes it,
+/// with a reset when no half-close came first, so a peer does not wait for
+/// SENDs our QP will never take (docs/design.md § "A closed link delivers
+/// both ways").
 async fn liveness<D: Device + 'static>(
     link: RdmaLink<D>,
     mut stream: TcpStream,
@@ -420,30 +438,50 @@ async fn liveness<D: Device + 'static>(
     table: Arc<Mutex<HashMap<u32, Arc<Liveness>>>>,
 ) {
     let mut buf = [0u8; 64];
-    let reason = tokio::select! {
-        () = ctl.wake.notified() => {
-            if ctl.sever.load(Ordering::Acquire) {
-                // An abortive close: the peer sees a reset, as from a lost host.
-                if let Err(err) = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO)) {
-                    tracing::debug!(%err, "SO_LINGER failed");
-                }
-                Some(EpochEnd::PeerLost)
-            } else {
-                None // the link ended first
+    let (mut peer_done, mut half_closed) = (false, false);
+    let abortive = loop {
+        let woken = ctl.wake.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        if ctl.sever.load(Ordering::Acquire) {
+            // As from a lost host: the peer sees a reset.
+            link.fail(EpochEnd::PeerLost);
+            break true;
+        }
+        if ctl.last_sent.load(Ordering::Acquire) && !half_closed {
+            half_closed = true;
+            if let Err(err) = stream.shutdown().await {
+                tracing::debug!(%err, "liveness half-close failed");
             }
         }
-        read = stream.read(&mut buf) => match read {
-            Ok(0) => Some(EpochEnd::PeerClosed),
-            // Nothing may follow the ready on this connection.
-            Ok(_) => Some(EpochEnd::Violation(ProtocolError::LivenessTraffic)),
-            Err(err) => {
-                tracing::debug!(%err, "liveness connection failed");
-                Some(EpochEnd::PeerLost)
-            }
-        },
+        if ctl.torn_down.load(Ordering::Acquire) {
+            break !half_closed;
+        }
+        tokio::select! {
+            () = woken => {}
+            read = stream.read(&mut buf), if !peer_done => match read {
+                Ok(0) => {
+                    peer_done = true;
+                    link.peer_finished();
+                    link.fail(EpochEnd::PeerClosed);
+                }
+                // Nothing may follow the ready on this connection.
+                Ok(_) => {
+                    link.fail(EpochEnd::Violation(ProtocolError::LivenessTraffic));
+                    break true;
+                }
+                Err(err) => {
+                    tracing::debug!(%err, "liveness connection failed");
+                    link.fail(EpochEnd::PeerLost);
+                    break true;
+                }
+            },
+        }
     };
-    if let Some(reason) = reason {
-        link.fail(reason);
+    if abortive {
+        if let Err(err) = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO)) {
+            tracing::debug!(%err, "SO_LINGER failed");
+        }
     }
     table.lock().expect("liveness table poisoned").remove(&qpn);
     drop(stream);
@@ -598,10 +636,7 @@ mod tests {
             .expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (dialed, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
-        let ctl = Arc::new(Liveness {
-            wake: Notify::new(),
-            sever: AtomicBool::new(false),
-        });
+        let ctl = Arc::new(Liveness::default());
         let table = Arc::new(Mutex::new(HashMap::new()));
         let held = accepted.expect("accept").0;
         let task = tokio::spawn(liveness(link.clone(), held, ctl, 1, table));

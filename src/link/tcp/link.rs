@@ -4,9 +4,10 @@
 //!  reserve() ─► free send buffer ─ post() ─► writev(len|batch) now, when nothing is queued or being written
 //!                                          └► else (or the rest of a partial write) ─► queue ─► writer task ─ writev(…) ─► socket
 //!  recv() ◄─ inbox ◄─ reader task ◄─ read len|batch ◄─ socket   (stops while `recv_batches` are held)
-//!  fail() / socket error / EOF ─► ended (first reason wins) ─► shutdown(Both)
-//!  graceful end ─► writer flushes, shutdown(Write); reader reads out to EOF
-//!  replaced ─► writer flushes, shutdown(Write); reader delivers to EOF, then recv() ends
+//!  fail() / socket error ─► ended (first reason wins) ─► shutdown(Both)
+//!  graceful end, the peer's EOF, replaced (with a read-out)
+//!            ─► writer flushes, shutdown(Write); reader delivers to EOF, then recv() ends
+//!  last handle dropped ─► reader discards to EOF (so our flush is not reset)
 //! ```
 //!
 //! TCP does its own flow control, so a link credit is a free send buffer and
@@ -133,9 +134,12 @@ struct State {
     /// The reader stopped for back-pressure and waits for a batch to drop.
     reader_stalled: bool,
     ended: Option<EpochEnd>,
-    /// Replaced, with a read-out from the budget: the writer flushes and the
-    /// reader delivers until the peer's EOF or `read_out_until`.
+    /// Ended, and still reading out: the reader delivers until the peer's EOF
+    /// or `read_out_until` (a graceful end, the peer's close, or a
+    /// replacement that got a read-out).
     reading_out: bool,
+    /// This link holds one of the budget's read-outs (a replacement's).
+    read_out_budgeted: bool,
     /// Past it, a replaced link stops waiting for the peer's EOF.
     read_out_until: Option<tokio::time::Instant>,
     /// The reader task is gone: after a `Replaced` end, `recv` ends only then.
@@ -185,11 +189,13 @@ impl Inner {
         })
     }
 
-    /// Ends the epoch (first reason wins). A graceful end lets the writer
-    /// flush what is queued before it shuts the socket, and so does a
-    /// replaced link that gets a read-out; any other shuts now. A fault,
-    /// violation or panic after a replacement cuts its read-out short (the
-    /// mux's own `Replaced`, or the peer's EOF, does not).
+    /// Ends the epoch (first reason wins). A graceful end, the peer's close
+    /// and a replacement that gets a read-out let the writer flush what is
+    /// queued and the reader deliver what the peer sent until its EOF: each
+    /// side's last batches reach the other (docs/design.md § "A closed link
+    /// delivers both ways"). Any other end shuts the socket now. A fault,
+    /// violation or panic that comes later cuts a read-out short (the mux's
+    /// own `Replaced`, or the peer's EOF, does not).
     fn end(&self, reason: EpochEnd) {
         let mut state = self.lock();
         if state.ended.is_some() {
@@ -199,20 +205,21 @@ impl Inner {
                 EpochEnd::Fault(_) | EpochEnd::Violation(_) | EpochEnd::Internal
             );
             if fault {
-                self.cut_read_out();
+                self.cut_read_out(Cut::Now);
             }
             return;
         }
         state.ended = Some(reason);
         // A reader already gone (its runtime dropped it) reads nothing out.
-        let reading_out =
-            reason == EpochEnd::Replaced && !state.reader_done && self.read_outs.try_take();
+        let reading_out = !state.reader_done
+            && (flushes(reason) || reason == EpochEnd::Replaced && self.read_outs.try_take());
         if reading_out {
             state.reading_out = true;
+            state.read_out_budgeted = reason == EpochEnd::Replaced;
             state.read_out_until = Some(tokio::time::Instant::now() + FLUSH_GRACE * 2);
         }
         drop(state);
-        if !graceful(reason) && !reading_out {
+        if !flushes(reason) && !reading_out {
             self.shutdown_socket();
         }
         self.wake_send.notify_waiters();
@@ -222,18 +229,24 @@ impl Inner {
         self.reader.notify_one();
     }
 
-    /// Ends a read-out now, if one is under way: the socket is shut and the
-    /// reader stops at its next look.
-    fn cut_read_out(&self) {
+    /// Ends a read-out, if one is under way: the reader stops delivering at
+    /// its next look. `Cut::Now` shuts the socket; `Cut::Discard` lets a
+    /// link that flushes read (and drop) what the peer still sends until its
+    /// EOF, as a close with bytes unread would reset the connection and
+    /// purge our flush.
+    fn cut_read_out(&self, cut: Cut) {
         let mut state = self.lock();
-        let now = tokio::time::Instant::now();
-        if !(state.reading_out && state.read_out_until.is_some_and(|until| until > now)) {
+        if !state.reading_out {
             return;
         }
-        state.read_out_until = Some(now);
+        state.reading_out = false;
+        let discard = cut == Cut::Discard && state.ended.is_some_and(flushes);
         drop(state);
-        self.shutdown_socket();
+        if !discard {
+            self.shutdown_socket();
+        }
         self.wake_end.notify_waiters();
+        self.reader.notify_one();
     }
 
     /// A panic in the reader or writer (a bug here): the epoch ends as
@@ -253,18 +266,25 @@ impl Inner {
             tracing::trace!(%err, "tcp link shutdown");
         }
     }
-
-    /// Whether the epoch ended with a graceful close.
-    fn closing_gracefully(&self) -> bool {
-        self.lock().ended.is_some_and(graceful)
-    }
 }
 
-fn graceful(reason: EpochEnd) -> bool {
+/// How [`Inner::cut_read_out`] ends a read-out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cut {
+    /// A fault: shut the socket.
+    Now,
+    /// Nobody is left to deliver to: discard to the peer's EOF if the link
+    /// flushes, else shut.
+    Discard,
+}
+
+/// Whether an end lets the writer flush what is queued: our graceful close,
+/// or the peer's (its FIN, or its Goodbye), whose read-out takes our last
+/// batches as ours takes its.
+fn flushes(reason: EpochEnd) -> bool {
     match reason {
-        EpochEnd::Closed | EpochEnd::Shutdown => true,
-        EpochEnd::PeerClosed
-        | EpochEnd::PeerLost
+        EpochEnd::Closed | EpochEnd::Shutdown | EpochEnd::PeerClosed => true,
+        EpochEnd::PeerLost
         | EpochEnd::Fault(_)
         | EpochEnd::Violation(_)
         | EpochEnd::Replaced
@@ -291,7 +311,7 @@ impl Drop for Handle {
     fn drop(&mut self) {
         self.0.end(EpochEnd::Closed);
         // Nobody is left to take what a read-out would deliver.
-        self.0.cut_read_out();
+        self.0.cut_read_out(Cut::Discard);
     }
 }
 
@@ -426,7 +446,7 @@ impl Drop for ReaderDone {
         let mut state = self.0.lock();
         state.reader_done = true;
         // Under the lock: whoever sees the reader done finds the budget back.
-        if state.reading_out {
+        if std::mem::take(&mut state.read_out_budgeted) {
             self.0.read_outs.give_back();
         }
         drop(state);
@@ -505,17 +525,23 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf, done: 
     inner.end(reason);
 }
 
-/// After a graceful end, reads and discards what the peer still sends until
-/// its EOF (at most `2 × FLUSH_GRACE`: our flush, then its answer). Linux
-/// resets a connection that receives data after `shutdown(SHUT_RD)`, or is
-/// closed with data unread, and purges what our flush left in the send
-/// queue; a peer returning credit for the drain it reads would cut its tail.
-/// A replaced link that got here waited its time for the peer's EOF: cut.
+/// After a read-out was cut with nobody left to deliver to, a link that
+/// flushes reads and discards what the peer still sends until its EOF (at
+/// most `2 × FLUSH_GRACE`). Linux resets a connection that receives data
+/// after `shutdown(SHUT_RD)`, or is closed with data unread, and purges what
+/// our flush left in the send queue. Any other link here is cut: it ended
+/// without a read-out, was cut for a fault, or waited its time for the
+/// peer's EOF.
 async fn read_out_close<R: tokio::io::AsyncRead + Unpin>(inner: &Inner, rd: &mut R) {
-    if !inner.closing_gracefully() {
-        if inner.lock().reading_out {
-            inner.shutdown_socket();
-        }
+    let discards = {
+        let state = inner.lock();
+        let expired = state
+            .read_out_until
+            .is_some_and(|until| until <= tokio::time::Instant::now());
+        state.ended.is_some_and(flushes) && !expired
+    };
+    if !discards {
+        inner.shutdown_socket();
         return;
     }
     let mut scratch = vec![0u8; 16 * 1024];
@@ -554,9 +580,9 @@ async fn read_batch<R: tokio::io::AsyncBufRead + Unpin>(
     Ok(Some(batch))
 }
 
-/// Resolves once the reader must stop: the epoch ended, and for a link
-/// reading out, once its time to read out has passed too (a later fault
-/// brings that forward).
+/// Resolves once the reader must stop delivering: the epoch ended, and for
+/// a link reading out, once its time to read out has passed or the
+/// read-out was cut.
 async fn until_cut(inner: &Inner) {
     loop {
         let notified = inner.wake_end.notified();
@@ -564,7 +590,8 @@ async fn until_cut(inner: &Inner) {
         notified.as_mut().enable();
         let (ended, read_out_until) = {
             let state = inner.lock();
-            (state.ended.is_some(), state.read_out_until)
+            let until = state.read_out_until.filter(|_| state.reading_out);
+            (state.ended.is_some(), until)
         };
         match (ended, read_out_until) {
             (false, _) => notified.await,
@@ -584,11 +611,11 @@ async fn write_loop(inner: Arc<Inner>) {
         notified.as_mut().enable();
         let (work, ended) = {
             let mut state = inner.lock();
-            // Whether to flush: a graceful end, or a replaced link reading
-            // out, whose peer reads it out too.
+            // Whether to flush: an end that flushes, or a replaced link
+            // reading out, whose peer reads it out too.
             let ended = state
                 .ended
-                .map(|reason| graceful(reason) || state.reading_out);
+                .map(|reason| flushes(reason) || state.reading_out);
             let n = state.queue.len().min(WRITE_BATCHES);
             let work: Vec<Queued> = match ended {
                 Some(false) => Vec::new(),

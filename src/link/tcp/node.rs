@@ -1144,7 +1144,21 @@ async fn dial_once<E: EpochMaker>(
             &mut hs,
             |_| None,
             |established| {
-                // Before the ready leaves: after it the listener may send.
+                // The last moment to give up: after the ready the listener
+                // installs and may send, and a link we then refused would
+                // drop what it sent. An accept from the same peer under way
+                // here, or a newer epoch installed, would supersede this one
+                // (docs/design.md § "A closed link delivers both ways").
+                {
+                    let mut peers = inner.peers();
+                    let state = peers.get_mut(&peer).filter(|state| state.addr.is_some());
+                    let state = state.ok_or(ConnectError::UnknownPeer(peer))?;
+                    if state.accepting > 0 || established.epoch <= state.last_epoch {
+                        // An accept that ends without a link dials in our place.
+                        state.wanted |= state.accepting > 0;
+                        return Err(ConnectError::Superseded(state.last_epoch));
+                    }
+                }
                 let prepared = prepared.take().ok_or(BootstrapError::OutOfOrder)?;
                 armed = Some(inner.epochs.arm(
                     prepared,
@@ -1260,12 +1274,29 @@ fn install<E: EpochMaker>(
     if inner.shutdown.load(Ordering::Acquire) {
         return Err(ConnectError::NotServing);
     }
+    let terms = PeerTerms {
+        slot_window: established.peer.slot_window,
+        peer_window: established.peer.peer_window,
+        peer_credit: established.peer.peer_credit,
+        max_record: established.peer.max_record,
+        max_slots: established.peer.max_slots,
+    };
     let state = match side {
         Side::Accepted(_) => inner.entry(&mut peers, peer),
-        // Forgotten while the dial was under way: no address, or no entry.
         Side::Dialed => match peers.get_mut(&peer) {
             Some(state) if state.addr.is_some() => state,
-            _ => return Err(ConnectError::UnknownPeer(peer)),
+            // Forgotten while the dial was under way (no address, or no
+            // entry), but our ready has left and the peer may send on the
+            // link: it is closed and read out, not dropped with what the
+            // peer sent (docs/design.md § "A closed link delivers both ways").
+            _ => {
+                let link = inner
+                    .epochs
+                    .finish(armed, stream, prefix, established.epoch)?;
+                link.fail(EpochEnd::Closed);
+                mux.read_out_with_terms(peer, link, terms, granted);
+                return Err(ConnectError::UnknownPeer(peer));
+            }
         },
     };
     if established.epoch <= state.last_epoch {
@@ -1302,13 +1333,6 @@ fn install<E: EpochMaker>(
     }
     bump(&inner.counters.established);
     // Under the table lock, so two installs for one peer attach in epoch order.
-    let terms = PeerTerms {
-        slot_window: established.peer.slot_window,
-        peer_window: established.peer.peer_window,
-        peer_credit: established.peer.peer_credit,
-        max_record: established.peer.max_record,
-        max_slots: established.peer.max_slots,
-    };
     mux.attach_with_terms(peer, link, terms, granted);
     Ok(established.epoch)
 }

@@ -54,8 +54,8 @@ const RESTART_MIN: Duration = Duration::from_millis(1);
 const RESTART_MAX: Duration = Duration::from_secs(1);
 /// Registry entries (bound or opened streams) per node.
 const MAX_REGISTRY_ENTRIES: usize = 1 << 20;
-/// Links replaced before the peer task served them, kept to read out (the
-/// oldest goes unread past this).
+/// Links kept to read out before the next is served (the oldest goes unread
+/// past this).
 const SUPERSEDED_MAX: usize = 4;
 
 /// Brings links up on the mux's behalf.
@@ -81,9 +81,10 @@ struct PeerEntry<L> {
     /// The outbound message channel for the current (or next) epoch.
     messages: Mutex<Option<flume::Receiver<OutboundMessage>>>,
     incoming: Mutex<Option<Handed<L>>>,
-    /// Links a newer one replaced in `incoming` before the task took them up,
-    /// oldest first: read out before the newest is served (docs/design.md §
-    /// "A replaced link delivers what its peer sent").
+    /// Links to read out, oldest first, before the next one is served: those
+    /// a newer one replaced in `incoming` before the task took them up
+    /// (docs/design.md § "A replaced link delivers what its peer sent"), and
+    /// those handed over only to be read out ([`Mux::read_out_with_terms`]).
     superseded: Mutex<VecDeque<Handed<L>>>,
     link_arrived: Notify,
     epoch: Mutex<Option<Epoch>>,
@@ -258,6 +259,49 @@ impl<L: Link> Mux<L> {
         }
     }
 
+    /// Hands over `link` to be read out, not served: what the peer sent on
+    /// it is delivered and its streams end, and none of our slots or
+    /// messages go out on it. For a link the connector must refuse after the
+    /// peer may already have sent on it (the peer was forgotten while our
+    /// dial finished); `link` should already be ended. The peer task reads
+    /// it before the next link it serves (docs/design.md § "A closed link
+    /// delivers both ways").
+    pub fn read_out_with_terms(&self, peer: PeerId, link: L, terms: PeerTerms, granted: u32) {
+        let opening = Opening {
+            theirs: terms,
+            granted,
+        };
+        let mut link = link;
+        loop {
+            let entry = match self.shared.shutdown.load(Ordering::Acquire) {
+                true => lock(&self.shared.peers).get(&peer).cloned(),
+                false => Some(self.entry(peer)),
+            };
+            let Some(entry) = entry else {
+                link.fail(EpochEnd::Shutdown);
+                return;
+            };
+            match Self::hand_over_read_out(&entry, link, opening) {
+                Ok(()) => return,
+                Err(back) => link = back,
+            }
+        }
+    }
+
+    /// Queues `link` among the links to read out before the next one is
+    /// served, unless the entry has retired (then the link comes back).
+    fn hand_over_read_out(entry: &PeerEntry<L>, link: L, opening: Opening) -> Result<(), L> {
+        let control = entry.control.state();
+        if control.retired {
+            return Err(link);
+        }
+        let grant = UnservedGrant::new(&entry.control, opening.granted);
+        push_superseded(entry, (link, opening, grant));
+        drop(control);
+        entry.link_arrived.notify_one();
+        Ok(())
+    }
+
     /// Gives `entry`'s task its next link, unless the entry has retired
     /// (then the link comes back): decided under the lock `retire` decides
     /// under, since a link left in a retired entry would be neither served
@@ -277,15 +321,7 @@ impl<L: Link> Mux<L> {
             // lock with the replace, so the task that takes up the newer link
             // finds the older one here.
             stale.fail(EpochEnd::Replaced);
-            let mut superseded = lock(&entry.superseded);
-            if let Some((unread, ..)) = (superseded.len() == SUPERSEDED_MAX)
-                .then(|| superseded.pop_front())
-                .flatten()
-            {
-                tracing::debug!(peer = ?entry.control.peer, epoch = %unread.epoch(),
-                    "too many links replaced unserved; the oldest goes unread");
-            }
-            superseded.push_back((stale, opening, grant));
+            push_superseded(entry, (stale, opening, grant));
         }
         drop(control);
         entry.link_arrived.notify_one();
@@ -622,20 +658,19 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
     // When the last epoch died (not a graceful end): the reconnect clock.
     let mut died: Option<Instant> = None;
     loop {
-        let Some(((link, opening, grant), superseded)) = wait_for_link(&shared, &entry, held).await
-        else {
+        let Some((newest, superseded)) = wait_for_link(&shared, &entry, held).await else {
             tracing::debug!(?peer, "mux peer task retired");
             return;
         };
-        if let Some(at) = died.take() {
+        if let Some(at) = died.take_if(|_| newest.is_some()) {
             shared.counters.record_reconnect(at.elapsed());
         }
         // Should a read-out panic past its catch, the newest link, which the
         // connector counts live, is ended too.
-        let mut waiting = FailUnlessFinished {
-            link: &link,
+        let mut waiting = newest.as_ref().map(|(link, ..)| FailUnlessFinished {
+            link,
             finished: false,
-        };
+        });
         for (old, opening, grant) in superseded {
             let span = tracing::debug_span!("epoch", ?peer, epoch = %old.epoch());
             let old = (old, opening, grant);
@@ -643,8 +678,13 @@ async fn run_peer<L: Link>(shared: Arc<Shared<L>>, entry: Arc<PeerEntry<L>>, hel
                 .instrument(span)
                 .await;
         }
-        waiting.finished = true;
+        if let Some(waiting) = &mut waiting {
+            waiting.finished = true;
+        }
         drop(waiting);
+        let Some((link, opening, grant)) = newest else {
+            continue;
+        };
         let epoch = link.epoch();
         let span = tracing::debug_span!("epoch", ?peer, %epoch);
         // Instrumented, not entered: a guard held across an await leaks the
@@ -701,13 +741,14 @@ async fn wait_for_link<L: Link>(
         }
         // Both under the control lock, as `hand_over` stores them: a link
         // installed meanwhile is not read out before the one taken here.
-        let taken = {
+        let (incoming, superseded) = {
             let _control = entry.control.state();
             let incoming = lock(&entry.incoming).take();
-            incoming.map(|link| (link, lock(&entry.superseded).drain(..).collect()))
+            let superseded: Vec<_> = lock(&entry.superseded).drain(..).collect();
+            (incoming, superseded)
         };
-        if taken.is_some() {
-            return taken;
+        if incoming.is_some() || !superseded.is_empty() {
+            return Some((incoming, superseded));
         }
         let visited = std::mem::take(&mut entry.control.state().dirty_rx);
         for rx in visited {
@@ -743,8 +784,23 @@ async fn wait_for_link<L: Link>(
     }
 }
 
-/// The next link, and the links it replaced before they were served.
-type Taken<L> = (Handed<L>, Vec<Handed<L>>);
+/// Queues a link to be read out before the next one is served (under the
+/// control lock); past [`SUPERSEDED_MAX`] the oldest goes unread.
+fn push_superseded<L: Link>(entry: &PeerEntry<L>, handed: Handed<L>) {
+    let mut superseded = lock(&entry.superseded);
+    if let Some((unread, ..)) = (superseded.len() == SUPERSEDED_MAX)
+        .then(|| superseded.pop_front())
+        .flatten()
+    {
+        tracing::debug!(peer = ?entry.control.peer, epoch = %unread.epoch(),
+            "too many links replaced unserved; the oldest goes unread");
+    }
+    superseded.push_back(handed);
+}
+
+/// The next link to serve, if one came, and the links to read out before
+/// it (replaced before they were served, or handed over to be read out).
+type Taken<L> = (Option<Handed<L>>, Vec<Handed<L>>);
 
 /// A link handed to the peer task, with what its hello said and its grant.
 type Handed<L> = (L, Opening, UnservedGrant);
@@ -885,7 +941,8 @@ fn restart_after_panic<L: Link>(shared: &Shared<L>, entry: &Arc<PeerEntry<L>>) -
 fn retire<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, force: bool) -> bool {
     let mut peers = lock(&shared.peers);
     let mut control = entry.control.state();
-    if !force && (!control.dirty_inlets.is_empty() || lock(&entry.incoming).is_some()) {
+    let links_waiting = lock(&entry.incoming).is_some() || !lock(&entry.superseded).is_empty();
+    if !force && (!control.dirty_inlets.is_empty() || links_waiting) {
         return false;
     }
     control.retired = true;
