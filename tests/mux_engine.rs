@@ -1538,6 +1538,42 @@ async fn a_link_replaced_before_it_was_served_is_read_out_first() {
     outcome.expect("the replaced link's record never came");
 }
 
+/// A link handed over only to be read out (the connector refused it after
+/// the peer may have sent on it: docs/design.md § "A closed link delivers
+/// both ways") delivers what the peer sent and ends its streams, though no
+/// newer link comes to be served after it.
+#[tokio::test]
+async fn a_link_handed_over_to_be_read_out_delivers_what_the_peer_sent() {
+    let outcome = tokio::time::timeout(Duration::from_secs(10), async {
+        let fabric = MemFabric::new(MemConfig::default());
+        let config = MuxConfig::default();
+        let mux = Mux::new(config.clone(), fabric.dialer(A));
+        let key = StreamKey::new(4, 4);
+        let mut rx = mux.bind(key).expect("bind");
+        let (ours, theirs) = pair(Epoch(1), MemConfig::default());
+        let slot = SlotId::new(0, 0).expect("slot");
+        post_batch(&theirs, 0, |enc| {
+            enc.push_open(slot, FrameSeq(0), 4, 4).expect("fits");
+            enc.push_data(slot, FrameSeq(1), b"sent before the refusal", false)
+                .expect("fits");
+        })
+        .await;
+        ours.fail(EpochEnd::Closed);
+        let terms = qpmux::mux::PeerTerms::announced_by(&config);
+        mux.read_out_with_terms(B, ours, terms, 0);
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Data(Bytes::from_static(b"sent before the refusal")))
+        );
+        assert_eq!(
+            rx.recv().await,
+            Some(Frame::Dropped(DropReason::EpochEnded { epoch: Epoch(1) }))
+        );
+    })
+    .await;
+    outcome.expect("the read-out never ran");
+}
+
 /// A link handed over but not yet served has its grant left out of the
 /// next hello's credit: two links that arrive before the peer task runs
 /// cannot each be granted the whole window (the first is read out too).

@@ -363,6 +363,11 @@ async fn a_graceful_close_delivers_what_the_peer_had_posted() {
     assert_eq!(got, posted, "every SEND b posted was delivered: {end:?}");
     assert_eq!(a.ended().await, EpochEnd::Closed);
     assert_eq!(b.ended().await, EpochEnd::PeerClosed);
+    // Each wait ended on its event, not its bound: a's credit returns and
+    // b's last batches were unsignaled, and each end's fence retired them.
+    let (sa, sb) = (a.stats(), b.stats());
+    assert_eq!((sa.close_waits_expired, sb.close_waits_expired), (0, 0));
+    assert!(sa.closing_fences + sb.closing_fences > 0, "{sa:?} {sb:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

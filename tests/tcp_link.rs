@@ -463,6 +463,10 @@ async fn a_graceful_close_delivers_what_both_ends_had_posted() {
         let (at_b, b_end) = drain(b.clone()).await;
         assert_eq!(at_b, N, "all a posted reached b: {b_end:?}");
         assert_eq!(b.ended().await, EpochEnd::PeerClosed);
+        assert!(
+            b.stats().batches_sent < u64::from(N),
+            "b still had batches queued when it saw the close"
+        );
         drop(a_first);
         let (at_a, a_end) = drain(a.clone()).await;
         assert_eq!(at_a, N, "all b posted reached a: {a_end:?}");

@@ -913,7 +913,7 @@ async fn each_delivered_or_reported_once<N: Node>(
     b: &End<N>,
     gate_failures: usize,
     meanwhile: impl std::future::Future<Output = ()>,
-) {
+) -> (usize, usize) {
     const THREADS: u32 = 4;
     const EACH: u32 = 400;
     let errors = Arc::new(Errors::default());
@@ -985,6 +985,7 @@ async fn each_delivered_or_reported_once<N: Node>(
         total,
         "a frame lost silently"
     );
+    (delivered.len(), reported.len())
 }
 
 /// Two ends, A's message channel short (8) so that sends queue in its gate.
@@ -1059,8 +1060,9 @@ async fn sends_both_ways_racing_unregister_and_register_are_each_delivered_or_re
     };
     // Each end's gate fails once per epoch that ends under it, and once
     // for a lane a send found stale.
-    tokio::join!(
+    let ((a_to_b, _), (b_to_a, _)) = tokio::join!(
         each_delivered_or_reported_once(&a, &b, 2 * ROUNDS, churn),
         each_delivered_or_reported_once(&b, &a, 2 * ROUNDS, async {}),
     );
+    assert!(a_to_b > 0 && b_to_a > 0, "delivered {a_to_b} and {b_to_a}");
 }

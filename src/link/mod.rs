@@ -150,9 +150,11 @@ pub trait Link: Send + Sync + 'static {
     fn post_last(&self, buf: Self::SendBuf, len: usize) -> Result<(), LinkError>;
 
     /// The next batch from the peer. After the epoch ends, batches the link
-    /// had already received are still returned, then the error; a link
-    /// ended as [`EpochEnd::Replaced`] may also return what its peer sent
-    /// until it closed (the TCP link's read-out).
+    /// had already received are still returned, then the error. A graceful
+    /// end (ours or the peer's) also returns what the peer sent until it
+    /// said it sends nothing more (its FIN, or the RDMA link's half-close),
+    /// and so may a link ended as [`EpochEnd::Replaced`] (the TCP link's
+    /// read-out).
     fn recv(&self) -> impl Future<Output = Result<Self::Batch, LinkError>> + Send;
 
     /// Ends the epoch on both ends (idempotent; the first reason wins).

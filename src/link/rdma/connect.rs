@@ -190,6 +190,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             last_sent: false,
             torn_down: false,
             violated: false,
+            cut: false,
             drained: false,
             stats: LinkStats::default(),
         };

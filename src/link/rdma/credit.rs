@@ -178,6 +178,17 @@ impl Credit {
         }
     }
 
+    /// Spends a credit on the empty, signaled SEND that retires an ended
+    /// link's unsignaled tail: nothing of ours follows it, so the last
+    /// credit may go too. Returns its immediate, or `None` with no credit.
+    pub fn try_fence(&mut self) -> Option<u32> {
+        if self.held == 0 {
+            return None;
+        }
+        self.held -= 1;
+        Some(self.spend(false))
+    }
+
     /// The immediate of a message from the peer: its cumulative re-post count
     /// and starved bit. A claim beyond what we sent is an error and changes nothing.
     pub fn on_peer_imm(&mut self, imm: u32) -> Result<(), Overclaim> {

@@ -220,6 +220,13 @@ pub struct LinkStats {
     pub batches_received: u64,
     /// Credit-only messages received.
     pub credit_only_received: u64,
+    /// Empty signaled SENDs posted at a graceful end to retire an
+    /// unsignaled tail.
+    pub closing_fences: u64,
+    /// Waits of a graceful close (for our posted SENDs, or for the peer's
+    /// last-sent word) that ran out their bound instead of ending on the
+    /// event.
+    pub close_waits_expired: u64,
 }
 
 /// Where this end's credit stands (see [`credit::Credit`]).
@@ -261,6 +268,9 @@ struct State<D: Device> {
     /// decided before, by a graceful close): nothing more from it is
     /// delivered.
     violated: bool,
+    /// An abrupt end came while a graceful close waited: the close stops
+    /// waiting, says no last-sent word, and tears down.
+    cut: bool,
     /// The poller is done: every completion the CQ will ever hold was handled.
     drained: bool,
     stats: LinkStats,
@@ -278,10 +288,23 @@ impl<D: Device> State<D> {
         true
     }
 
-    /// True when `reason`, a violation met after a graceful end was
-    /// decided and before the teardown, should cut the close short.
-    fn note_violation(&mut self, reason: EpochEnd) -> bool {
-        matches!(reason, EpochEnd::Violation(_)) && !self.torn_down
+    /// True when `reason`, met after a graceful end was decided and before
+    /// the teardown, cuts the close short: a violation, the peer lost, a
+    /// fault or a panic. Not a replacement: the peer moved on, and its last
+    /// SENDs on this QP are what the close waits to deliver.
+    fn note_cut(&mut self, reason: EpochEnd) -> bool {
+        let abrupt = matches!(
+            reason,
+            EpochEnd::Violation(_) | EpochEnd::PeerLost | EpochEnd::Fault(_) | EpochEnd::Internal
+        );
+        let cuts = abrupt && !self.torn_down && !self.cut;
+        self.cut |= cuts;
+        cuts
+    }
+
+    /// A graceful close waits no longer.
+    fn close_cut(&self) -> bool {
+        self.cut || self.violated
     }
 }
 
@@ -401,7 +424,7 @@ impl<D: Device + 'static> Shared<D> {
     fn end(&self, reason: EpochEnd) {
         let mut st = self.lock();
         let decided = st.set_end(reason);
-        let cut_grace = !decided && st.note_violation(reason);
+        let cut_grace = !decided && st.note_cut(reason);
         drop(st);
         if decided {
             self.after_end(reason);
@@ -410,11 +433,11 @@ impl<D: Device + 'static> Shared<D> {
         }
     }
 
-    /// A violation during a graceful close: the end is decided, but the QP
-    /// need not stay up for a peer that breaks the rules.
+    /// An abrupt end during a graceful close: the end is decided, but the QP
+    /// need not stay up for a peer that is gone or breaks the rules.
     fn cut_grace(&self, reason: EpochEnd) {
         let _in_link = self.span.enter();
-        tracing::debug!(%reason, "the peer broke the rules while we closed");
+        tracing::debug!(%reason, "the close was cut short");
         if let Err(err) = self.qp.modify_to_error() {
             tracing::debug!(%err, "moving the QP to ERR failed; the device is gone");
         }
@@ -451,8 +474,12 @@ impl<D: Device + 'static> Shared<D> {
     /// docs/rdma-link.md § "Graceful close waits for posted SENDs",
     /// docs/design.md § "A closed link delivers both ways".
     fn end_gracefully(self: &Arc<Self>, reason: EpochEnd) {
-        if !self.lock().set_end(reason) {
-            return;
+        {
+            let mut st = self.lock();
+            if !st.set_end(reason) {
+                return;
+            }
+            self.fence_locked(&mut st);
         }
         self.wake_send.notify_waiters();
         self.wake_end.notify_waiters();
@@ -460,30 +487,55 @@ impl<D: Device + 'static> Shared<D> {
         tokio::spawn(async move {
             let wait = close_wait(&shared.config);
             let deadline = tokio::time::Instant::now() + wait;
-            let waiting = |st: &State<D>| !st.posted.is_empty() && !st.violated;
+            let waiting = |st: &State<D>| !st.posted.is_empty() && !st.close_cut();
             while waiting(&shared.lock()) && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
-            let unfinished = shared.lock().posted.len();
-            if unfinished > 0 {
+            let (unfinished, cut) = {
+                let st = shared.lock();
+                (st.posted.len(), st.close_cut())
+            };
+            if unfinished > 0 && !cut {
+                shared.lock().stats.close_waits_expired += 1;
                 let _in_link = shared.span.enter();
                 tracing::debug!(unfinished, "graceful close gave up on posted SENDs");
             }
-            if shared.run_last_sent() {
+            // Cut short: no last-sent word, so the peer hears a reset.
+            if !cut && shared.run_last_sent() {
                 let deadline = tokio::time::Instant::now() + wait;
                 let waiting = |shared: &Shared<D>| {
-                    !shared.peer_finished.load(Ordering::Acquire) && !shared.lock().violated
+                    !shared.peer_finished.load(Ordering::Acquire) && !shared.lock().close_cut()
                 };
                 while waiting(&shared) && tokio::time::Instant::now() < deadline {
                     tokio::time::sleep(std::time::Duration::from_millis(1)).await;
                 }
-                if !shared.peer_finished.load(Ordering::Acquire) {
+                if !shared.peer_finished.load(Ordering::Acquire) && !shared.lock().close_cut() {
+                    shared.lock().stats.close_waits_expired += 1;
                     let _in_link = shared.span.enter();
                     tracing::debug!("graceful close gave up waiting for the peer's last SENDs");
                 }
             }
             shared.after_end(reason);
         });
+    }
+
+    /// Posts an empty signaled SEND behind an ended link's unsignaled tail,
+    /// so its completion retires the tail (RC completes in order) and the
+    /// close need not wait out its bound for SENDs nobody reports. Needs a
+    /// credit and an SQ slot; without them the bound is waited out.
+    fn fence_locked(&self, st: &mut State<D>) {
+        if st.unsignaled == 0 || st.sq_free == 0 || st.torn_down {
+            return;
+        }
+        let Some(imm) = st.credit.try_fence() else {
+            return;
+        };
+        st.sq_free -= 1;
+        st.stats.closing_fences += 1;
+        if let Err(reason) = self.post_send_locked(st, None, imm, true) {
+            let _in_link = self.span.enter();
+            tracing::debug!(%reason, "the closing fence was not posted");
+        }
     }
 
     /// Runs the last-sent hooks (once); true if there were any.
@@ -557,14 +609,18 @@ impl<D: Device + 'static> Shared<D> {
     fn end_after_panic(&self, completions_lost: bool) {
         let _in_link = self.span.enter();
         tracing::error!("an rdma link task panicked; ending the epoch");
-        let first = {
+        let (first, cut) = {
             let mut st = self.lock();
             st.drained |= completions_lost;
-            st.set_end(EpochEnd::Internal)
+            let first = st.set_end(EpochEnd::Internal);
+            (first, !first && st.note_cut(EpochEnd::Internal))
         };
         if first {
             self.after_end(EpochEnd::Internal);
         } else {
+            if cut {
+                self.cut_grace(EpochEnd::Internal);
+            }
             self.wake_recv.notify_waiters();
         }
     }

@@ -133,7 +133,7 @@ impl<D: Device + 'static> Shared<D> {
         }
         debug_assert!(st.credit.invariant_holds());
         let ended_now = end.is_some_and(|reason| st.set_end(reason));
-        let cut_grace = end.filter(|&reason| !ended_now && st.note_violation(reason));
+        let cut_grace = end.filter(|&reason| !ended_now && st.note_cut(reason));
         drop(st);
         if let Some(reason) = cut_grace {
             self.cut_grace(reason);

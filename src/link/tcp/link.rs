@@ -7,7 +7,8 @@
 //!  fail() / socket error ─► ended (first reason wins) ─► shutdown(Both)
 //!  graceful end, the peer's EOF, replaced (with a read-out)
 //!            ─► writer flushes, shutdown(Write); reader delivers to EOF, then recv() ends
-//!  last handle dropped ─► reader discards to EOF (so our flush is not reset)
+//!  last handle dropped ─► a flushing end's reader discards to EOF (so our flush
+//!            is not reset); a replaced one's is cut
 //! ```
 //!
 //! TCP does its own flow control, so a link credit is a free send buffer and
@@ -140,9 +141,9 @@ struct State {
     reading_out: bool,
     /// This link holds one of the budget's read-outs (a replacement's).
     read_out_budgeted: bool,
-    /// Past it, a replaced link stops waiting for the peer's EOF.
+    /// Past it, a link reading out stops waiting for the peer's EOF.
     read_out_until: Option<tokio::time::Instant>,
-    /// The reader task is gone: after a `Replaced` end, `recv` ends only then.
+    /// The reader task is gone: a link reading out ends `recv` only then.
     reader_done: bool,
     batches_sent: u64,
     batches_received: u64,
@@ -199,12 +200,21 @@ impl Inner {
     fn end(&self, reason: EpochEnd) {
         let mut state = self.lock();
         if state.ended.is_some() {
+            // A replacement of a link already reading out (the peer closed
+            // it, then redialled) needs a read-out from the budget like any
+            // other, or is cut: a peer cannot pile up links this way either.
+            let unbudgeted = reason == EpochEnd::Replaced
+                && state.reading_out
+                && !state.read_out_budgeted
+                && !state.reader_done;
+            let budgeted = unbudgeted && self.read_outs.try_take();
+            state.read_out_budgeted |= budgeted;
             drop(state);
             let fault = matches!(
                 reason,
                 EpochEnd::Fault(_) | EpochEnd::Violation(_) | EpochEnd::Internal
             );
-            if fault {
+            if fault || (unbudgeted && !budgeted) {
                 self.cut_read_out(Cut::Now);
             }
             return;
@@ -526,8 +536,8 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf, done: 
 }
 
 /// After a read-out was cut with nobody left to deliver to, a link that
-/// flushes reads and discards what the peer still sends until its EOF (at
-/// most `2 × FLUSH_GRACE`). Linux resets a connection that receives data
+/// flushes reads and discards what the peer still sends until its EOF,
+/// within the read-out's time (`2 × FLUSH_GRACE` from the end). Linux resets a connection that receives data
 /// after `shutdown(SHUT_RD)`, or is closed with data unread, and purges what
 /// our flush left in the send queue. Any other link here is cut: it ended
 /// without a read-out, was cut for a fault, or waited its time for the
@@ -544,9 +554,13 @@ async fn read_out_close<R: tokio::io::AsyncRead + Unpin>(inner: &Inner, rd: &mut
         inner.shutdown_socket();
         return;
     }
+    let until = inner
+        .lock()
+        .read_out_until
+        .unwrap_or_else(|| tokio::time::Instant::now() + FLUSH_GRACE * 2);
     let mut scratch = vec![0u8; 16 * 1024];
     let until_eof = async { while let Ok(1..) = rd.read(&mut scratch).await {} };
-    let _ = tokio::time::timeout(FLUSH_GRACE * 2, until_eof).await;
+    let _ = tokio::time::timeout_at(until, until_eof).await;
     // A peer that never closed its side is cut, not left half-open.
     inner.shutdown_socket();
 }

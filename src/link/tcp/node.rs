@@ -160,6 +160,10 @@ pub enum ConnectError {
     /// The peer declined our dial (crossed or stale dial; not a fault).
     #[error("declined by the peer: {0:?}")]
     DeclinedByPeer(DeclineReason),
+    /// The dialer closed after our answer and before its ready: it gave
+    /// the dial up there, superseded or its peer forgotten (not a fault).
+    #[error("the dialer withdrew before its ready")]
+    Withdrawn,
     /// We declined the peer's dial (not a fault).
     #[error("declined the peer's dial: {0:?}")]
     DeclinedLocally(DeclineReason),
@@ -225,6 +229,7 @@ impl ConnectError {
         match self {
             ConnectError::DeclinedByPeer(_)
             | ConnectError::DeclinedLocally(_)
+            | ConnectError::Withdrawn
             | ConnectError::Superseded(_) => true,
             ConnectError::Io(_)
             | ConnectError::Timeout
@@ -1289,7 +1294,11 @@ fn install<E: EpochMaker>(
             // entry), but our ready has left and the peer may send on the
             // link: it is closed and read out, not dropped with what the
             // peer sent (docs/design.md § "A closed link delivers both ways").
-            _ => {
+            forgotten => {
+                // Ours to propose above when the peer is registered again.
+                if let Some(state) = forgotten {
+                    state.last_epoch = state.last_epoch.max(established.epoch);
+                }
                 let link = inner
                     .epochs
                     .finish(armed, stream, prefix, established.epoch)?;
@@ -1483,6 +1492,10 @@ async fn accept_once<E: EpochMaker>(
         Ok(done) => done,
         Err(ConnectError::DeclinedLocally(_)) if local_failure.is_some() => {
             return Err(local_failure.expect("checked"));
+        }
+        // Answered, then the connection closed cleanly before the ready.
+        Err(ConnectError::Handshake(BootstrapError::Closed)) if armed.is_some() => {
+            return Err(ConnectError::Withdrawn);
         }
         Err(err) => {
             if let ConnectError::DeclinedLocally(_) = err {

@@ -295,6 +295,13 @@ impl<L: Link> Mux<L> {
         if control.retired {
             return Err(link);
         }
+        // An older link waiting to be served is read out first, in epoch
+        // order, and not served after this one.
+        let older = lock(&entry.incoming).take_if(|(waiting, ..)| waiting.epoch() < link.epoch());
+        if let Some(older) = older {
+            older.0.fail(EpochEnd::Replaced);
+            push_superseded(entry, older);
+        }
         let grant = UnservedGrant::new(&entry.control, opening.granted);
         push_superseded(entry, (link, opening, grant));
         drop(control);
