@@ -475,6 +475,33 @@ async fn a_graceful_close_delivers_what_both_ends_had_posted() {
     .await;
 }
 
+/// Our own graceful close's read-out takes no budget, so a `Replaced` that
+/// follows it (the mux reading the link out) leaves it reading even with no
+/// read-out left: only a replacement of the peer's close is budgeted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replacement_after_our_close_keeps_its_read_out_without_budget() {
+    bounded(async {
+        let config = TcpLinkConfig {
+            recv_batches: 1,
+            read_outs: ReadOutBudget::new(0),
+            ..TcpLinkConfig::default()
+        };
+        let (a, b) = link_pair(&config).await;
+        const N: u8 = 8;
+        for i in 0..N {
+            post(&b, &[i; 100]).await;
+        }
+        // a holds its first batch: the rest waits in its socket.
+        let first = a.recv().await.expect("a's first");
+        a.fail(EpochEnd::Closed);
+        a.fail(EpochEnd::Replaced);
+        drop(first);
+        let (got, end) = read_until_end(&a, Duration::from_secs(10)).await;
+        assert_eq!(got, (1..N).collect::<Vec<u8>>(), "{end:?}");
+    })
+    .await;
+}
+
 /// A post whose write fails before a byte leaves (the peer reset, and our
 /// reader, stalled behind a held batch, has not seen it) is refused, so the
 /// mux keeps the batch's messages to report, and the epoch ends.

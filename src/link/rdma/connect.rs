@@ -191,6 +191,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             torn_down: false,
             violated: false,
             cut: false,
+            tearing_down: false,
             drained: false,
             stats: LinkStats::default(),
         };

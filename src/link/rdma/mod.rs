@@ -271,6 +271,8 @@ struct State<D: Device> {
     /// An abrupt end came while a graceful close waited: the close stops
     /// waiting, says no last-sent word, and tears down.
     cut: bool,
+    /// The teardown has begun: the flushes it makes are not a cut.
+    tearing_down: bool,
     /// The poller is done: every completion the CQ will ever hold was handled.
     drained: bool,
     stats: LinkStats,
@@ -297,12 +299,12 @@ impl<D: Device> State<D> {
             reason,
             EpochEnd::Violation(_) | EpochEnd::PeerLost | EpochEnd::Fault(_) | EpochEnd::Internal
         );
-        let cuts = abrupt && !self.torn_down && !self.cut;
+        let cuts = abrupt && !self.tearing_down && !self.cut;
         self.cut |= cuts;
         cuts
     }
 
-    /// A graceful close waits no longer.
+    /// A graceful close waits no longer (and its liveness word is a reset).
     fn close_cut(&self) -> bool {
         self.cut || self.violated
     }
@@ -565,6 +567,7 @@ impl<D: Device + 'static> Shared<D> {
     fn after_end(&self, reason: EpochEnd) {
         let _in_link = self.span.enter();
         tracing::debug!(%reason, "link end");
+        self.lock().tearing_down = true;
         if let Err(err) = self.qp.modify_to_error() {
             // No flush will come; do not let `recv` wait for one.
             tracing::debug!(%err, "moving the QP to ERR failed; the device is gone");
@@ -642,7 +645,12 @@ impl<D: Device + 'static> Shared<D> {
     ) -> Result<(), EpochEnd> {
         let wr_id = st.next_wr;
         st.next_wr += 1;
-        let link_wants = last || st.unsignaled + 1 >= self.config.signal_every || st.sq_free == 0;
+        // A WR that takes the last credit is signaled too: an end that
+        // comes next has no credit for a fence behind it.
+        let link_wants = last
+            || st.unsignaled + 1 >= self.config.signal_every
+            || st.sq_free == 0
+            || st.credit.held() == 0;
         let sge;
         let (sg_list, chunk): (&[Sge<'_, D::Mr>], _) = match buf {
             Some((mut chunk, len)) => {
@@ -908,6 +916,12 @@ impl<D: Device + 'static> RdmaLink<D> {
         } else {
             hooks.push(Box::new(hook));
         }
+    }
+
+    /// Whether a graceful close was cut short by an abrupt end: the peer is
+    /// then told with a reset, whatever was said before.
+    pub fn close_was_cut(&self) -> bool {
+        self.shared().lock().close_cut()
     }
 
     /// The peer will send nothing more on this QP (it said so after its own

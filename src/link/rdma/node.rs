@@ -455,7 +455,7 @@ async fn liveness<D: Device + 'static>(
             }
         }
         if ctl.torn_down.load(Ordering::Acquire) {
-            break !half_closed;
+            break !half_closed || link.close_was_cut();
         }
         tokio::select! {
             () = woken => {}

@@ -200,10 +200,12 @@ impl Inner {
     fn end(&self, reason: EpochEnd) {
         let mut state = self.lock();
         if state.ended.is_some() {
-            // A replacement of a link already reading out (the peer closed
-            // it, then redialled) needs a read-out from the budget like any
-            // other, or is cut: a peer cannot pile up links this way either.
+            // A replacement of a link reading out for the peer's close (it
+            // closed, then redialled) needs a read-out from the budget like
+            // any other, or is cut: a peer cannot pile up links this way
+            // either. Our own closes' read-outs are ours, and take none.
             let unbudgeted = reason == EpochEnd::Replaced
+                && state.ended == Some(EpochEnd::PeerClosed)
                 && state.reading_out
                 && !state.read_out_budgeted
                 && !state.reader_done;

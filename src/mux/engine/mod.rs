@@ -296,10 +296,11 @@ impl<L: Link> Mux<L> {
             return Err(link);
         }
         // An older link waiting to be served is read out first, in epoch
-        // order, and not served after this one.
+        // order, and not served after this one; closed gracefully, so its
+        // peer's last batches are read out too.
         let older = lock(&entry.incoming).take_if(|(waiting, ..)| waiting.epoch() < link.epoch());
         if let Some(older) = older {
-            older.0.fail(EpochEnd::Replaced);
+            older.0.fail(EpochEnd::Closed);
             push_superseded(entry, older);
         }
         let grant = UnservedGrant::new(&entry.control, opening.granted);
@@ -1117,8 +1118,19 @@ async fn run_epoch<L: Link>(
     };
     core.fail_all(reason);
     if let Some(rx) = messages {
-        // Each dropped message reports itself to its sender.
-        rx.drain().for_each(drop);
+        // Each dropped message reports itself to its sender, which may send
+        // again. The receiver goes right after a drain that found nothing:
+        // flume 0.12 panics, and poisons the channel, when a sender parked
+        // on a full channel is polled while the receiver drops
+        // (docs/design.md § "Open hazards"), and an empty one parks none.
+        for _ in 0..4 {
+            let left: Vec<OutboundMessage> = rx.drain().collect();
+            if left.is_empty() {
+                break;
+            }
+            drop(left);
+        }
+        drop(rx);
     }
     Counters::add(&shared.counters.epoch_deaths, 1);
     // Graceful: our Goodbye or the peer's. A `PeerClosed` without one is
