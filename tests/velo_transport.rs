@@ -1060,9 +1060,11 @@ async fn sends_both_ways_racing_unregister_and_register_are_each_delivered_or_re
     };
     // Each end's gate fails once per epoch that ends under it, and once
     // for a lane a send found stale.
-    let ((a_to_b, _), (b_to_a, _)) = tokio::join!(
+    let (_, (b_to_a, _)) = tokio::join!(
         each_delivered_or_reported_once(&a, &b, 2 * ROUNDS, churn),
         each_delivered_or_reported_once(&b, &a, 2 * ROUNDS, async {}),
     );
-    assert!(a_to_b > 0 && b_to_a > 0, "delivered {a_to_b} and {b_to_a}");
+    // B's side keeps its lane (A's sends may all meet a churn round and be
+    // reported): some of what B sent crossed A's closes.
+    assert!(b_to_a > 0, "nothing B sent was delivered");
 }
