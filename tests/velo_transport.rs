@@ -1016,19 +1016,22 @@ async fn sends_racing_a_shutdown_are_each_delivered_or_reported_once<K: Kind>() 
     a.transport.closed().await;
 }
 
+/// `a` unregisters `b` and registers it again, `rounds` times, 3 ms apart.
+async fn churn<N: Node>(a: &End<N>, b: &End<N>, rounds: usize) {
+    for _ in 0..rounds {
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        a.transport.unregister(b.id);
+        tokio::task::yield_now().await;
+        a.transport.register(info(b)).expect("registers again");
+    }
+}
+
 /// Senders on four threads race the peer being unregistered and registered
 /// again, twenty times over.
 async fn sends_racing_unregister_and_register_are_each_delivered_or_reported_once<K: Kind>() {
     const ROUNDS: usize = 20;
     let (_kind, a, b) = racing_pair::<K>().await;
-    let churn = async {
-        for _ in 0..ROUNDS {
-            tokio::time::sleep(Duration::from_millis(3)).await;
-            a.transport.unregister(b.id);
-            tokio::task::yield_now().await;
-            a.transport.register(info(&b)).expect("registers again");
-        }
-    };
+    let churn = churn(&a, &b, ROUNDS);
     // Each round's `fail_all` at the unregister, and one for a lane a send
     // found stale.
     each_delivered_or_reported_once(&a, &b, 2 * ROUNDS, churn).await;
@@ -1050,14 +1053,7 @@ async fn sends_both_ways_racing_unregister_and_register_are_each_delivered_or_re
     let b = Arc::new(end_on(kind.node(2).await, config).await);
     a.transport.register(info(&b)).expect("a registers b");
     b.transport.register(info(&a)).expect("b registers a");
-    let churn = async {
-        for _ in 0..ROUNDS {
-            tokio::time::sleep(Duration::from_millis(3)).await;
-            a.transport.unregister(b.id);
-            tokio::task::yield_now().await;
-            a.transport.register(info(&b)).expect("registers again");
-        }
-    };
+    let churn = churn(&a, &b, ROUNDS);
     // Each end's gate fails once per epoch that ends under it, and once
     // for a lane a send found stale.
     let (_, (b_to_a, _)) = tokio::join!(

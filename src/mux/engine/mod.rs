@@ -232,7 +232,19 @@ impl<L: Link> Mux<L> {
             theirs: terms,
             granted,
         };
-        let mut link = link;
+        self.hand_to_task(peer, link, opening, Self::hand_over);
+    }
+
+    /// Gives `link` to `peer`'s task with `hand`, making a fresh entry in
+    /// place of a retired one. While shutting down, only a peer still
+    /// draining its queue takes it; otherwise it ends `Shutdown`.
+    fn hand_to_task(
+        &self,
+        peer: PeerId,
+        mut link: L,
+        opening: Opening,
+        hand: fn(&PeerEntry<L>, L, Opening) -> Result<(), L>,
+    ) {
         loop {
             let shutting_down = self.shared.shutdown.load(Ordering::Acquire);
             let entry = if shutting_down {
@@ -247,7 +259,7 @@ impl<L: Link> Mux<L> {
             } else {
                 self.entry(peer)
             };
-            match Self::hand_over(&entry, link, opening) {
+            match hand(&entry, link, opening) {
                 Ok(()) => return,
                 // Gone from the map: `entry` makes a fresh one.
                 Err(back) if !shutting_down => link = back,
@@ -271,21 +283,7 @@ impl<L: Link> Mux<L> {
             theirs: terms,
             granted,
         };
-        let mut link = link;
-        loop {
-            let entry = match self.shared.shutdown.load(Ordering::Acquire) {
-                true => lock(&self.shared.peers).get(&peer).cloned(),
-                false => Some(self.entry(peer)),
-            };
-            let Some(entry) = entry else {
-                link.fail(EpochEnd::Shutdown);
-                return;
-            };
-            match Self::hand_over_read_out(&entry, link, opening) {
-                Ok(()) => return,
-                Err(back) => link = back,
-            }
-        }
+        self.hand_to_task(peer, link, opening, Self::hand_over_read_out);
     }
 
     /// Queues `link` among the links to read out before the next one is
