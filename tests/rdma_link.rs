@@ -330,6 +330,17 @@ async fn fail_ends_both_sides_after_completed_receives() {
 /// ways").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graceful_close_delivers_what_the_peer_had_posted() {
+    closing_mid_stream_delivers_what_the_peer_had_posted(EpochEnd::Closed).await;
+}
+
+/// A link replaced by the same peer's newer one closes the same way: the
+/// peer moved on, but what it posted here before it did still lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_link_delivers_what_the_peer_had_posted() {
+    closing_mid_stream_delivers_what_the_peer_had_posted(EpochEnd::Replaced).await;
+}
+
+async fn closing_mid_stream_delivers_what_the_peer_had_posted(reason: EpochEnd) {
     let (_da, _db, a, b) = linked(16).await;
     let sender = {
         let b = b.clone();
@@ -349,7 +360,7 @@ async fn a_graceful_close_delivers_what_the_peer_had_posted() {
     let mut got = 0u32;
     let end = loop {
         if got == 200 {
-            a.fail(EpochEnd::Closed);
+            a.fail(reason);
         }
         match a.recv().await {
             Ok(batch) => {
@@ -361,10 +372,11 @@ async fn a_graceful_close_delivers_what_the_peer_had_posted() {
     };
     let posted = sender.await.expect("sender");
     assert_eq!(got, posted, "every SEND b posted was delivered: {end:?}");
-    assert_eq!(a.ended().await, EpochEnd::Closed);
+    assert_eq!(a.ended().await, reason);
     assert_eq!(b.ended().await, EpochEnd::PeerClosed);
-    // Each wait ended on its event, not its bound: a's credit returns and
-    // b's last batches were unsignaled, and each end's fence retired them.
+    // Each wait ended on its event, not its bound: the ends' last WRs
+    // (credit returns, batches) were mostly unsignaled, and fences retired
+    // them.
     let (sa, sb) = (a.stats(), b.stats());
     assert_eq!((sa.close_waits_expired, sb.close_waits_expired), (0, 0));
     assert!(sa.closing_fences + sb.closing_fences > 0, "{sa:?} {sb:?}");
@@ -473,13 +485,25 @@ async fn hostile_peer_after(
     let inbox = [Sge {
         mr: &mr,
         offset: 1 << 15,
-        len: 1 << 15,
+        len: 1 << 14,
     }];
-    qp.post_recv(&[RecvWr {
-        wr_id: 100,
-        sg_list: &inbox,
-    }])
-    .expect("a receive for the link's batch");
+    let fence_inbox = [Sge {
+        mr: &mr,
+        offset: (1 << 15) + (1 << 14),
+        len: 1 << 14,
+    }];
+    qp.post_recv(&[
+        RecvWr {
+            wr_id: 100,
+            sg_list: &inbox,
+        },
+        // A graceful close's fence (an empty SEND) takes one more.
+        RecvWr {
+            wr_id: 101,
+            sg_list: &fence_inbox,
+        },
+    ])
+    .expect("receives for the link's batch and its fence");
     first(&link).await;
     mr.write(0, &vec![0xa5; payload_len]).expect("write");
     let sge = [Sge {
@@ -527,6 +551,9 @@ async fn hostile_peer(payload_len: usize, imm: u32) -> EpochEnd {
 async fn a_peer_that_overclaims_while_we_close_gets_nothing_more_delivered() {
     let close = async |link: &Soft| {
         send(link, b"unsignaled: the close waits for it").await;
+        // Someone to tell: the close then waits for the peer's word (which
+        // this raw peer never gives), not only for the fence behind our SEND.
+        link.on_last_sent(|| {});
         link.fail(EpochEnd::Closed);
     };
     // Credit 0 claimed (fine), then 5 of the 1 it was granted, then 0.

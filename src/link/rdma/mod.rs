@@ -446,11 +446,13 @@ impl<D: Device + 'static> Shared<D> {
         self.wake_end.notify_waiters();
     }
 
-    /// Ends the epoch: gracefully for our close or the peer's (Closed,
-    /// Shutdown, PeerClosed) when a runtime is there to wait in, else now.
+    /// Ends the epoch: gracefully for our close, the peer's (Closed,
+    /// Shutdown, PeerClosed), or a replacement by the same peer's newer
+    /// link (it still closes this one, and what it sent here lands) when a
+    /// runtime is there to wait in, else now.
     fn fail(self: &Arc<Self>, reason: EpochEnd) {
         match reason {
-            EpochEnd::Closed | EpochEnd::Shutdown | EpochEnd::PeerClosed
+            EpochEnd::Closed | EpochEnd::Shutdown | EpochEnd::PeerClosed | EpochEnd::Replaced
                 if tokio::runtime::Handle::try_current().is_ok() =>
             {
                 self.end_gracefully(reason)
@@ -458,10 +460,10 @@ impl<D: Device + 'static> Shared<D> {
             EpochEnd::Closed
             | EpochEnd::Shutdown
             | EpochEnd::PeerClosed
+            | EpochEnd::Replaced
             | EpochEnd::PeerLost
             | EpochEnd::Fault(_)
             | EpochEnd::Violation(_)
-            | EpochEnd::Replaced
             | EpochEnd::Internal => self.end(reason),
         }
     }
