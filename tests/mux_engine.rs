@@ -1538,6 +1538,30 @@ async fn a_link_replaced_before_it_was_served_is_read_out_first() {
     outcome.expect("the replaced link's record never came");
 }
 
+/// Past the four links kept to read out, a fifth replaced before the peer
+/// task ran evicts the oldest unread, and the node counts it: what the peer
+/// sent there is lost, and only the counter says so.
+#[tokio::test]
+async fn links_replaced_past_the_four_kept_are_counted_unread() {
+    let outcome = tokio::time::timeout(Duration::from_secs(10), async {
+        let fabric = MemFabric::new(MemConfig::default());
+        let mux = Mux::new(MuxConfig::default(), fabric.dialer(A));
+        let mut peers = Vec::new();
+        // Six links before the peer task can run (no await between): the
+        // newest is served, four are read out, one goes unread.
+        for epoch in 1..=6 {
+            let (ours, theirs) = pair(Epoch(epoch), MemConfig::default());
+            mux.attach(B, ours);
+            peers.push(theirs);
+        }
+        assert_eq!(mux.stats().links_unread, 1);
+        until(|| mux.epoch(B) == Some(Epoch(6))).await;
+        assert_eq!(mux.stats().links_unread, 1);
+    })
+    .await;
+    outcome.expect("the newest link was never served");
+}
+
 /// A link handed over only to be read out (the connector refused it after
 /// the peer may have sent on it: docs/design.md § "A closed link delivers
 /// both ways") delivers what the peer sent and ends its streams, though no

@@ -24,6 +24,8 @@ pub mod tcp;
 
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use thiserror::Error;
 
@@ -116,6 +118,85 @@ pub enum LinkError {
         /// The link's `max_batch`.
         max: usize,
     },
+}
+
+/// Links closing on a peer's behalf at once, shared by the clones of one
+/// node's link config: a TCP link replaced by its peer's newer one reading
+/// out, an RDMA link so replaced keeping its QP up for the peer's last
+/// SENDs. Past it such a link is cut at once, as a fault's link is: a peer
+/// that never closes its old connections cannot make us hold sockets,
+/// QPs and buffers for seconds each (docs/design.md § "A replaced link
+/// delivers what its peer sent").
+#[derive(Clone, Debug)]
+pub struct ReadOutBudget {
+    counts: Arc<ReadOutCounts>,
+    max: usize,
+}
+
+#[derive(Debug, Default)]
+struct ReadOutCounts {
+    in_use: AtomicUsize,
+    refused: AtomicU64,
+}
+
+impl ReadOutBudget {
+    /// A budget of `max` read-outs at once (0: every replaced link is cut).
+    pub fn new(max: usize) -> ReadOutBudget {
+        ReadOutBudget {
+            counts: Arc::default(),
+            max,
+        }
+    }
+
+    /// Read-outs held now.
+    pub fn in_use(&self) -> usize {
+        self.counts.in_use.load(Ordering::Acquire)
+    }
+
+    /// Links cut because the budget was spent when they needed a read-out.
+    pub fn refused(&self) -> u64 {
+        self.counts.refused.load(Ordering::Relaxed)
+    }
+
+    /// One read-out, given back when the guard drops; `None` past the budget.
+    pub(crate) fn hold(&self) -> Option<ReadOut> {
+        self.try_take().then(|| ReadOut(self.clone()))
+    }
+
+    pub(crate) fn try_take(&self) -> bool {
+        let taken = self
+            .counts
+            .in_use
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .is_ok();
+        if !taken {
+            self.counts.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        taken
+    }
+
+    pub(crate) fn give_back(&self) {
+        self.counts.in_use.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One read-out of a [`ReadOutBudget`], given back on drop.
+#[derive(Debug)]
+pub(crate) struct ReadOut(ReadOutBudget);
+
+impl Drop for ReadOut {
+    fn drop(&mut self) {
+        self.0.give_back();
+    }
+}
+
+impl Default for ReadOutBudget {
+    /// 16 read-outs at once.
+    fn default() -> Self {
+        ReadOutBudget::new(16)
+    }
 }
 
 /// An ordered, reliable batch pipe to one peer for one epoch.

@@ -99,6 +99,10 @@ pub struct Stats {
     /// called); each ended its epoch ([`crate::link::EpochEnd::Internal`]),
     /// or, outside an epoch, restarted the task.
     pub peer_task_panics: u64,
+    /// Links a peer replaced before they were served, dropped unread
+    /// because more than four were waiting to be read out: what the peer
+    /// had sent on them is lost.
+    pub links_unread: u64,
     /// OpenSlot records refused: the peer's slot limit was reached, or the
     /// stream is already fed, ended, or the node's registry is full.
     pub opens_refused: u64,
@@ -143,6 +147,7 @@ impl Stats {
             ("qpmux_protocol_violations_total", self.protocol_violations),
             ("qpmux_messages_too_large_total", self.messages_too_large),
             ("qpmux_peer_task_panics_total", self.peer_task_panics),
+            ("qpmux_links_unread_total", self.links_unread),
             ("qpmux_drops_unknown_slot_total", self.drops.unknown_slot),
             (
                 "qpmux_drops_stale_generation_total",
@@ -203,6 +208,7 @@ pub(crate) struct Counters {
     pub protocol_violations: AtomicU64,
     pub messages_too_large: AtomicU64,
     pub peer_task_panics: AtomicU64,
+    pub links_unread: AtomicU64,
     pub opens_refused: AtomicU64,
     pub unknown_slot: AtomicU64,
     pub stale_generation: AtomicU64,
@@ -254,6 +260,7 @@ impl Counters {
             protocol_violations: get(&self.protocol_violations),
             messages_too_large: get(&self.messages_too_large),
             peer_task_panics: get(&self.peer_task_panics),
+            links_unread: get(&self.links_unread),
             opens_refused: get(&self.opens_refused),
             drops: DropCounts {
                 unknown_slot: get(&self.unknown_slot),

@@ -23,7 +23,7 @@ use super::credit::Credit;
 use super::pool::SendPool;
 use super::registered::{RegisteredBudget, Registration};
 use super::{Handle, LinkStats, RECV_TAG, RdmaConfig, RdmaError, RdmaLink, Shared, State, poller};
-use crate::link::{EpochEnd, Link};
+use crate::link::{EpochEnd, Link, ReadOutBudget};
 use crate::mux::protocol::Epoch;
 use crate::unwind::spawn_catching;
 use crate::verbs::{
@@ -42,6 +42,7 @@ pub struct PreparedEnd<D: Device + 'static> {
     recv_mrs: Vec<D::Mr>,
     pool: SendPool<D>,
     registration: Registration,
+    read_outs: ReadOutBudget,
 }
 
 impl<D: Device + 'static> PreparedEnd<D> {
@@ -147,7 +148,17 @@ impl<D: Device + 'static> PreparedEnd<D> {
             recv_mrs,
             pool,
             registration,
+            read_outs: ReadOutBudget::new(usize::MAX),
         })
+    }
+
+    /// Takes the graceful closes of this end's replacement (and of its
+    /// replacement after the peer's close) from `budget`, shared by a
+    /// node's ends; past it a replaced end is torn down at once. A
+    /// stand-alone end's budget is unbounded.
+    pub fn with_read_outs(mut self, budget: ReadOutBudget) -> PreparedEnd<D> {
+        self.read_outs = budget;
+        self
     }
 
     /// What the peer needs to reach this QP.
@@ -191,6 +202,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             torn_down: false,
             violated: false,
             cut: false,
+            read_out: None,
             tearing_down: false,
             drained: false,
             stats: LinkStats::default(),
@@ -202,6 +214,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             state: Mutex::new(state),
             lease: self.pool.lease(config.send_buffers),
             _registration: self.registration,
+            read_outs: self.read_outs,
             address: self.address,
             epoch,
             config,

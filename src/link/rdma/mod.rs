@@ -42,7 +42,7 @@ pub use self::node::{DEFAULT_MAX_REGISTERED, RdmaEpochs, RdmaNodeConfig, RdmaTra
 use self::pool::{Blocked, Lease, PoolChunk};
 pub use self::pool::{DEFAULT_POOL_BUFFERS, PoolStats, SendPool};
 pub use self::registered::{MemlockLimit, RegisteredBudget, Registration};
-use super::{EpochEnd, Link, LinkError, LinkFault};
+use super::{EpochEnd, Link, LinkError, LinkFault, ReadOut, ReadOutBudget};
 use crate::mux::protocol::Epoch;
 use crate::verbs::{
     Device, MemoryRegion, PostError, QpAddress, QueuePair, RecvWr, SendOpcode, SendWr, Sge,
@@ -271,6 +271,9 @@ struct State<D: Device> {
     /// An abrupt end came while a graceful close waited: the close stops
     /// waiting, says no last-sent word, and tears down.
     cut: bool,
+    /// A replaced end's graceful close holds one of the node's read-outs
+    /// until its teardown.
+    read_out: Option<ReadOut>,
     /// The teardown has begun: the flushes it makes are not a cut.
     tearing_down: bool,
     /// The poller is done: every completion the CQ will ever hold was handled.
@@ -348,6 +351,8 @@ struct Shared<D: Device> {
     lease: Lease<D>,
     /// The node budget's bytes for the receive MRs, given back after them.
     _registration: Registration,
+    /// The node's budget of replaced ends closing gracefully at once.
+    read_outs: ReadOutBudget,
     address: QpAddress,
     epoch: Epoch,
     config: RdmaConfig,
@@ -448,8 +453,9 @@ impl<D: Device + 'static> Shared<D> {
 
     /// Ends the epoch: gracefully for our close, the peer's (Closed,
     /// Shutdown, PeerClosed), or a replacement by the same peer's newer
-    /// link (it still closes this one, and what it sent here lands) when a
-    /// runtime is there to wait in, else now.
+    /// link (it still closes this one, and what it sent here lands; one of
+    /// the node's read-outs, else now) when a runtime is there to wait in,
+    /// else now.
     fn fail(self: &Arc<Self>, reason: EpochEnd) {
         match reason {
             EpochEnd::Closed | EpochEnd::Shutdown | EpochEnd::PeerClosed | EpochEnd::Replaced
@@ -480,9 +486,20 @@ impl<D: Device + 'static> Shared<D> {
     fn end_gracefully(self: &Arc<Self>, reason: EpochEnd) {
         {
             let mut st = self.lock();
-            if !st.set_end(reason) {
+            if st.ended.is_some() {
+                self.replace_closing_locked(st, reason);
                 return;
             }
+            if reason == EpochEnd::Replaced {
+                st.read_out = self.read_outs.hold();
+                if st.read_out.is_none() {
+                    drop(st);
+                    tracing::debug!(parent: &self.span, "no read-out left: the replaced link is cut");
+                    self.end(reason);
+                    return;
+                }
+            }
+            st.set_end(reason);
             self.fence_locked(&mut st);
         }
         self.wake_send.notify_waiters();
@@ -521,6 +538,27 @@ impl<D: Device + 'static> Shared<D> {
             }
             shared.after_end(reason);
         });
+    }
+
+    /// A replacement of a link closing for the peer's close (the peer
+    /// closed, then redialled) takes a read-out like any other replacement,
+    /// or cuts the close: a peer cannot pile up QPs that way either. Our
+    /// own closes take none.
+    fn replace_closing_locked(&self, mut st: MutexGuard<'_, State<D>>, reason: EpochEnd) {
+        let unbudgeted = reason == EpochEnd::Replaced
+            && st.ended == Some(EpochEnd::PeerClosed)
+            && st.read_out.is_none()
+            && !st.tearing_down
+            && !st.cut;
+        if !unbudgeted {
+            return;
+        }
+        st.read_out = self.read_outs.hold();
+        if st.read_out.is_none() {
+            st.cut = true;
+            drop(st);
+            self.cut_grace(reason);
+        }
     }
 
     /// Posts an empty signaled SEND behind an ended link's unsignaled tail,
@@ -569,7 +607,12 @@ impl<D: Device + 'static> Shared<D> {
     fn after_end(&self, reason: EpochEnd) {
         let _in_link = self.span.enter();
         tracing::debug!(%reason, "link end");
-        self.lock().tearing_down = true;
+        let read_out = {
+            let mut st = self.lock();
+            st.tearing_down = true;
+            st.read_out.take()
+        };
+        drop(read_out);
         if let Err(err) = self.qp.modify_to_error() {
             // No flush will come; do not let `recv` wait for one.
             tracing::debug!(%err, "moving the QP to ERR failed; the device is gone");
@@ -920,8 +963,9 @@ impl<D: Device + 'static> RdmaLink<D> {
         }
     }
 
-    /// Whether a graceful close was cut short by an abrupt end: the peer is
-    /// then told with a reset, whatever was said before.
+    /// Whether a graceful close was cut short (by an abrupt end, or by a
+    /// replacement past the node's read-outs): the peer is then told with a
+    /// reset, whatever was said before.
     pub fn close_was_cut(&self) -> bool {
         self.shared().lock().close_cut()
     }

@@ -38,7 +38,7 @@ use crate::link::bootstrap::{BootstrapError, ClusterKey, Endpoint, EndpointKind,
 use crate::link::tcp::{
     ConnectError, Connector, ConnectorConfig, EpochMaker, TcpLinkConfig, configure,
 };
-use crate::link::{EpochEnd, Link, Node, RegisterError};
+use crate::link::{EpochEnd, Link, Node, ReadOutBudget, RegisterError};
 use crate::mux::engine::ProtocolError;
 use crate::mux::protocol::Epoch;
 use crate::mux::{Mux, MuxConfig, PeerId};
@@ -70,6 +70,10 @@ pub struct RdmaNodeConfig {
     /// `rdma.send_buffers` of them, and at most half the pool (rounded up),
     /// at once. At least 1. Default 64 ([`DEFAULT_POOL_BUFFERS`]).
     pub pool_buffers: usize,
+    /// Links replaced by their peer's newer one that may close gracefully
+    /// at once (keeping the QP and its receive ring up for the peer's last
+    /// SENDs); past it a replaced link is torn down at once. Default 16.
+    pub read_outs: ReadOutBudget,
 }
 
 /// Default of [`RdmaNodeConfig::max_registered`].
@@ -86,6 +90,7 @@ impl RdmaNodeConfig {
             mux: MuxConfig::default(),
             max_registered: DEFAULT_MAX_REGISTERED,
             pool_buffers: DEFAULT_POOL_BUFFERS,
+            read_outs: ReadOutBudget::default(),
         }
     }
 
@@ -150,6 +155,7 @@ pub struct RdmaEpochs<D: Device + 'static> {
     /// Liveness controls by local QPN, while the link lives.
     live: Arc<Mutex<HashMap<u32, Arc<Liveness>>>>,
     registered: RegisteredBudget,
+    read_outs: ReadOutBudget,
     pool_buffers: usize,
     /// The device's send pool, made with the first link end (or by `pool`).
     pool: Mutex<Option<SendPool<D>>>,
@@ -167,6 +173,7 @@ impl<D: Device + 'static> RdmaEpochs<D> {
             liveness,
             live: Arc::new(Mutex::new(HashMap::new())),
             registered: RegisteredBudget::unbounded(),
+            read_outs: ReadOutBudget::default(),
             pool_buffers: DEFAULT_POOL_BUFFERS,
             pool: Mutex::new(None),
             last_error: Mutex::new(None),
@@ -207,6 +214,18 @@ impl<D: Device + 'static> RdmaEpochs<D> {
     pub fn with_max_registered(mut self, max: usize) -> RdmaEpochs<D> {
         self.registered = RegisteredBudget::new(max);
         self
+    }
+
+    /// Takes replaced links' graceful closes from `budget`
+    /// ([`RdmaNodeConfig::read_outs`]).
+    pub fn with_read_outs(mut self, budget: ReadOutBudget) -> RdmaEpochs<D> {
+        self.read_outs = budget;
+        self
+    }
+
+    /// The budget replaced links' graceful closes are taken from.
+    pub fn read_outs(&self) -> &ReadOutBudget {
+        &self.read_outs
     }
 
     /// The registered-memory budget links are taken from.
@@ -331,6 +350,7 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
             .and_then(|pool| {
                 PreparedEnd::on_pool(&self.device, &pool, self.config, &self.registered)
             })
+            .map(|end| end.with_read_outs(self.read_outs.clone()))
             .map_err(|err| {
                 tracing::warn!(%err, "creating the link's QP, CQ and MRs failed");
                 let err = self.explain(err, MemlockLimit::current());
@@ -518,7 +538,8 @@ impl<D: Device + 'static> RdmaTransport<D> {
         }
         let epochs = RdmaEpochs::new(device, config.rdma, config.liveness)
             .with_max_registered(config.max_registered)
-            .with_pool_buffers(config.pool_buffers);
+            .with_pool_buffers(config.pool_buffers)
+            .with_read_outs(config.read_outs);
         if let Err(err) = epochs.pool() {
             let err = epochs.explain(err, MemlockLimit::current());
             return Err(io::Error::other(err));
@@ -547,7 +568,8 @@ impl<D: Device + 'static> RdmaTransport<D> {
 
     /// Every counter of this node under its stable `qpmux_*` name
     /// (docs/metrics.md): the mux's [`crate::mux::Stats::metrics`], the
-    /// connection manager's, the registered-memory and the send-pool gauges.
+    /// connection manager's, the registered-memory, send-pool and read-out
+    /// gauges.
     pub fn metrics(&self) -> Vec<(&'static str, u64)> {
         use crate::mux::MuxTransport;
         let mut out = self.mux.stats().metrics();
@@ -569,6 +591,11 @@ impl<D: Device + 'static> RdmaTransport<D> {
             ("qpmux_send_pool_chunks", as_u64(pool.chunks)),
             ("qpmux_send_pool_chunks_in_use", as_u64(pool.in_use)),
             ("qpmux_send_pool_waits_total", pool.waits),
+        ]);
+        let read_outs = self.node.epochs().read_outs();
+        out.extend([
+            ("qpmux_read_outs", as_u64(read_outs.in_use())),
+            ("qpmux_read_outs_refused_total", read_outs.refused()),
         ]);
         out
     }

@@ -526,3 +526,78 @@ async fn an_end_hook_added_after_the_end_may_use_its_link() {
     let reason = EpochEnd::Fault(LinkFault::PostFailed);
     assert_eq!(*seen.lock().expect("lock"), Some((reason, Some(reason))));
 }
+
+/// An end on `budget` connected to a stand-alone end. Its graceful close
+/// waits for the peer's word, which only the test gives
+/// ([`RdmaLink::peer_finished`]).
+fn on_budget(
+    da: &SoftDevice,
+    db: &SoftDevice,
+    budget: &ReadOutBudget,
+    config: RdmaConfig,
+) -> (RdmaLink<SoftDevice>, RdmaLink<SoftDevice>) {
+    let end_a = PreparedEnd::new(da, config)
+        .expect("end a")
+        .with_read_outs(budget.clone());
+    let end_b = PreparedEnd::new(db, config).expect("end b");
+    let (addr_a, addr_b) = (end_a.address(), end_b.address());
+    let a = end_a.connect(&addr_b, Epoch(1)).expect("connect a");
+    let b = end_b.connect(&addr_a, Epoch(1)).expect("connect b");
+    a.on_last_sent(|| {});
+    (a, b)
+}
+
+/// `recv` reports `reason` (the end is torn down and drained).
+async fn torn_down(link: &RdmaLink<SoftDevice>, reason: EpochEnd) {
+    let recv = tokio::time::timeout(Duration::from_secs(10), link.recv()).await;
+    let got = recv.map(|r| r.map(drop));
+    assert!(
+        matches!(got, Ok(Err(LinkError::Ended { reason: r, .. })) if r == reason),
+        "{got:?}"
+    );
+}
+
+/// A replaced end closes gracefully only on one of the node's read-outs:
+/// past the budget it is torn down at once, and so is a replacement that
+/// comes while the end closes for its peer. The read-out comes back at the
+/// close's teardown (docs/design.md § "A replaced link delivers what its
+/// peer sent").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replaced_ends_past_the_read_out_budget_are_torn_down_at_once() {
+    let (da, db) = (device().await, device().await);
+    // Each wait of a close bounded at 5 s, far past the test's steps.
+    let config = RdmaConfig {
+        timeout: 0,
+        ..small()
+    };
+    let budget = ReadOutBudget::new(1);
+    let (a1, b1) = on_budget(&da, &db, &budget, config);
+    let (a2, _b2) = on_budget(&da, &db, &budget, config);
+    a1.fail(EpochEnd::Replaced);
+    assert_eq!((budget.in_use(), budget.refused()), (1, 0));
+    a2.fail(EpochEnd::Replaced);
+    assert_eq!((budget.in_use(), budget.refused()), (1, 1));
+    torn_down(&a2, EpochEnd::Replaced).await;
+    // a1 still closes: what its peer sends lands.
+    send_bytes(&b1, b"late").await;
+    assert_eq!(recv_bytes(&a1).await, b"late");
+    a1.peer_finished();
+    torn_down(&a1, EpochEnd::Replaced).await;
+    assert_eq!(budget.in_use(), 0, "the teardown gave the read-out back");
+
+    // The budget serves the next replacement; while it is held, an end
+    // closing for its peer and then replaced is cut.
+    let (a3, b3) = on_budget(&da, &db, &budget, config);
+    let (a4, _b4) = on_budget(&da, &db, &budget, config);
+    a3.fail(EpochEnd::Replaced);
+    a4.fail(EpochEnd::PeerClosed);
+    a4.fail(EpochEnd::Replaced);
+    assert_eq!((budget.in_use(), budget.refused()), (1, 2));
+    torn_down(&a4, EpochEnd::PeerClosed).await;
+    assert!(a4.close_was_cut());
+    send_bytes(&b3, b"still").await;
+    assert_eq!(recv_bytes(&a3).await, b"still");
+    a3.peer_finished();
+    torn_down(&a3, EpochEnd::Replaced).await;
+    assert_eq!(budget.in_use(), 0);
+}

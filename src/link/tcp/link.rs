@@ -19,7 +19,6 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::net::{Shutdown, SocketAddr};
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -29,7 +28,7 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Notify;
 
-use crate::link::{EpochEnd, Link, LinkError, LinkFault};
+use crate::link::{EpochEnd, Link, LinkError, LinkFault, ReadOutBudget};
 use crate::mux::engine::ProtocolError;
 use crate::mux::protocol::Epoch;
 use crate::stages::{self, Stage};
@@ -55,45 +54,6 @@ pub struct TcpLinkConfig {
     /// How many replaced links made with this config (one node's) may read
     /// out at once. Default 16.
     pub read_outs: ReadOutBudget,
-}
-
-/// Replaced links that may read out at once, shared by the clones of one
-/// [`TcpLinkConfig`]. Past it a replaced link is cut at once, as a fault's
-/// link is: a peer that never closes its old connections cannot pile up
-/// sockets and buffers for 4 s each (docs/design.md § "A replaced link
-/// delivers what its peer sent").
-#[derive(Clone, Debug)]
-pub struct ReadOutBudget {
-    in_use: Arc<AtomicUsize>,
-    max: usize,
-}
-
-impl ReadOutBudget {
-    /// A budget of `max` read-outs at once (0: every replaced link is cut).
-    pub fn new(max: usize) -> ReadOutBudget {
-        ReadOutBudget {
-            in_use: Arc::new(AtomicUsize::new(0)),
-            max,
-        }
-    }
-
-    fn try_take(&self) -> bool {
-        self.in_use
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max).then_some(n + 1)
-            })
-            .is_ok()
-    }
-
-    fn give_back(&self) {
-        self.in_use.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-impl Default for ReadOutBudget {
-    fn default() -> Self {
-        ReadOutBudget::new(16)
-    }
 }
 
 impl Default for TcpLinkConfig {

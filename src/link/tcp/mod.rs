@@ -16,8 +16,9 @@ mod link;
 mod node;
 mod transport;
 
+pub use crate::link::ReadOutBudget;
 pub(crate) use link::configure;
-pub use link::{ReadOutBudget, TcpBatch, TcpLink, TcpLinkConfig, TcpLinkStats, TcpSendBuf};
+pub use link::{TcpBatch, TcpLink, TcpLinkConfig, TcpLinkStats, TcpSendBuf};
 pub use node::{
     ConnectError, Connector, ConnectorConfig, EpochMaker, MAX_ACCEPTS_PER_PEER, NodeStats,
     TcpEpochs, TcpNode, TcpNodeConfig,

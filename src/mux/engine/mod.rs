@@ -798,6 +798,7 @@ fn push_superseded<L: Link>(entry: &PeerEntry<L>, handed: Handed<L>) {
         .then(|| superseded.pop_front())
         .flatten()
     {
+        Counters::add(&entry.control.counters.links_unread, 1);
         tracing::debug!(peer = ?entry.control.peer, epoch = %unread.epoch(),
             "too many links replaced unserved; the oldest goes unread");
     }
