@@ -601,3 +601,34 @@ async fn replaced_ends_past_the_read_out_budget_are_torn_down_at_once() {
     torn_down(&a3, EpochEnd::Replaced).await;
     assert_eq!(budget.in_use(), 0);
 }
+
+/// An abrupt end met while a graceful close waits for its peer cuts the
+/// close short (the QP goes down now, and the liveness word becomes a
+/// reset); a replacement after our own close does not, and takes no
+/// read-out: the peer's last SENDs on this QP are what the close waits for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abrupt_end_cuts_a_graceful_close_and_a_replacement_does_not() {
+    let (da, db) = (device().await, device().await);
+    // Each wait of a close bounded at 5 s, far past the test's steps.
+    let config = RdmaConfig {
+        timeout: 0,
+        ..small()
+    };
+    let budget = ReadOutBudget::new(0);
+    let (kept, kept_peer) = on_budget(&da, &db, &budget, config);
+    let (cut, _cut_peer) = on_budget(&da, &db, &budget, config);
+    kept.fail(EpochEnd::Closed);
+    cut.fail(EpochEnd::Closed);
+    kept.fail(EpochEnd::Replaced);
+    cut.fail(EpochEnd::PeerLost);
+    torn_down(&cut, EpochEnd::Closed).await;
+    assert!(cut.close_was_cut());
+    // Our own close's replacement takes no read-out (none is left) and
+    // cuts nothing: the peer's SEND still lands.
+    send_bytes(&kept_peer, b"after").await;
+    assert_eq!(recv_bytes(&kept).await, b"after");
+    assert!(!kept.close_was_cut());
+    assert_eq!(budget.refused(), 0);
+    kept.peer_finished();
+    torn_down(&kept, EpochEnd::Closed).await;
+}
