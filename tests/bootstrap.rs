@@ -406,6 +406,9 @@ async fn hostile_clients_are_refused_with_named_errors_and_the_listener_keeps_se
         );
         drop(s);
         assert_eq!(l.epoch(A), None, "no ready, no epoch");
+        // Closing after the answer is a withdrawal, not a refusal.
+        until(|| l_node.stats().withdrawn == 1).await;
+        assert_eq!(l_node.stats().refused, n);
 
         // And a real node connects.
         let (a_node, _a) = node(A, None).await;

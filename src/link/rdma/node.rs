@@ -581,6 +581,7 @@ impl<D: Device + 'static> RdmaTransport<D> {
             ("qpmux_connections_refused_total", node.refused),
             ("qpmux_dial_failures_total", node.dial_failures),
             ("qpmux_dials_declined_total", node.declined),
+            ("qpmux_dials_withdrawn_total", node.withdrawn),
             ("qpmux_peer_restarts_total", node.restarts_seen),
             ("qpmux_peers_known", node.peers_known),
             ("qpmux_registered_bytes", as_u64(registered.in_use())),

@@ -267,6 +267,10 @@ pub struct NodeStats {
     /// under way, or `max_pending_per_source` from their source IP (also
     /// counted in `refused`).
     pub handshakes_shed: u64,
+    /// Accepted handshakes whose dialer closed after our answer and before
+    /// its ready ([`ConnectError::Withdrawn`]: superseded or forgotten on
+    /// its side; benign, not counted in `refused`).
+    pub withdrawn: u64,
     /// Peers the connection table holds now: registered, linked, dialing or
     /// being accepted. A peer that is none of these any more is let go.
     pub peers_known: u64,
@@ -281,6 +285,7 @@ struct Counters {
     restarts_seen: AtomicU64,
     peer_limit_refusals: AtomicU64,
     handshakes_shed: AtomicU64,
+    withdrawn: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -938,6 +943,7 @@ impl<E: EpochMaker> Connector<E> {
             restarts_seen: c.restarts_seen.load(Ordering::Relaxed),
             peer_limit_refusals: c.peer_limit_refusals.load(Ordering::Relaxed),
             handshakes_shed: c.handshakes_shed.load(Ordering::Relaxed),
+            withdrawn: c.withdrawn.load(Ordering::Relaxed),
             peers_known: self.inner.peers().len() as u64,
         }
     }
@@ -1495,6 +1501,7 @@ async fn accept_once<E: EpochMaker>(
         }
         // Answered, then the connection closed cleanly before the ready.
         Err(ConnectError::Handshake(BootstrapError::Closed)) if armed.is_some() => {
+            bump(&inner.counters.withdrawn);
             return Err(ConnectError::Withdrawn);
         }
         Err(err) => {
