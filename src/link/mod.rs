@@ -234,8 +234,8 @@ pub trait Link: Send + Sync + 'static {
     /// had already received are still returned, then the error. A graceful
     /// end (ours or the peer's) also returns what the peer sent until it
     /// said it sends nothing more (its FIN, or the RDMA link's half-close),
-    /// and so may a link ended as [`EpochEnd::Replaced`] (the TCP link's
-    /// read-out).
+    /// and so may a link ended as [`EpochEnd::Replaced`] while its node's
+    /// [`ReadOutBudget`] has a read-out for it.
     fn recv(&self) -> impl Future<Output = Result<Self::Batch, LinkError>> + Send;
 
     /// Ends the epoch on both ends (idempotent; the first reason wins).

@@ -13,7 +13,7 @@
 //! (another module) does what `pair` does across hosts and owns liveness.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, Weak};
 
 use tokio::sync::Notify;
@@ -202,6 +202,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             torn_down: false,
             violated: false,
             cut: false,
+            closing: false,
             read_out: None,
             tearing_down: false,
             drained: false,
@@ -221,6 +222,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             wake_send: Notify::new(),
             wake_recv: Notify::new(),
             wake_end: Notify::new(),
+            wake_close: Notify::new(),
             wake_poller: Notify::new(),
             polling: poller::PollBuf::new(),
             detached: AtomicBool::new(false),
@@ -274,13 +276,13 @@ pub fn pair<D: Device + 'static>(
         let (told, teller) = (Arc::downgrade(peer.shared()), Arc::downgrade(me.shared()));
         me.on_last_sent(move || match told.upgrade() {
             Some(peer) => {
-                peer.peer_finished.store(true, Ordering::Release);
+                peer.set_peer_finished();
                 peer.fail(EpochEnd::PeerClosed);
             }
             // Nobody is left to send to us.
             None => {
                 if let Some(me) = teller.upgrade() {
-                    me.peer_finished.store(true, Ordering::Release);
+                    me.set_peer_finished();
                 }
             }
         });

@@ -7,7 +7,8 @@
 //!                       ─► send WC (every k-th signaled) ─► chunks to the pool, SQ slots back
 //!  mux ◄─ recv() ◄─ ready ─ Batch (owned guard on a receive MR) ─ drop ─► re-post ─► owed
 //!  error WC, failed post, fail() ─► QP to ERR ─► ended; completed receives drain first
-//!  graceful end (Closed, Shutdown, PeerClosed): posted SENDs complete ─► on_last_sent
+//!  graceful end (Closed, Shutdown, PeerClosed; Replaced on one of the node's read-outs):
+//!      posted SENDs complete ─► on_last_sent
 //!      (the peer is told) ─► the peer's last SENDs land ─► peer_finished ─► QP to ERR
 //! ```
 //!
@@ -271,6 +272,9 @@ struct State<D: Device> {
     /// An abrupt end came while a graceful close waited: the close stops
     /// waiting, says no last-sent word, and tears down.
     cut: bool,
+    /// A graceful close is waiting (for our SENDs or the peer's word); not
+    /// once it goes on to its teardown.
+    closing: bool,
     /// A replaced end's graceful close holds one of the node's read-outs
     /// until its teardown.
     read_out: Option<ReadOut>,
@@ -359,6 +363,9 @@ struct Shared<D: Device> {
     wake_send: Notify,
     wake_recv: Notify,
     wake_end: Notify,
+    /// The graceful close's task (one waiter; a stored permit loses no
+    /// wake): its posted SENDs completed, the peer finished, or it was cut.
+    wake_close: Notify,
     wake_poller: Notify,
     /// Held by whoever polls the CQ: the poller task, or the provider's
     /// completion handler.
@@ -448,6 +455,7 @@ impl<D: Device + 'static> Shared<D> {
         if let Err(err) = self.qp.modify_to_error() {
             tracing::debug!(%err, "moving the QP to ERR failed; the device is gone");
         }
+        self.wake_close.notify_one();
         self.wake_end.notify_waiters();
     }
 
@@ -490,16 +498,19 @@ impl<D: Device + 'static> Shared<D> {
                 self.replace_closing_locked(st, reason);
                 return;
             }
+            st.set_end(reason);
             if reason == EpochEnd::Replaced {
                 st.read_out = self.read_outs.hold();
                 if st.read_out.is_none() {
+                    // Decided under this lock, as torn down at once: no
+                    // graceful end can slip in between.
                     drop(st);
                     tracing::debug!(parent: &self.span, "no read-out left: the replaced link is cut");
-                    self.end(reason);
+                    self.after_end(reason);
                     return;
                 }
             }
-            st.set_end(reason);
+            st.closing = true;
             self.fence_locked(&mut st);
         }
         self.wake_send.notify_waiters();
@@ -508,10 +519,12 @@ impl<D: Device + 'static> Shared<D> {
         tokio::spawn(async move {
             let wait = close_wait(&shared.config);
             let deadline = tokio::time::Instant::now() + wait;
-            let waiting = |st: &State<D>| !st.posted.is_empty() && !st.close_cut();
-            while waiting(&shared.lock()) && tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-            }
+            shared
+                .wait_close(deadline, |shared| {
+                    let st = shared.lock();
+                    st.posted.is_empty() || st.close_cut()
+                })
+                .await;
             let (unfinished, cut) = {
                 let st = shared.lock();
                 (st.posted.len(), st.close_cut())
@@ -524,18 +537,18 @@ impl<D: Device + 'static> Shared<D> {
             // Cut short: no last-sent word, so the peer hears a reset.
             if !cut && shared.run_last_sent() {
                 let deadline = tokio::time::Instant::now() + wait;
-                let waiting = |shared: &Shared<D>| {
-                    !shared.peer_finished.load(Ordering::Acquire) && !shared.lock().close_cut()
-                };
-                while waiting(&shared) && tokio::time::Instant::now() < deadline {
-                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-                }
+                shared
+                    .wait_close(deadline, |shared| {
+                        shared.peer_finished.load(Ordering::Acquire) || shared.lock().close_cut()
+                    })
+                    .await;
                 if !shared.peer_finished.load(Ordering::Acquire) && !shared.lock().close_cut() {
                     shared.lock().stats.close_waits_expired += 1;
                     let _in_link = shared.span.enter();
                     tracing::debug!("graceful close gave up waiting for the peer's last SENDs");
                 }
             }
+            shared.lock().closing = false;
             shared.after_end(reason);
         });
     }
@@ -547,9 +560,9 @@ impl<D: Device + 'static> Shared<D> {
     fn replace_closing_locked(&self, mut st: MutexGuard<'_, State<D>>, reason: EpochEnd) {
         let unbudgeted = reason == EpochEnd::Replaced
             && st.ended == Some(EpochEnd::PeerClosed)
+            && st.closing
             && st.read_out.is_none()
-            && !st.tearing_down
-            && !st.cut;
+            && !st.close_cut();
         if !unbudgeted {
             return;
         }
@@ -558,6 +571,28 @@ impl<D: Device + 'static> Shared<D> {
             st.cut = true;
             drop(st);
             self.cut_grace(reason);
+        }
+    }
+
+    /// The peer sends nothing more on this QP: a graceful close stops
+    /// waiting for it.
+    fn set_peer_finished(&self) {
+        self.peer_finished.store(true, Ordering::Release);
+        self.wake_close.notify_one();
+    }
+
+    /// Waits until `done` holds or `deadline` passes, woken by `wake_close`.
+    async fn wait_close(&self, deadline: tokio::time::Instant, done: impl Fn(&Self) -> bool) {
+        loop {
+            // Made before the check: a wake between the two is kept.
+            let woken = self.wake_close.notified();
+            if done(self) {
+                return;
+            }
+            tokio::select! {
+                () = woken => {}
+                () = tokio::time::sleep_until(deadline) => return,
+            }
         }
     }
 
@@ -974,7 +1009,7 @@ impl<D: Device + 'static> RdmaLink<D> {
     /// posted SENDs completed): a graceful close stops waiting for its last
     /// SENDs and tears the QP down.
     pub fn peer_finished(&self) {
-        self.shared().peer_finished.store(true, Ordering::Release);
+        self.shared().set_peer_finished();
     }
 
     /// The send pool this end takes its buffers from (the node's, or the

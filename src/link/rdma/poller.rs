@@ -134,9 +134,14 @@ impl<D: Device + 'static> Shared<D> {
         debug_assert!(st.credit.invariant_holds());
         let ended_now = end.is_some_and(|reason| st.set_end(reason));
         let cut_grace = end.filter(|&reason| !ended_now && st.note_cut(reason));
+        // A graceful close waits for this.
+        let sends_done = st.ended.is_some() && !st.tearing_down && st.posted.is_empty();
         drop(st);
         if let Some(reason) = cut_grace {
             self.cut_grace(reason);
+        }
+        if sends_done {
+            self.wake_close.notify_one();
         }
         self.wake_send.notify_waiters();
         if received {

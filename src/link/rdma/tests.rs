@@ -1,15 +1,9 @@
 //! Node-level checks of the registered-memory bound, the memlock preflight,
-//! the `rdma_link` span, the node's metric export and the graceful close's
+//! the node's metric export and the graceful close's
 //! wait, on soft devices over loopback UDP.
 
-use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-use tracing::Subscriber;
-use tracing::field::Field;
-use tracing::span::{Attributes, Id};
-use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 
 use super::*;
 use crate::link::Node;
@@ -192,42 +186,6 @@ async fn a_link_end_gives_its_bytes_back_when_its_resources_are_destroyed() {
     drop(end);
     assert_eq!((budget.in_use(), dev.qp_count(), dev.mr_count()), (0, 0, 0));
     assert!(PreparedEnd::within(&dev, small(), &budget).is_ok());
-}
-
-/// Records each new span as "name field=value ...".
-#[derive(Clone, Default)]
-struct SpanLog(Arc<Mutex<Vec<String>>>);
-
-impl<S: Subscriber> Layer<S> for SpanLog {
-    fn on_new_span(&self, attrs: &Attributes<'_>, _id: &Id, _ctx: Context<'_, S>) {
-        let mut line = attrs.metadata().name().to_owned();
-        attrs.record(&mut |field: &Field, value: &dyn std::fmt::Debug| {
-            let _ = write!(line, " {}={:?}", field.name(), value);
-        });
-        self.0.lock().expect("span log").push(line);
-    }
-}
-
-#[test]
-fn each_link_runs_in_a_span_naming_its_epoch_and_both_qpns() {
-    let log = SpanLog::default();
-    let subscriber = tracing_subscriber::registry().with(log.clone());
-    let (qpn_a, qpn_b) = tracing::subscriber::with_default(subscriber, || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(async {
-            let (da, db) = (device().await, device().await);
-            let (a, b) = pair(&da, &db, Epoch(3), small()).expect("pair");
-            (a.address().qpn.value(), b.address().qpn.value())
-        })
-    });
-    let spans = log.0.lock().expect("span log").clone();
-    for (me, peer) in [(qpn_a, qpn_b), (qpn_b, qpn_a)] {
-        let want = format!("rdma_link epoch=e3 qpn={me} peer_qpn={peer}");
-        assert!(spans.contains(&want), "{want} not in {spans:?}");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -631,4 +589,47 @@ async fn an_abrupt_end_cuts_a_graceful_close_and_a_replacement_does_not() {
     assert_eq!(budget.refused(), 0);
     kept.peer_finished();
     torn_down(&kept, EpochEnd::Closed).await;
+}
+
+/// A node's links take their replacements' graceful closes from the
+/// node's budget (`RdmaNodeConfig::read_outs`), and its metrics say so: with
+/// none, a reconnect's replaced link is torn down at once (and its peer,
+/// reset, may see it lost before its own replacement).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_links_take_their_read_outs_from_the_nodes_budget() {
+    let start = |id| {
+        let config = RdmaNodeConfig {
+            read_outs: ReadOutBudget::new(0),
+            ..node_config(id, usize::MAX)
+        };
+        async move {
+            RdmaTransport::start(device().await, config)
+                .await
+                .expect("start")
+        }
+    };
+    let (a, b) = (start(A).await, start(B).await);
+    assert_eq!(a.register(&b.address()), Ok(B));
+    assert_eq!(b.register(&a.address()), Ok(A));
+    assert_eq!(a.node().connect(B).await, Ok(Epoch(1)));
+    // B's accept is done too, or the next dial is asked to come again.
+    until(|| b.mux().epoch(A) == Some(Epoch(1))).await;
+    let firsts = [
+        a.node().link(B).expect("a's epoch 1"),
+        b.node().link(A).expect("b's epoch 1"),
+    ];
+    // A deliberate reconnect proposes the running epoch: 2 replaces it.
+    assert_eq!(a.node().connect(B).await, Ok(Epoch(2)));
+    until(|| firsts.iter().all(|link| link.end_reason().is_some())).await;
+    for link in &firsts {
+        let end = link.end_reason();
+        assert!(
+            matches!(end, Some(EpochEnd::Replaced | EpochEnd::PeerLost)),
+            "{end:?}"
+        );
+    }
+    let refused = |t: &RdmaTransport<SoftDevice>| metric(t, "qpmux_read_outs_refused_total");
+    until(|| refused(&a).unwrap_or(0) + refused(&b).unwrap_or(0) >= 1).await;
+    assert_eq!(metric(&a, "qpmux_read_outs"), Some(0));
+    assert_eq!(metric(&b, "qpmux_read_outs"), Some(0));
 }
