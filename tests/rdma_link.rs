@@ -450,6 +450,53 @@ async fn a_peer_that_posts_no_receives_ends_the_epoch_under_the_default_config()
     drop((qp, cq, pd));
 }
 
+/// A peer whose RC layer never completes our SENDs, and never lets the
+/// retry budget run out either (here: RNR NAKs with `rnr_retry = 7`; a lone
+/// ACK per retry period does the same), would hold our share of the send
+/// pool for as long as it keeps the connection. A `reserve` that waits past
+/// the stall limit (twice the retry budget) ends the epoch instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_a_peer_never_completes_end_the_epoch_at_the_stall_limit() {
+    let dev = device().await;
+    let forever = RdmaConfig {
+        recv_depth: 8,
+        max_batch: 4096,
+        send_buffers: 2,
+        rnr_retry: 7,
+        // 8 tries of 1 ms: a 200 ms close bound, a 400 ms stall limit.
+        timeout: 8,
+        ..RdmaConfig::default()
+    };
+    let end = PreparedEnd::new(&dev, forever).expect("link end");
+    let pd = dev.alloc_pd().expect("pd");
+    let cq = dev.create_cq(64).expect("cq");
+    let qp = dev.create_qp(&pd, &cq, &cq, QpCaps::default()).expect("qp");
+    qp.modify_to_init(InitAttr {
+        access: AccessFlags::LOCAL_WRITE,
+    })
+    .expect("init");
+    let link = end
+        .connect(&QpAddress::of(&dev, &qp), Epoch(7))
+        .expect("connect");
+    let port = dev.query_port();
+    qp.modify_to_rtr(RtrAttr::for_peer(&link.address(), port.active_mtu, 12))
+        .expect("rtr");
+    send(&link, b"one").await;
+    send(&link, b"two: the last buffer, signaled").await;
+    let third = tokio::time::timeout(Duration::from_secs(20), link.reserve()).await;
+    let stalled = EpochEnd::Fault(LinkFault::SendsStalled);
+    assert!(
+        matches!(
+            third.expect("reserve ends, not waits for ever"),
+            Err(LinkError::Ended { reason, .. }) if reason == stalled
+        ),
+        "the epoch ended as stalled"
+    );
+    assert_eq!(link.ended().await, stalled);
+    assert!(dev.counters().rnr_naks_received > 7, "RNR NAKs went on");
+    drop((qp, cq, pd));
+}
+
 /// A hand-driven verbs QP connected to a link end, playing a hostile peer:
 /// before it posts `sends` (payload length, immediate), `first` runs on the
 /// link. Returns the epoch's end and the batches the link delivered.

@@ -84,6 +84,12 @@ pub enum LinkFault {
     /// An injected fault (tests).
     #[error("injected fault")]
     Injected,
+    /// A signaled SEND of ours stayed posted past twice the RC retry
+    /// budget: the peer's RC layer acknowledges too little to finish it
+    /// (an RNR NAK or a lone ACK now and then restarts the retry count)
+    /// while our sends hold their share of the node's send pool.
+    #[error("sends stalled: the peer acknowledges too little to complete them")]
+    SendsStalled,
 }
 
 impl LinkFault {
@@ -96,6 +102,12 @@ impl LinkFault {
     /// such a peer only after a backoff, as after a violation.
     pub fn is_rnr_exhausted(&self) -> bool {
         matches!(self, LinkFault::Completion { status } if *status == Self::RNR_RETRY_EXCEEDED)
+    }
+
+    /// A fault only a peer that breaks the link's rules causes (RNR
+    /// retries run out, or sends stalled): redialled after a backoff.
+    pub fn blames_peer(&self) -> bool {
+        self.is_rnr_exhausted() || *self == LinkFault::SendsStalled
     }
 }
 

@@ -192,6 +192,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             credit: Credit::new(depth),
             sq_free: config.sq_depth(),
             posted: VecDeque::new(),
+            signaled: VecDeque::new(),
             next_wr: 0,
             unsignaled: 0,
             ready: VecDeque::new(),

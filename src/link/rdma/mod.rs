@@ -250,6 +250,9 @@ struct State<D: Device> {
     sq_free: usize,
     /// Send WRs posted and not yet known complete: (wr_id, pool chunk).
     posted: VecDeque<(u64, Option<PoolChunk<D>>)>,
+    /// The signaled ones among them, with when each was posted: the oldest
+    /// must complete within [`stall_limit`].
+    signaled: VecDeque<(u64, tokio::time::Instant)>,
     next_wr: u64,
     unsignaled: usize,
     /// Completed data receives not yet handed out: (buffer, length).
@@ -341,6 +344,15 @@ fn close_wait(config: &RdmaConfig) -> std::time::Duration {
     }
     let per_try = std::time::Duration::from_nanos(4096u64 << config.timeout);
     (per_try * (u32::from(config.retry_cnt) + 1)).clamp(GRACEFUL_CLOSE, GRACEFUL_CLOSE_CAP)
+}
+
+/// How long a signaled SEND may stay posted: twice [`close_wait`]. An
+/// honest peer's RC layer completes it within the retry budget or the QP
+/// fails it; one that trickles acknowledgements (an RNR NAK or a lone ACK
+/// each retry period restarts the count) never ends it and keeps our share
+/// of the send pool. `timeout` 0 asked to wait forever: no limit.
+fn stall_limit(config: &RdmaConfig) -> Option<std::time::Duration> {
+    (config.timeout != 0).then(|| close_wait(config) * 2)
 }
 
 /// Everything one link end owns. Fields drop in declaration order, which is
@@ -574,6 +586,13 @@ impl<D: Device + 'static> Shared<D> {
         }
     }
 
+    /// When the oldest signaled SEND outlives [`stall_limit`], if one is
+    /// posted.
+    fn stall_at_locked(&self, st: &State<D>) -> Option<tokio::time::Instant> {
+        let limit = stall_limit(&self.config)?;
+        st.signaled.front().map(|&(_, posted)| posted + limit)
+    }
+
     /// The peer sends nothing more on this QP: a graceful close stops
     /// waiting for it.
     fn set_peer_finished(&self) {
@@ -749,6 +768,7 @@ impl<D: Device + 'static> Shared<D> {
         if signaled {
             st.unsignaled = 0;
             st.stats.signaled_sends += 1;
+            st.signaled.push_back((wr_id, tokio::time::Instant::now()));
         } else {
             st.unsignaled += 1;
         }
@@ -1133,6 +1153,7 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
         // The first look registers no waiter (a buffer is usually free);
         // a miss registers both and looks again before waiting.
         let mut armed = false;
+        let mut stall_at;
         loop {
             let notified = shared.wake_send.notified();
             tokio::pin!(notified);
@@ -1191,13 +1212,31 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                         st.reserve_waiters -= 1;
                     }
                 }
+                stall_at = shared.stall_at_locked(&st);
             }
             if !std::mem::replace(&mut armed, true) {
                 continue;
             }
+            if stall_at.is_some_and(|at| at <= tokio::time::Instant::now()) {
+                // Completions not yet handed over are no stall.
+                shared.take_completions();
+                let stall_at = shared.stall_at_locked(&shared.lock());
+                if stall_at.is_some_and(|at| at <= tokio::time::Instant::now()) {
+                    tracing::warn!(parent: &shared.span, "a signaled SEND outlived the stall limit; ending the epoch");
+                    shared.end(EpochEnd::Fault(LinkFault::SendsStalled));
+                }
+                continue;
+            }
+            let stalled = async {
+                match stall_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = &mut notified => {}
                 () = &mut freed => {}
+                () = stalled => {}
             }
         }
     }

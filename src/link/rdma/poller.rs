@@ -218,6 +218,13 @@ fn on_send_completion<D: Device>(st: &mut State<D>, wc: &WorkCompletion) -> Opti
         st.sq_free += 1;
         drop(chunk); // back to the pool
     }
+    while st
+        .signaled
+        .front()
+        .is_some_and(|&(wr_id, _)| wr_id <= wc.wr_id)
+    {
+        st.signaled.pop_front();
+    }
     match wc.status {
         WcStatus::Success => {
             st.stats.sends_acked += 1;
@@ -289,7 +296,7 @@ impl<D: Device + 'static> CompletionHandler for Shared<D> {
 
 impl<D: Device + 'static> Shared<D> {
     /// The handler's work: poll the CQ empty, unless the poller is at it.
-    fn take_completions(&self) -> bool {
+    pub(super) fn take_completions(&self) -> bool {
         // The poller holds it only while polling, and it polls again before
         // it waits: declining then loses nothing.
         let mut buf = match self.polling.try_lock() {

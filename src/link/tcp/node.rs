@@ -689,7 +689,7 @@ impl<E: EpochMaker> NodeInner<E> {
             }
             let violated = match E::end_reason(&previous) {
                 Some(EpochEnd::Violation(_)) => true,
-                Some(EpochEnd::Fault(fault)) => fault.is_rnr_exhausted(),
+                Some(EpochEnd::Fault(fault)) => fault.blames_peer(),
                 _ => false,
             } || self
                 .mux
