@@ -203,7 +203,6 @@ impl<D: Device + 'static> PreparedEnd<D> {
             torn_down: false,
             violated: false,
             cut: false,
-            closing: false,
             read_out: None,
             tearing_down: false,
             drained: false,

@@ -7,7 +7,7 @@
 //!                       ─► send WC (every k-th signaled) ─► chunks to the pool, SQ slots back
 //!  mux ◄─ recv() ◄─ ready ─ Batch (owned guard on a receive MR) ─ drop ─► re-post ─► owed
 //!  error WC, failed post, fail() ─► QP to ERR ─► ended; completed receives drain first
-//!  graceful end (Closed, Shutdown, PeerClosed; Replaced on one of the node's read-outs):
+//!  graceful end (Closed, Shutdown; PeerClosed, Replaced on one of the node's read-outs):
 //!      posted SENDs complete ─► on_last_sent
 //!      (the peer is told) ─► the peer's last SENDs land ─► peer_finished ─► QP to ERR
 //! ```
@@ -275,11 +275,8 @@ struct State<D: Device> {
     /// An abrupt end came while a graceful close waited: the close stops
     /// waiting, says no last-sent word, and tears down.
     cut: bool,
-    /// A graceful close is waiting (for our SENDs or the peer's word); not
-    /// once it goes on to its teardown.
-    closing: bool,
-    /// A replaced end's graceful close holds one of the node's read-outs
-    /// until its teardown.
+    /// A graceful close the peer chose or caused (`PeerClosed`,
+    /// `Replaced`) holds one of the node's read-outs until its teardown.
     read_out: Option<ReadOut>,
     /// The teardown has begun: the flushes it makes are not a cut.
     tearing_down: bool,
@@ -471,11 +468,11 @@ impl<D: Device + 'static> Shared<D> {
         self.wake_end.notify_waiters();
     }
 
-    /// Ends the epoch: gracefully for our close, the peer's (Closed,
-    /// Shutdown, PeerClosed), or a replacement by the same peer's newer
-    /// link (it still closes this one, and what it sent here lands; one of
-    /// the node's read-outs, else now) when a runtime is there to wait in,
-    /// else now.
+    /// Ends the epoch: gracefully for our close (Closed, Shutdown), the
+    /// peer's (PeerClosed), or a replacement by the same peer's newer link
+    /// (it still closes this one, and what it sent here lands) when a
+    /// runtime is there to wait in, else now. The last two each take one of
+    /// the node's read-outs, or end now.
     fn fail(self: &Arc<Self>, reason: EpochEnd) {
         match reason {
             EpochEnd::Closed | EpochEnd::Shutdown | EpochEnd::PeerClosed | EpochEnd::Replaced
@@ -506,23 +503,23 @@ impl<D: Device + 'static> Shared<D> {
     fn end_gracefully(self: &Arc<Self>, reason: EpochEnd) {
         {
             let mut st = self.lock();
-            if st.ended.is_some() {
-                self.replace_closing_locked(st, reason);
+            if !st.set_end(reason) {
                 return;
             }
-            st.set_end(reason);
-            if reason == EpochEnd::Replaced {
+            // A close the peer chose or caused holds the QP for it: one of
+            // the node's read-outs, or none and torn down at once (our own
+            // closes are ours to bound).
+            if matches!(reason, EpochEnd::Replaced | EpochEnd::PeerClosed) {
                 st.read_out = self.read_outs.hold();
                 if st.read_out.is_none() {
                     // Decided under this lock, as torn down at once: no
                     // graceful end can slip in between.
                     drop(st);
-                    tracing::debug!(parent: &self.span, "no read-out left: the replaced link is cut");
+                    tracing::debug!(parent: &self.span, %reason, "no read-out left: torn down at once");
                     self.after_end(reason);
                     return;
                 }
             }
-            st.closing = true;
             self.fence_locked(&mut st);
         }
         self.wake_send.notify_waiters();
@@ -560,30 +557,8 @@ impl<D: Device + 'static> Shared<D> {
                     tracing::debug!("graceful close gave up waiting for the peer's last SENDs");
                 }
             }
-            shared.lock().closing = false;
             shared.after_end(reason);
         });
-    }
-
-    /// A replacement of a link closing for the peer's close (the peer
-    /// closed, then redialled) takes a read-out like any other replacement,
-    /// or cuts the close: a peer cannot pile up QPs that way either. Our
-    /// own closes take none.
-    fn replace_closing_locked(&self, mut st: MutexGuard<'_, State<D>>, reason: EpochEnd) {
-        let unbudgeted = reason == EpochEnd::Replaced
-            && st.ended == Some(EpochEnd::PeerClosed)
-            && st.closing
-            && st.read_out.is_none()
-            && !st.close_cut();
-        if !unbudgeted {
-            return;
-        }
-        st.read_out = self.read_outs.hold();
-        if st.read_out.is_none() {
-            st.cut = true;
-            drop(st);
-            self.cut_grace(reason);
-        }
     }
 
     /// When the oldest signaled SEND outlives [`stall_limit`], if one is

@@ -70,9 +70,10 @@ pub struct RdmaNodeConfig {
     /// `rdma.send_buffers` of them, and at most half the pool (rounded up),
     /// at once. At least 1. Default 64 ([`DEFAULT_POOL_BUFFERS`]).
     pub pool_buffers: usize,
-    /// Links replaced by their peer's newer one that may close gracefully
-    /// at once (keeping the QP and its receive ring up for the peer's last
-    /// SENDs); past it a replaced link is torn down at once. Default 16.
+    /// Links closing gracefully at once for their peer's sake (its close,
+    /// or its newer link replacing them), each keeping its QP and receive
+    /// ring up for the peer's last SENDs; past it such a link is torn down
+    /// at once. Default 16.
     pub read_outs: ReadOutBudget,
 }
 
