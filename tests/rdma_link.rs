@@ -7,8 +7,8 @@ use std::time::Duration;
 use qpmux::link::rdma::{CreditSnapshot, PreparedEnd, RdmaConfig, RdmaLink, pair};
 use qpmux::link::{EpochEnd, Link, LinkError, LinkFault};
 use qpmux::mux::{Epoch, ProtocolError};
-use qpmux::verbs::soft::SoftDevice;
 use qpmux::verbs::soft::udp::UdpConfig;
+use qpmux::verbs::soft::{SoftCq, SoftDevice, SoftPd, SoftQp};
 use qpmux::verbs::{
     AccessFlags, Device, InitAttr, MemoryRegion, QpAddress, QpCaps, QueuePair, RecvWr, RtrAttr,
     RtsAttr, SendOpcode, SendWr, Sge,
@@ -407,6 +407,30 @@ async fn a_killed_qp_ends_the_epoch_and_delivers_completed_receives() {
     ));
 }
 
+/// A link end on `config` connected to a hand-driven QP that never posts a
+/// receive: every SEND meets an RNR NAK. The peer's QP, CQ and PD come back
+/// to be dropped after the link.
+fn linked_to_empty_receive_queue(
+    dev: &SoftDevice,
+    config: RdmaConfig,
+) -> (Soft, (SoftQp, SoftCq, SoftPd)) {
+    let end = PreparedEnd::new(dev, config).expect("link end");
+    let pd = dev.alloc_pd().expect("pd");
+    let cq = dev.create_cq(64).expect("cq");
+    let qp = dev.create_qp(&pd, &cq, &cq, QpCaps::default()).expect("qp");
+    qp.modify_to_init(InitAttr {
+        access: AccessFlags::LOCAL_WRITE,
+    })
+    .expect("init");
+    let link = end
+        .connect(&QpAddress::of(dev, &qp), Epoch(7))
+        .expect("connect");
+    let port = dev.query_port();
+    qp.modify_to_rtr(RtrAttr::for_peer(&link.address(), port.active_mtu, 12))
+        .expect("rtr");
+    (link, (qp, cq, pd))
+}
+
 /// A peer that announced receives and posts none answers every SEND with
 /// an RNR NAK. With RNR retries unlimited (the old default) the link's
 /// sends, and the pool chunks under them, waited for as long as the peer
@@ -420,20 +444,7 @@ async fn a_peer_that_posts_no_receives_ends_the_epoch_under_the_default_config()
         max_batch: 4096,
         ..RdmaConfig::default()
     };
-    let end = PreparedEnd::new(&dev, defaults).expect("link end");
-    let pd = dev.alloc_pd().expect("pd");
-    let cq = dev.create_cq(64).expect("cq");
-    let qp = dev.create_qp(&pd, &cq, &cq, QpCaps::default()).expect("qp");
-    qp.modify_to_init(InitAttr {
-        access: AccessFlags::LOCAL_WRITE,
-    })
-    .expect("init");
-    let link = end
-        .connect(&QpAddress::of(&dev, &qp), Epoch(7))
-        .expect("connect");
-    let port = dev.query_port();
-    qp.modify_to_rtr(RtrAttr::for_peer(&link.address(), port.active_mtu, 12))
-        .expect("rtr");
+    let (link, peer) = linked_to_empty_receive_queue(&dev, defaults);
     send(&link, b"into a receive queue left empty").await;
     let ended = tokio::time::timeout(Duration::from_secs(20), link.ended()).await;
     assert_eq!(
@@ -447,7 +458,7 @@ async fn a_peer_that_posts_no_receives_ends_the_epoch_under_the_default_config()
         7,
         "the first and six retries"
     );
-    drop((qp, cq, pd));
+    drop(peer);
 }
 
 /// A peer whose RC layer never completes our SENDs, and never lets the
@@ -467,20 +478,7 @@ async fn sends_a_peer_never_completes_end_the_epoch_at_the_stall_limit() {
         timeout: 8,
         ..RdmaConfig::default()
     };
-    let end = PreparedEnd::new(&dev, forever).expect("link end");
-    let pd = dev.alloc_pd().expect("pd");
-    let cq = dev.create_cq(64).expect("cq");
-    let qp = dev.create_qp(&pd, &cq, &cq, QpCaps::default()).expect("qp");
-    qp.modify_to_init(InitAttr {
-        access: AccessFlags::LOCAL_WRITE,
-    })
-    .expect("init");
-    let link = end
-        .connect(&QpAddress::of(&dev, &qp), Epoch(7))
-        .expect("connect");
-    let port = dev.query_port();
-    qp.modify_to_rtr(RtrAttr::for_peer(&link.address(), port.active_mtu, 12))
-        .expect("rtr");
+    let (link, peer) = linked_to_empty_receive_queue(&dev, forever);
     send(&link, b"one").await;
     send(&link, b"two: the last buffer, signaled").await;
     let third = tokio::time::timeout(Duration::from_secs(20), link.reserve()).await;
@@ -494,7 +492,7 @@ async fn sends_a_peer_never_completes_end_the_epoch_at_the_stall_limit() {
     );
     assert_eq!(link.ended().await, stalled);
     assert!(dev.counters().rnr_naks_received > 7, "RNR NAKs went on");
-    drop((qp, cq, pd));
+    drop(peer);
 }
 
 /// A hand-driven verbs QP connected to a link end, playing a hostile peer:
