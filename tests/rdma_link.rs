@@ -474,7 +474,7 @@ async fn sends_a_peer_never_completes_end_the_epoch_at_the_stall_limit() {
         max_batch: 4096,
         send_buffers: 2,
         rnr_retry: 7,
-        // 8 tries of 1 ms: a 200 ms close bound, a 400 ms stall limit.
+        // 8 tries of 1 ms: the stall limit is its floor, 2 s.
         timeout: 8,
         ..RdmaConfig::default()
     };

@@ -85,7 +85,7 @@ pub enum LinkFault {
     #[error("injected fault")]
     Injected,
     /// A signaled SEND of ours stayed posted past twice the RC retry
-    /// budget: the peer's RC layer acknowledges too little to finish it
+    /// budget (at least 2 s): the peer's RC layer acknowledges too little to finish it
     /// (an RNR NAK or a lone ACK now and then restarts the retry count)
     /// while our sends hold their share of the node's send pool.
     #[error("sends stalled: the peer acknowledges too little to complete them")]

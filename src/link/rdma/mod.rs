@@ -343,13 +343,28 @@ fn close_wait(config: &RdmaConfig) -> std::time::Duration {
     (per_try * (u32::from(config.retry_cnt) + 1)).clamp(GRACEFUL_CLOSE, GRACEFUL_CLOSE_CAP)
 }
 
-/// How long a signaled SEND may stay posted: twice [`close_wait`]. An
-/// honest peer's RC layer completes it within the retry budget or the QP
-/// fails it; one that trickles acknowledgements (an RNR NAK or a lone ACK
-/// each retry period restarts the count) never ends it and keeps our share
-/// of the send pool. `timeout` 0 asked to wait forever: no limit.
+/// Least [`stall_limit`]: room for a NIC that rounds its ACK timeout up,
+/// and for loss that keeps restarting an honest retry count.
+const STALL_FLOOR: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long a stall verdict waits after the limit, for completions a
+/// paused or starved process has not handled yet.
+const STALL_GRACE: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// How long a signaled SEND may stay posted: twice the RC layer's own
+/// retry budget (`4.096 µs × 2^timeout × (retry_cnt + 1)`, unclamped), at
+/// least [`STALL_FLOOR`]. An honest peer's RC layer completes it within
+/// the budget or the QP fails it; one that trickles acknowledgements (an
+/// RNR NAK or a lone ACK each retry period restarts the count) never ends
+/// it and keeps our share of the send pool. `timeout` 0 asked to wait
+/// forever: no limit.
 fn stall_limit(config: &RdmaConfig) -> Option<std::time::Duration> {
-    (config.timeout != 0).then(|| close_wait(config) * 2)
+    if config.timeout == 0 || config.timeout > 31 {
+        return None;
+    }
+    let per_try = std::time::Duration::from_nanos(4096u64 << config.timeout);
+    let budget = per_try * (u32::from(config.retry_cnt) + 1);
+    Some((budget * 2).max(STALL_FLOOR))
 }
 
 /// Everything one link end owns. Fields drop in declaration order, which is
@@ -364,7 +379,8 @@ struct Shared<D: Device> {
     lease: Lease<D>,
     /// The node budget's bytes for the receive MRs, given back after them.
     _registration: Registration,
-    /// The node's budget of replaced ends closing gracefully at once.
+    /// The node's budget of closes the peer chose or caused (`PeerClosed`,
+    /// `Replaced`) waiting at once.
     read_outs: ReadOutBudget,
     address: QpAddress,
     epoch: Epoch,
@@ -755,10 +771,17 @@ impl<D: Device + 'static> Shared<D> {
             signaled,
             inline: false,
         };
-        self.qp.post_send(&[wr]).map_err(|err| {
+        if let Err(err) = self.qp.post_send(&[wr]) {
+            // The QP never took it: nothing will complete it, and a close
+            // must not wait for it.
+            st.posted.pop_back();
+            if signaled {
+                st.signaled.pop_back();
+            }
             tracing::warn!(%err, qpn = self.address.qpn.value(), "post_send failed; ending the epoch");
-            EpochEnd::Fault(LinkFault::PostFailed)
-        })
+            return Err(EpochEnd::Fault(LinkFault::PostFailed));
+        }
+        Ok(())
     }
 
     /// Sends a credit-only message if one is due and an SQ slot is free.
@@ -993,9 +1016,8 @@ impl<D: Device + 'static> RdmaLink<D> {
         }
     }
 
-    /// Whether a graceful close was cut short (by an abrupt end, or by a
-    /// replacement past the node's read-outs): the peer is then told with a
-    /// reset, whatever was said before.
+    /// Whether a graceful close was cut short by an abrupt end: the peer is
+    /// then told with a reset, whatever was said before.
     pub fn close_was_cut(&self) -> bool {
         self.shared().lock().close_cut()
     }
@@ -1129,6 +1151,8 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
         // a miss registers both and looks again before waiting.
         let mut armed = false;
         let mut stall_at;
+        // The deadline a verdict was deferred at, for one grace.
+        let mut suspected = None;
         loop {
             let notified = shared.wake_send.notified();
             tokio::pin!(notified);
@@ -1192,13 +1216,26 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
             if !std::mem::replace(&mut armed, true) {
                 continue;
             }
-            if stall_at.is_some_and(|at| at <= tokio::time::Instant::now()) {
-                // Completions not yet handed over are no stall.
-                shared.take_completions();
-                let stall_at = shared.stall_at_locked(&shared.lock());
-                if stall_at.is_some_and(|at| at <= tokio::time::Instant::now()) {
-                    tracing::warn!(parent: &shared.span, "a signaled SEND outlived the stall limit; ending the epoch");
-                    shared.end(EpochEnd::Fault(LinkFault::SendsStalled));
+            if let Some(at) = stall_at.filter(|&at| at <= tokio::time::Instant::now()) {
+                // Completions not yet handed over are no stall: take them
+                // (unless the poller is at it), and give the provider a
+                // grace to read what a pause left in its sockets.
+                if !shared.take_completions_caught() {
+                    tokio::task::yield_now().await;
+                } else if suspected != Some(at) {
+                    suspected = Some(at);
+                    tokio::time::sleep(STALL_GRACE).await;
+                } else {
+                    let st = shared.lock();
+                    let over = st.ended.is_none()
+                        && shared
+                            .stall_at_locked(&st)
+                            .is_some_and(|at| at <= tokio::time::Instant::now());
+                    drop(st);
+                    if over {
+                        tracing::warn!(parent: &shared.span, "a signaled SEND outlived the stall limit; ending the epoch");
+                        shared.end(EpochEnd::Fault(LinkFault::SendsStalled));
+                    }
                 }
                 continue;
             }

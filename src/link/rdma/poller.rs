@@ -295,8 +295,17 @@ impl<D: Device + 'static> CompletionHandler for Shared<D> {
 }
 
 impl<D: Device + 'static> Shared<D> {
+    /// [`Shared::take_completions`] from a link call: a panic ends the
+    /// epoch as the handler's would, and is not raised in the caller.
+    pub(super) fn take_completions_caught(&self) -> bool {
+        catch_unwind(AssertUnwindSafe(|| self.take_completions())).unwrap_or_else(|_| {
+            self.end_after_panic(true);
+            true
+        })
+    }
+
     /// The handler's work: poll the CQ empty, unless the poller is at it.
-    pub(super) fn take_completions(&self) -> bool {
+    fn take_completions(&self) -> bool {
         // The poller holds it only while polling, and it polls again before
         // it waits: declining then loses nothing.
         let mut buf = match self.polling.try_lock() {

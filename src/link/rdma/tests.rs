@@ -538,8 +538,21 @@ async fn replaced_ends_past_the_read_out_budget_are_torn_down_at_once() {
     // a1 still closes: what its peer sends lands.
     send_bytes(&b1, b"late").await;
     assert_eq!(recv_bytes(&a1).await, b"late");
+    // The peer's word ends a1's wait on the event, not its 5 s bound: a
+    // close begun now with a 1 s bound (8 tries of 134 ms), whose peer never
+    // says it, is still waiting after.
+    let one_second = RdmaConfig {
+        timeout: 15,
+        ..config
+    };
+    let (witness, _witness_peer) = on_budget(&da, &db, &budget, one_second);
+    witness.fail(EpochEnd::Closed);
     a1.peer_finished();
     torn_down(&a1, EpochEnd::Replaced).await;
+    assert!(
+        !witness.shared().lock().torn_down,
+        "a1 waited out its bound"
+    );
     assert_eq!(budget.in_use(), 0, "the teardown gave the read-out back");
 
     // The budget serves the next close the peer chose, its `PeerClosed`
