@@ -495,6 +495,43 @@ async fn sends_a_peer_never_completes_end_the_epoch_at_the_stall_limit() {
     drop(peer);
 }
 
+/// The same stall on a link nothing more is written on: no `reserve`
+/// waits, so only a look from outside (a node's sweep, once a second)
+/// finds it, and ends the epoch at the second look past the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_link_nothing_waits_on_ends_at_a_sweeps_second_look() {
+    let dev = device().await;
+    let forever = RdmaConfig {
+        recv_depth: 8,
+        max_batch: 4096,
+        send_buffers: 2,
+        rnr_retry: 7,
+        timeout: 8,
+        ..RdmaConfig::default()
+    };
+    let (link, peer) = linked_to_empty_receive_queue(&dev, forever);
+    send(&link, b"one").await;
+    send(&link, b"two: the last buffer, signaled").await;
+    assert!(!link.check_stall(), "not past the limit yet");
+    // Past the limit (its 2 s floor): the first look there is no verdict.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    assert!(
+        !link.check_stall(),
+        "one look past the limit is not a verdict"
+    );
+    assert_eq!(link.end_reason(), None);
+    let looks = async {
+        while !link.check_stall() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), looks)
+        .await
+        .expect("a later look ends the epoch");
+    assert_eq!(link.ended().await, EpochEnd::Fault(LinkFault::SendsStalled));
+    drop(peer);
+}
+
 /// A hand-driven verbs QP connected to a link end, playing a hostile peer:
 /// before it posts `sends` (payload length, immediate), `first` runs on the
 /// link. Returns the epoch's end and the batches the link delivered.

@@ -206,6 +206,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             read_out: None,
             tearing_down: false,
             drained: false,
+            stall_suspect: None,
             stats: LinkStats::default(),
         };
         let shared = Arc::new(Shared {

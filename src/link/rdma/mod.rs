@@ -282,6 +282,9 @@ struct State<D: Device> {
     tearing_down: bool,
     /// The poller is done: every completion the CQ will ever hold was handled.
     drained: bool,
+    /// The stall deadline a look found passed: a second look finding the
+    /// same one ends the epoch ([`Shared::check_stall`]).
+    stall_suspect: Option<tokio::time::Instant>,
     stats: LinkStats,
 }
 
@@ -575,6 +578,29 @@ impl<D: Device + 'static> Shared<D> {
             }
             shared.after_end(reason);
         });
+    }
+
+    /// One look for stalled sends: if the oldest signaled SEND is past
+    /// [`stall_limit`] once its completions are taken, and it was at the
+    /// last look too, the epoch ends as [`LinkFault::SendsStalled`]; true
+    /// then. A poller at work, or a first look, defers the verdict.
+    fn check_stall(&self) -> bool {
+        let now = tokio::time::Instant::now();
+        let over = |st: &State<D>| self.stall_at_locked(st).filter(|&at| at <= now);
+        if over(&self.lock()).is_none() || !self.take_completions_caught() {
+            return false;
+        }
+        let mut st = self.lock();
+        let Some(at) = over(&st).filter(|_| st.ended.is_none()) else {
+            return false;
+        };
+        if st.stall_suspect.replace(at) != Some(at) {
+            return false;
+        }
+        drop(st);
+        tracing::warn!(parent: &self.span, "a signaled SEND outlived the stall limit; ending the epoch");
+        self.end(EpochEnd::Fault(LinkFault::SendsStalled));
+        true
     }
 
     /// When the oldest signaled SEND outlives [`stall_limit`], if one is
@@ -1016,6 +1042,16 @@ impl<D: Device + 'static> RdmaLink<D> {
         }
     }
 
+    /// One look for stalled sends: true if it ended the epoch as
+    /// [`LinkFault::SendsStalled`] (the oldest signaled SEND was past the
+    /// stall limit at this look and the one before, its completions
+    /// taken). A waiting `reserve` looks, and a node's links get a look
+    /// every second; a link made without a node is looked at by its own
+    /// `reserve` only, unless its owner calls this.
+    pub fn check_stall(&self) -> bool {
+        self.shared().check_stall()
+    }
+
     /// Whether a graceful close was cut short by an abrupt end: the peer is
     /// then told with a reset, whatever was said before.
     pub fn close_was_cut(&self) -> bool {
@@ -1151,8 +1187,6 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
         // a miss registers both and looks again before waiting.
         let mut armed = false;
         let mut stall_at;
-        // The deadline a verdict was deferred at, for one grace.
-        let mut suspected = None;
         loop {
             let notified = shared.wake_send.notified();
             tokio::pin!(notified);
@@ -1216,26 +1250,12 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
             if !std::mem::replace(&mut armed, true) {
                 continue;
             }
-            if let Some(at) = stall_at.filter(|&at| at <= tokio::time::Instant::now()) {
-                // Completions not yet handed over are no stall: take them
-                // (unless the poller is at it), and give the provider a
-                // grace to read what a pause left in its sockets.
-                if !shared.take_completions_caught() {
-                    tokio::task::yield_now().await;
-                } else if suspected != Some(at) {
-                    suspected = Some(at);
+            if stall_at.is_some_and(|at| at <= tokio::time::Instant::now()) {
+                // Completions not yet handed over are no stall: the first
+                // look takes them, and the provider gets a grace to read
+                // what a pause left in its sockets before the second.
+                if !shared.check_stall() {
                     tokio::time::sleep(STALL_GRACE).await;
-                } else {
-                    let st = shared.lock();
-                    let over = st.ended.is_none()
-                        && shared
-                            .stall_at_locked(&st)
-                            .is_some_and(|at| at <= tokio::time::Instant::now());
-                    drop(st);
-                    if over {
-                        tracing::warn!(parent: &shared.span, "a signaled SEND outlived the stall limit; ending the epoch");
-                        shared.end(EpochEnd::Fault(LinkFault::SendsStalled));
-                    }
                 }
                 continue;
             }

@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -33,7 +33,7 @@ use tracing::Instrument;
 
 use super::pool::{DEFAULT_POOL_BUFFERS, PoolStats, SendPool};
 use super::registered::{MemlockLimit, RegisteredBudget};
-use super::{PreparedEnd, RdmaConfig, RdmaError, RdmaLink};
+use super::{PreparedEnd, RdmaConfig, RdmaError, RdmaLink, Shared};
 use crate::link::bootstrap::{BootstrapError, ClusterKey, Endpoint, EndpointKind, RdmaEndpoint};
 use crate::link::tcp::{
     ConnectError, Connector, ConnectorConfig, EpochMaker, TcpLinkConfig, configure,
@@ -157,6 +157,10 @@ pub struct RdmaEpochs<D: Device + 'static> {
     live: Arc<Mutex<HashMap<u32, Arc<Liveness>>>>,
     registered: RegisteredBudget,
     read_outs: ReadOutBudget,
+    /// Every link made here, for the stall sweep (dead ones pruned by it).
+    swept: Arc<Mutex<Vec<Weak<Shared<D>>>>>,
+    /// The stall sweep's task is running (started by the first link).
+    sweeping: AtomicBool,
     pool_buffers: usize,
     /// The device's send pool, made with the first link end (or by `pool`).
     pool: Mutex<Option<SendPool<D>>>,
@@ -175,6 +179,8 @@ impl<D: Device + 'static> RdmaEpochs<D> {
             live: Arc::new(Mutex::new(HashMap::new())),
             registered: RegisteredBudget::unbounded(),
             read_outs: ReadOutBudget::default(),
+            swept: Arc::default(),
+            sweeping: AtomicBool::new(false),
             pool_buffers: DEFAULT_POOL_BUFFERS,
             pool: Mutex::new(None),
             last_error: Mutex::new(None),
@@ -227,6 +233,24 @@ impl<D: Device + 'static> RdmaEpochs<D> {
     /// The budget replaced links' graceful closes are taken from.
     pub fn read_outs(&self) -> &ReadOutBudget {
         &self.read_outs
+    }
+
+    /// Adds `link` to the stall sweep, starting the sweep with the first.
+    fn sweep(&self, link: &RdmaLink<D>) {
+        let mut swept = self.swept.lock().unwrap_or_else(PoisonError::into_inner);
+        swept.push(Arc::downgrade(link.shared()));
+        drop(swept);
+        if !self.sweeping.swap(true, Ordering::AcqRel) {
+            spawn_stall_sweep(Arc::downgrade(&self.swept));
+        }
+    }
+
+    /// Links in the stall sweep, the ended ones not yet pruned included.
+    pub fn swept_links(&self) -> usize {
+        self.swept
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     /// The registered-memory budget links are taken from.
@@ -404,6 +428,7 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
             return Err(BootstrapError::BadField("bytes after ready").into());
         }
         configure(&stream, &self.liveness)?;
+        self.sweep(&link);
         let ctl = Arc::new(Liveness::default());
         let qpn = link.address().qpn.value();
         self.lock().insert(qpn, ctl.clone());
@@ -442,6 +467,36 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
         let stats = link.stats();
         stats.batches_received > 0 || stats.sends_acked > 0
     }
+}
+
+/// How often a node looks at its links for stalled sends.
+const STALL_SWEEP: Duration = Duration::from_secs(1);
+
+/// Once a [`STALL_SWEEP`], every live link made by a node gets a look for
+/// stalled sends ([`Shared::check_stall`]): a link nothing more is written
+/// on would otherwise keep its share of the send pool until its idle
+/// retire, since only a waiting `reserve` looks. Two looks in a row end a
+/// stalled epoch. Ends with the node's table.
+fn spawn_stall_sweep<D: Device + 'static>(swept: Weak<Mutex<Vec<Weak<Shared<D>>>>>) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(STALL_SWEEP);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(swept) = swept.upgrade() else {
+                return;
+            };
+            let live: Vec<_> = {
+                let mut links = swept.lock().unwrap_or_else(PoisonError::into_inner);
+                links.retain(|link| link.strong_count() > 0);
+                links.iter().filter_map(Weak::upgrade).collect()
+            };
+            drop(swept);
+            for link in live {
+                link.check_stall();
+            }
+        }
+    });
 }
 
 /// Holds the bootstrap connection for the link's epoch. Its EOF is the

@@ -625,6 +625,7 @@ async fn a_nodes_links_take_their_read_outs_from_the_nodes_budget() {
     assert_eq!(a.register(&b.address()), Ok(B));
     assert_eq!(b.register(&a.address()), Ok(A));
     assert_eq!(a.node().connect(B).await, Ok(Epoch(1)));
+    assert_eq!(a.node().epochs().swept_links(), 1, "in the stall sweep");
     // B's accept is done too, or the next dial is asked to come again.
     until(|| b.mux().epoch(A) == Some(Epoch(1))).await;
     let firsts = [
