@@ -461,6 +461,25 @@ async fn a_peer_that_posts_no_receives_ends_the_epoch_under_the_default_config()
     drop(peer);
 }
 
+/// A link end with RNR retries unlimited (`rnr_retry = 7`) facing an empty
+/// receive queue, its two send buffers posted (the second, the last the
+/// end may hold, signaled): its SENDs never complete and never fail. Its
+/// stall limit is the 2 s floor (8 tries of 1 ms).
+async fn stalled_at_its_cap(dev: &SoftDevice) -> (Soft, (SoftQp, SoftCq, SoftPd)) {
+    let forever = RdmaConfig {
+        recv_depth: 8,
+        max_batch: 4096,
+        send_buffers: 2,
+        rnr_retry: 7,
+        timeout: 8,
+        ..RdmaConfig::default()
+    };
+    let (link, peer) = linked_to_empty_receive_queue(dev, forever);
+    send(&link, b"one").await;
+    send(&link, b"two: the last buffer, signaled").await;
+    (link, peer)
+}
+
 /// A peer whose RC layer never completes our SENDs, and never lets the
 /// retry budget run out either (here: RNR NAKs with `rnr_retry = 7`; a lone
 /// ACK per retry period does the same), would hold our share of the send
@@ -469,18 +488,7 @@ async fn a_peer_that_posts_no_receives_ends_the_epoch_under_the_default_config()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sends_a_peer_never_completes_end_the_epoch_at_the_stall_limit() {
     let dev = device().await;
-    let forever = RdmaConfig {
-        recv_depth: 8,
-        max_batch: 4096,
-        send_buffers: 2,
-        rnr_retry: 7,
-        // 8 tries of 1 ms: the stall limit is its floor, 2 s.
-        timeout: 8,
-        ..RdmaConfig::default()
-    };
-    let (link, peer) = linked_to_empty_receive_queue(&dev, forever);
-    send(&link, b"one").await;
-    send(&link, b"two: the last buffer, signaled").await;
+    let (link, peer) = stalled_at_its_cap(&dev).await;
     let third = tokio::time::timeout(Duration::from_secs(20), link.reserve()).await;
     let stalled = EpochEnd::Fault(LinkFault::SendsStalled);
     assert!(
@@ -501,17 +509,7 @@ async fn sends_a_peer_never_completes_end_the_epoch_at_the_stall_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_link_nothing_waits_on_ends_at_a_sweeps_second_look() {
     let dev = device().await;
-    let forever = RdmaConfig {
-        recv_depth: 8,
-        max_batch: 4096,
-        send_buffers: 2,
-        rnr_retry: 7,
-        timeout: 8,
-        ..RdmaConfig::default()
-    };
-    let (link, peer) = linked_to_empty_receive_queue(&dev, forever);
-    send(&link, b"one").await;
-    send(&link, b"two: the last buffer, signaled").await;
+    let (link, peer) = stalled_at_its_cap(&dev).await;
     assert!(!link.check_stall(), "not past the limit yet");
     // Past the limit (its 2 s floor): the first look there is no verdict.
     tokio::time::sleep(Duration::from_millis(2100)).await;
