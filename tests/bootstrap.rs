@@ -10,7 +10,7 @@ use qpmux::link::bootstrap::{
     BootstrapError, ClusterKey, DeclineReason, MAX_MESSAGE, PROTOCOL_VERSION as V,
 };
 use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
-use qpmux::link::{EpochEnd, Link, LinkFault};
+use qpmux::link::{EpochEnd, Link, LinkFault, ReadOutOwner};
 use qpmux::mux::{
     Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, RECORD_OVERHEAD, StreamKey, Terminal,
 };
@@ -144,6 +144,13 @@ async fn node_to_node_with_and_without_a_key() {
             until(|| b.epoch(A).is_some() && a.epoch(B).is_some()).await;
             assert_eq!(b.epoch(A), Some(Epoch(1)));
             assert_eq!(a.epoch(B), Some(Epoch(1)));
+            // Each link's read-out comes from its peer's share, and B never
+            // registered A, which only dialled in.
+            let owner = |node: &TcpNode, peer| node.link(peer).and_then(|l| l.read_out_owner());
+            let registered = |peer, registered| Some(ReadOutOwner { peer, registered });
+            assert_eq!(owner(&a_node, B), registered(B, true));
+            until(|| b_node.link(A).is_some()).await;
+            assert_eq!(owner(&b_node, A), registered(A, false));
             // A deliberate reconnect proposes the running epoch: epoch 2 replaces it.
             assert_eq!(a_node.connect(B).await, Ok(Epoch(2)));
             until(|| b.epoch(A) == Some(Epoch(2)) && a.epoch(B) == Some(Epoch(2))).await;

@@ -22,10 +22,12 @@ pub mod mem;
 pub mod rdma;
 pub mod tcp;
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use thiserror::Error;
 
@@ -139,16 +141,45 @@ pub enum LinkError {
 /// that never closes its old connections cannot make us hold sockets,
 /// QPs and buffers for seconds each (docs/design.md § "A replaced link
 /// delivers what its peer sent").
+///
+/// A link the connector made names its [`ReadOutOwner`], and the budget
+/// shares itself out: one peer holds at most a quarter of it, and peers
+/// this node did not register (they only dialled in) at most half of it
+/// together, so neither one peer redialling nor a crowd of fresh ids can
+/// leave the registered peers without a read-out (docs/design.md § "A
+/// closed link delivers both ways").
 #[derive(Clone, Debug)]
 pub struct ReadOutBudget {
     counts: Arc<ReadOutCounts>,
     max: usize,
+    /// Whose link this clone serves (`None`: a link made outside a
+    /// connector, bound by the total alone).
+    owner: Option<ReadOutOwner>,
+}
+
+/// Whose link asks a [`ReadOutBudget`] for a read-out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadOutOwner {
+    /// The peer the link is to.
+    pub peer: PeerId,
+    /// This node registered the peer's address, rather than only accepting
+    /// its dial.
+    pub registered: bool,
 }
 
 #[derive(Debug, Default)]
 struct ReadOutCounts {
-    in_use: AtomicUsize,
+    held: Mutex<ReadOutsHeld>,
     refused: AtomicU64,
+}
+
+/// Read-outs held now. `by_peer` has an entry only while that peer holds
+/// one, so it never outgrows the budget.
+#[derive(Debug, Default)]
+struct ReadOutsHeld {
+    total: usize,
+    unregistered: usize,
+    by_peer: HashMap<PeerId, usize>,
 }
 
 impl ReadOutBudget {
@@ -157,17 +188,55 @@ impl ReadOutBudget {
         ReadOutBudget {
             counts: Arc::default(),
             max,
+            owner: None,
         }
+    }
+
+    /// This budget, for the links of `owner`.
+    pub fn owned_by(&self, owner: ReadOutOwner) -> ReadOutBudget {
+        ReadOutBudget {
+            owner: Some(owner),
+            ..self.clone()
+        }
+    }
+
+    /// Whose links this clone serves, if a connector named them.
+    pub fn owner(&self) -> Option<ReadOutOwner> {
+        self.owner
+    }
+
+    /// The most read-outs one peer holds at once: a quarter of the budget.
+    pub fn per_peer(&self) -> usize {
+        self.max.div_ceil(4)
+    }
+
+    /// The most read-outs the peers this node did not register hold
+    /// together: half of the budget.
+    pub fn unregistered(&self) -> usize {
+        self.max.div_ceil(2)
     }
 
     /// Read-outs held now.
     pub fn in_use(&self) -> usize {
-        self.counts.in_use.load(Ordering::Acquire)
+        self.held().total
     }
 
-    /// Links cut because the budget was spent when they needed a read-out.
+    /// Read-outs `peer`'s links hold now.
+    pub fn held_by(&self, peer: PeerId) -> usize {
+        self.held().by_peer.get(&peer).copied().unwrap_or(0)
+    }
+
+    /// Links cut because the budget, or their owner's share of it, was
+    /// spent when they needed a read-out.
     pub fn refused(&self) -> u64 {
         self.counts.refused.load(Ordering::Relaxed)
+    }
+
+    fn held(&self) -> MutexGuard<'_, ReadOutsHeld> {
+        self.counts
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// One read-out, given back when the guard drops; `None` past the budget.
@@ -176,21 +245,38 @@ impl ReadOutBudget {
     }
 
     pub(crate) fn try_take(&self) -> bool {
-        let taken = self
-            .counts
-            .in_use
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max).then_some(n + 1)
-            })
-            .is_ok();
-        if !taken {
+        let mut held = self.held();
+        let fits = held.total < self.max
+            && self.owner.is_none_or(|owner| {
+                held.by_peer.get(&owner.peer).copied().unwrap_or(0) < self.per_peer()
+                    && (owner.registered || held.unregistered < self.unregistered())
+            });
+        if !fits {
+            drop(held);
             self.counts.refused.fetch_add(1, Ordering::Relaxed);
+            return false;
         }
-        taken
+        held.total += 1;
+        if let Some(owner) = self.owner {
+            *held.by_peer.entry(owner.peer).or_default() += 1;
+            held.unregistered += usize::from(!owner.registered);
+        }
+        true
     }
 
+    /// Gives back a read-out this clone took.
     pub(crate) fn give_back(&self) {
-        self.counts.in_use.fetch_sub(1, Ordering::AcqRel);
+        let mut held = self.held();
+        held.total -= 1;
+        if let Some(owner) = self.owner {
+            held.unregistered -= usize::from(!owner.registered);
+            if let Entry::Occupied(mut count) = held.by_peer.entry(owner.peer) {
+                *count.get_mut() -= 1;
+                if *count.get() == 0 {
+                    count.remove();
+                }
+            }
+        }
     }
 }
 
@@ -205,7 +291,7 @@ impl Drop for ReadOut {
 }
 
 impl Default for ReadOutBudget {
-    /// 16 read-outs at once.
+    /// 16 read-outs at once: 4 a peer, 8 for the unregistered.
     fn default() -> Self {
         ReadOutBudget::new(16)
     }
@@ -298,4 +384,67 @@ pub trait Node: Send + Sync + 'static {
 
     /// Stops accepting, ends every epoch, and stops the mux. Does not wait.
     fn shutdown(&self);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owner(peer: u64, registered: bool) -> ReadOutOwner {
+        ReadOutOwner {
+            peer: PeerId(peer),
+            registered,
+        }
+    }
+
+    /// One peer holds at most a quarter of the budget and the peers this
+    /// node never registered half of it together, so the registered ones
+    /// always find read-outs left; each share comes back with its guards,
+    /// and the table of holders empties with them.
+    #[test]
+    fn the_read_out_budget_keeps_shares_for_each_peer_and_the_registered() {
+        let budget = ReadOutBudget::new(16);
+        assert_eq!((budget.per_peer(), budget.unregistered()), (4, 8));
+        let redialler = budget.owned_by(owner(1, true));
+        let mut held: Vec<ReadOut> = (0..4).filter_map(|_| redialler.hold()).collect();
+        assert_eq!(held.len(), 4);
+        assert!(redialler.hold().is_none(), "a fifth for one peer");
+        assert_eq!((budget.held_by(PeerId(1)), budget.refused()), (4, 1));
+        // Fresh ids, one read-out each, fill the unregistered half and no more.
+        let fresh: Vec<ReadOut> = (100..112)
+            .filter_map(|id| budget.owned_by(owner(id, false)).hold())
+            .collect();
+        assert_eq!(fresh.len(), 8);
+        assert_eq!(budget.refused(), 5);
+        // The registered peers still have the rest, a quarter each.
+        let honest = budget.owned_by(owner(2, true));
+        held.extend((0..4).filter_map(|_| honest.hold()));
+        assert_eq!((budget.in_use(), budget.held_by(PeerId(2))), (16, 4));
+        // The total still bounds everyone.
+        assert!(budget.owned_by(owner(3, true)).hold().is_none());
+        assert!(budget.hold().is_none(), "an unowned link");
+        drop(fresh);
+        assert_eq!(budget.in_use(), 8);
+        assert!(budget.owned_by(owner(200, false)).hold().is_some());
+        drop(held);
+        assert_eq!(budget.in_use(), 0);
+        assert!(budget.held().by_peer.is_empty());
+        assert_eq!(budget.held().unregistered, 0);
+    }
+
+    /// The shares round up, so a small budget still serves a peer: one
+    /// read-out is one for anybody; none is none.
+    #[test]
+    fn a_small_read_out_budget_still_serves_one_peer() {
+        let one = ReadOutBudget::new(1);
+        let fresh = one.owned_by(owner(9, false)).hold();
+        assert!(fresh.is_some());
+        assert!(one.owned_by(owner(1, true)).hold().is_none());
+        drop(fresh);
+        assert!(one.owned_by(owner(1, true)).hold().is_some());
+        let none = ReadOutBudget::new(0);
+        assert!(none.owned_by(owner(1, true)).hold().is_none());
+        assert!(none.hold().is_none());
+        assert_eq!(none.refused(), 2);
+    }
 }

@@ -204,6 +204,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             violated: false,
             cut: false,
             read_out: None,
+            read_out_owner: None,
             tearing_down: false,
             drained: false,
             stall_suspect: None,

@@ -43,7 +43,7 @@ pub use self::node::{DEFAULT_MAX_REGISTERED, RdmaEpochs, RdmaNodeConfig, RdmaTra
 use self::pool::{Blocked, Lease, PoolChunk};
 pub use self::pool::{DEFAULT_POOL_BUFFERS, PoolStats, SendPool};
 pub use self::registered::{MemlockLimit, RegisteredBudget, Registration};
-use super::{EpochEnd, Link, LinkError, LinkFault, ReadOut, ReadOutBudget};
+use super::{EpochEnd, Link, LinkError, LinkFault, ReadOut, ReadOutBudget, ReadOutOwner};
 use crate::mux::protocol::Epoch;
 use crate::verbs::{
     Device, MemoryRegion, PostError, QpAddress, QueuePair, RecvWr, SendOpcode, SendWr, Sge,
@@ -278,6 +278,9 @@ struct State<D: Device> {
     /// A graceful close the peer chose or caused (`PeerClosed`,
     /// `Replaced`) holds one of the node's read-outs until its teardown.
     read_out: Option<ReadOut>,
+    /// Whose share of the budget that read-out comes from, once the
+    /// connector has named the peer.
+    read_out_owner: Option<ReadOutOwner>,
     /// The teardown has begun: the flushes it makes are not a cut.
     tearing_down: bool,
     /// The poller is done: every completion the CQ will ever hold was handled.
@@ -529,7 +532,10 @@ impl<D: Device + 'static> Shared<D> {
             // the node's read-outs, or none and torn down at once (our own
             // closes are ours to bound).
             if matches!(reason, EpochEnd::Replaced | EpochEnd::PeerClosed) {
-                st.read_out = self.read_outs.hold();
+                st.read_out = match st.read_out_owner {
+                    Some(owner) => self.read_outs.owned_by(owner).hold(),
+                    None => self.read_outs.hold(),
+                };
                 if st.read_out.is_none() {
                     // Decided under this lock, as torn down at once: no
                     // graceful end can slip in between.
@@ -1012,6 +1018,18 @@ impl<D: Device + 'static> RdmaLink<D> {
             }
             None => hooks.push(Box::new(hook)),
         }
+    }
+
+    /// Takes the read-out of a graceful close the peer chooses or causes
+    /// from `owner`'s share of the node's budget (unset: the budget's total
+    /// alone bounds it).
+    pub fn set_read_out_owner(&self, owner: ReadOutOwner) {
+        self.shared().lock().read_out_owner = Some(owner);
+    }
+
+    /// Whose share of the node's read-outs this link's close would take.
+    pub fn read_out_owner(&self) -> Option<ReadOutOwner> {
+        self.shared().lock().read_out_owner
     }
 
     /// Calls `hook` once when a graceful end (ours or the peer's) has seen

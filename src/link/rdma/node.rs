@@ -38,7 +38,7 @@ use crate::link::bootstrap::{BootstrapError, ClusterKey, Endpoint, EndpointKind,
 use crate::link::tcp::{
     ConnectError, Connector, ConnectorConfig, EpochMaker, TcpLinkConfig, configure,
 };
-use crate::link::{EpochEnd, Link, Node, ReadOutBudget, RegisterError};
+use crate::link::{EpochEnd, Link, Node, ReadOutBudget, ReadOutOwner, RegisterError};
 use crate::mux::engine::ProtocolError;
 use crate::mux::protocol::Epoch;
 use crate::mux::{Mux, MuxConfig, PeerId};
@@ -422,12 +422,14 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
         stream: TcpStream,
         prefix: Vec<u8>,
         _epoch: Epoch,
+        owner: ReadOutOwner,
     ) -> Result<RdmaLink<D>, ConnectError> {
         if !prefix.is_empty() {
             // Nothing follows the ready on the liveness channel.
             return Err(BootstrapError::BadField("bytes after ready").into());
         }
         configure(&stream, &self.liveness)?;
+        link.set_read_out_owner(owner);
         self.sweep(&link);
         let ctl = Arc::new(Liveness::default());
         let qpn = link.address().qpn.value();
@@ -731,5 +733,65 @@ mod tests {
             link.ended().await,
             EpochEnd::Violation(ProtocolError::LivenessTraffic)
         );
+    }
+
+    /// The node's sweep task, not a waiting `reserve`, finds a link whose
+    /// SENDs its peer never completes (RNR NAKs for ever, `rnr_retry = 7`)
+    /// and that nothing writes on any more: the epoch ends at the stall
+    /// limit, and the sweep prunes the link once it is gone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_nodes_sweep_ends_a_stalled_link_nothing_waits_on() {
+        use crate::link::LinkFault;
+        use crate::verbs::{AccessFlags, InitAttr, QpCaps, QueuePair, RtrAttr};
+
+        let dev = SoftDevice::open_udp(UdpConfig::default())
+            .await
+            .expect("device");
+        let forever = RdmaConfig {
+            recv_depth: 8,
+            max_batch: 4096,
+            send_buffers: 2,
+            rnr_retry: 7,
+            timeout: 8,
+            ..RdmaConfig::default()
+        };
+        let epochs = RdmaEpochs::new(dev.clone(), forever, TcpLinkConfig::default());
+        // The peer: a QP that announced receives and never posts one.
+        let pd = dev.alloc_pd().expect("pd");
+        let cq = dev.create_cq(64).expect("cq");
+        let qp = dev.create_qp(&pd, &cq, &cq, QpCaps::default()).expect("qp");
+        qp.modify_to_init(InitAttr {
+            access: AccessFlags::LOCAL_WRITE,
+        })
+        .expect("init");
+        let end = PreparedEnd::new(&dev, forever).expect("link end");
+        let link = end
+            .connect(&QpAddress::of(&dev, &qp), Epoch(7))
+            .expect("connect");
+        let mtu = dev.query_port().active_mtu;
+        qp.modify_to_rtr(RtrAttr::for_peer(&link.address(), mtu, 12))
+            .expect("rtr");
+        epochs.sweep(&link);
+        for payload in [&b"one"[..], b"two: the last buffer, signaled"] {
+            let mut buf = link.reserve().await.expect("reserve");
+            buf[..payload.len()].copy_from_slice(payload);
+            link.post(buf, payload.len()).expect("post");
+        }
+        let ended = tokio::time::timeout(Duration::from_secs(20), link.ended()).await;
+        assert_eq!(
+            ended.expect("the sweep ended it"),
+            EpochEnd::Fault(LinkFault::SendsStalled)
+        );
+        assert_eq!(epochs.swept_links(), 1);
+        drop(link);
+        let pruned = async {
+            while epochs.swept_links() > 0 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), pruned)
+            .await
+            .expect("the sweep pruned the link once it was gone");
+        drop((qp, cq, pd));
     }
 }

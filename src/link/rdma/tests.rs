@@ -573,6 +573,50 @@ async fn replaced_ends_past_the_read_out_budget_are_torn_down_at_once() {
     assert_eq!(budget.in_use(), 0);
 }
 
+/// A connector's link closes on its peer's share of the budget: past a
+/// quarter of it for one peer, or past half of it for the peers the node
+/// never registered, the close is torn down at once while others still
+/// find read-outs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_closes_take_read_outs_from_its_share_alone() {
+    let (da, db) = (device().await, device().await);
+    let config = RdmaConfig {
+        timeout: 0,
+        ..small()
+    };
+    // A quarter: one a peer; half: two for the unregistered.
+    let budget = ReadOutBudget::new(4);
+    let owned = |peer: u64, registered| {
+        let (a, b) = on_budget(&da, &db, &budget, config);
+        a.set_read_out_owner(ReadOutOwner {
+            peer: PeerId(peer),
+            registered,
+        });
+        (a, b)
+    };
+    let (first, _p1) = owned(1, true);
+    let (again, _p2) = owned(1, true);
+    first.fail(EpochEnd::Replaced);
+    again.fail(EpochEnd::PeerClosed);
+    assert_eq!((budget.in_use(), budget.refused()), (1, 1));
+    torn_down(&again, EpochEnd::PeerClosed).await;
+    let fresh: Vec<_> = (10..13).map(|id| owned(id, false)).collect();
+    for (link, _) in &fresh {
+        link.fail(EpochEnd::PeerClosed);
+    }
+    assert_eq!((budget.in_use(), budget.refused()), (3, 2));
+    torn_down(&fresh[2].0, EpochEnd::PeerClosed).await;
+    // The last read-out is still there for a registered peer.
+    let (other, other_peer) = owned(2, true);
+    other.fail(EpochEnd::Replaced);
+    assert_eq!((budget.in_use(), budget.refused()), (4, 2));
+    send_bytes(&other_peer, b"kept").await;
+    assert_eq!(recv_bytes(&other).await, b"kept");
+    other.peer_finished();
+    torn_down(&other, EpochEnd::Replaced).await;
+    assert_eq!(budget.held_by(PeerId(2)), 0, "given back at the teardown");
+}
+
 /// An abrupt end met while a graceful close waits for its peer cuts the
 /// close short (the QP goes down now, and the liveness word becomes a
 /// reset); a replacement after our own close does not, and takes no
@@ -628,6 +672,11 @@ async fn a_nodes_links_take_their_read_outs_from_the_nodes_budget() {
     assert_eq!(a.node().epochs().swept_links(), 1, "in the stall sweep");
     // B's accept is done too, or the next dial is asked to come again.
     until(|| b.mux().epoch(A) == Some(Epoch(1))).await;
+    // Each close takes its read-out from the peer's share.
+    let owner = |peer, registered| Some(ReadOutOwner { peer, registered });
+    let link_owner = |t: &RdmaTransport<SoftDevice>, peer| t.node().link(peer)?.read_out_owner();
+    assert_eq!(link_owner(&a, B), owner(B, true));
+    assert_eq!(link_owner(&b, A), owner(A, true));
     let firsts = [
         a.node().link(B).expect("a's epoch 1"),
         b.node().link(A).expect("b's epoch 1"),

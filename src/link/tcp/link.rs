@@ -28,7 +28,7 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Notify;
 
-use crate::link::{EpochEnd, Link, LinkError, LinkFault, ReadOutBudget};
+use crate::link::{EpochEnd, Link, LinkError, LinkFault, ReadOutBudget, ReadOutOwner};
 use crate::mux::engine::ProtocolError;
 use crate::mux::protocol::Epoch;
 use crate::stages::{self, Stage};
@@ -375,6 +375,11 @@ impl TcpLink {
     /// The remote address, if the socket knew it.
     pub fn peer_addr(&self) -> Option<SocketAddr> {
         self.inner().peer
+    }
+
+    /// Whose share of the node's read-outs this link's read-out would take.
+    pub fn read_out_owner(&self) -> Option<ReadOutOwner> {
+        self.inner().read_outs.owner()
     }
 
     /// A snapshot of the counters.

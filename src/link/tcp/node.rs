@@ -44,7 +44,7 @@ use crate::link::bootstrap::{
     BootstrapError, ClusterKey, DeclineReason, Endpoint, EndpointKind, Established, Event,
     Handshake, HelloFields, TcpEndpoint, agreed_epoch, fresh_nonce,
 };
-use crate::link::{EpochEnd, Link};
+use crate::link::{EpochEnd, Link, ReadOutOwner};
 use crate::mux::protocol::Epoch;
 use crate::mux::{Dialer, Mux, MuxConfig, PeerId, PeerTerms};
 use crate::warn_gate::WarnGate;
@@ -331,14 +331,16 @@ pub trait EpochMaker: Send + Sync + 'static {
     ) -> Result<Self::Armed, ConnectError>;
 
     /// Makes the link from the armed resources and the bootstrap connection
-    /// (`prefix`: bytes read past the handshake). Called under the peer
-    /// table's lock: must not block.
+    /// (`prefix`: bytes read past the handshake); `owner` names its share of
+    /// the node's [`ReadOutBudget`](crate::link::ReadOutBudget). Called
+    /// under the peer table's lock: must not block.
     fn finish(
         &self,
         armed: Self::Armed,
         stream: TcpStream,
         prefix: Vec<u8>,
         epoch: Epoch,
+        owner: ReadOutOwner,
     ) -> Result<Self::Link, ConnectError>;
 
     /// Why `link`'s epoch ended, once it has.
@@ -397,8 +399,13 @@ impl EpochMaker for TcpEpochs {
         stream: TcpStream,
         prefix: Vec<u8>,
         epoch: Epoch,
+        owner: ReadOutOwner,
     ) -> Result<TcpLink, ConnectError> {
-        Ok(TcpLink::new(stream, prefix, epoch, &self.link, peer_max)?)
+        let config = TcpLinkConfig {
+            read_outs: self.link.read_outs.owned_by(owner),
+            ..self.link.clone()
+        };
+        Ok(TcpLink::new(stream, prefix, epoch, &config, peer_max)?)
     }
 
     fn end_reason(link: &TcpLink) -> Option<EpochEnd> {
@@ -1305,9 +1312,13 @@ fn install<E: EpochMaker>(
                 if let Some(state) = forgotten {
                     state.last_epoch = state.last_epoch.max(established.epoch);
                 }
+                let owner = ReadOutOwner {
+                    peer,
+                    registered: false,
+                };
                 let link = inner
                     .epochs
-                    .finish(armed, stream, prefix, established.epoch)?;
+                    .finish(armed, stream, prefix, established.epoch, owner)?;
                 link.fail(EpochEnd::Closed);
                 mux.read_out_with_terms(peer, link, terms, granted);
                 return Err(ConnectError::UnknownPeer(peer));
@@ -1317,9 +1328,13 @@ fn install<E: EpochMaker>(
     if established.epoch <= state.last_epoch {
         return Err(ConnectError::Superseded(state.last_epoch));
     }
+    let owner = ReadOutOwner {
+        peer,
+        registered: state.addr.is_some(),
+    };
     let link = inner
         .epochs
-        .finish(armed, stream, prefix, established.epoch)?;
+        .finish(armed, stream, prefix, established.epoch, owner)?;
     let incarnation = established.peer.incarnation;
     let restarted = state.incarnation.is_some_and(|known| known != incarnation);
     if restarted {
