@@ -159,6 +159,44 @@ async fn node_to_node_with_and_without_a_key() {
     .await;
 }
 
+/// A peer that only dialled in leaves the listener's mux with its last
+/// link: the peer task retires as soon as it holds nothing, not
+/// `idle_retire` (60 s here, past the test's bound) later, so ids that
+/// handshake and go leave neither entries nor tasks behind. A registered
+/// peer's entry waits out its idle period, as the peer may be dialled again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_that_only_dialled_in_leave_the_mux_with_their_last_link() {
+    bounded(async {
+        let (b_node, b) = node(B, None).await;
+        for id in 100..104 {
+            let (node, mux) = node(PeerId(id), None).await;
+            node.register(B, b_node.local_addr());
+            // (Each later id's first epoch is above the let-go ids' last.)
+            assert!(node.connect(B).await.is_ok());
+            until(|| b.epoch(PeerId(id)).is_some()).await;
+            node.shutdown();
+            mux.shutdown();
+        }
+        until(|| b.peer_count() == 0).await;
+        assert_eq!(
+            b_node.stats().peers_known,
+            0,
+            "the connector let them go too"
+        );
+        // B registered A: its entry stays after A's link ends.
+        let (a_node, a) = node(A, None).await;
+        b_node.register(A, a_node.local_addr());
+        assert!(b_node.connect(A).await.is_ok());
+        let link = b_node.link(A).expect("b's link to a");
+        a_node.shutdown();
+        a.shutdown();
+        until(|| link.is_ended()).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(b.peer_count(), 1);
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_key_is_refused_and_named_on_the_listener() {
     bounded(async {

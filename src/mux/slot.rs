@@ -137,6 +137,11 @@ pub(crate) struct ControlState {
     /// before it and waiting for a link when it next waits for one
     /// ([`crate::mux::Mux::forget_peer`]).
     pub forgotten: bool,
+    /// The connector let the peer go (it only dialled in, and its last link
+    /// is over): the peer task retires as soon as it holds nothing, not an
+    /// idle period later ([`crate::mux::Mux::let_go_peer`]). A link handed
+    /// over clears it.
+    pub let_go: bool,
 }
 
 impl PeerControl {

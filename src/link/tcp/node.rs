@@ -616,6 +616,19 @@ impl<E: EpochMaker> NodeInner<E> {
         })
     }
 
+    /// [`NodeInner::let_go`], then, outside the table's lock, tells the mux
+    /// so, whose task for the peer then retires as soon as it holds nothing.
+    fn release(&self, mut peers: MutexGuard<'_, Peers<E>>, peer: PeerId) {
+        let entry = self.let_go(&mut peers, peer);
+        drop(peers);
+        if entry.is_some()
+            && let Some(mux) = self.mux.get()
+        {
+            mux.let_go_peer(peer);
+        }
+        drop(entry);
+    }
+
     /// Takes `peer`'s entry out of the table if nothing is left in it: not
     /// registered, no live link, no dial, no handshake under way. Its last
     /// epoch raises the floor, by at most one per epoch it installed: a peer
@@ -915,10 +928,13 @@ impl<E: EpochMaker> Connector<E> {
         if let Some(link) = link {
             link.fail(EpochEnd::Closed);
         }
-        drop(entry);
         if let Some(mux) = self.inner.mux.get() {
             mux.forget_peer(peer);
+            if entry.is_some() {
+                mux.let_go_peer(peer);
+            }
         }
+        drop(entry);
     }
 
     /// Ends the current link to `peer` gracefully, if there is one.
@@ -993,9 +1009,7 @@ impl<E: EpochMaker> Connector<E> {
                 state.dial = Dial::Idle;
             }
             // A peer connected without being registered leaves with its link.
-            let entry = self.inner.let_go(&mut peers, peer);
-            drop(peers);
-            drop(entry);
+            self.inner.release(peers, peer);
         }
         if let Err(ConnectError::DeclinedByPeer(_)) = result {
             bump(&self.inner.counters.declined);
@@ -1056,9 +1070,7 @@ impl<E: EpochMaker> Dialer for NodeDialer<E> {
         };
         // A peer that only dialled in is let go with its last link; one
         // registered here stays until it is unregistered.
-        let entry = inner.let_go(&mut peers, peer);
-        drop(peers);
-        drop(entry);
+        inner.release(peers, peer);
         if let Some(wait) = dial {
             inner.runtime.spawn(dial_task(inner.clone(), peer, wait));
         }
@@ -1081,9 +1093,7 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
         if state.addr.is_none() {
             // Forgotten while waiting.
             state.dial = Dial::Idle;
-            let entry = inner.let_go(&mut peers, peer);
-            drop(peers);
-            drop(entry);
+            inner.release(peers, peer);
             return;
         }
         state.dial = Dial::Connecting;
@@ -1095,9 +1105,7 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     if result.is_err() && state.addr.is_none() {
         // Forgotten mid-dial: nothing to back off from or warn about.
         tracing::debug!(?peer, "dial to a forgotten peer abandoned");
-        let entry = inner.let_go(&mut peers, peer);
-        drop(peers);
-        drop(entry);
+        inner.release(peers, peer);
         return;
     }
     match result {
@@ -1121,9 +1129,7 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     }
     // Forgotten after the install, its link already released: nothing else
     // would let it go.
-    let entry = inner.let_go(&mut peers, peer);
-    drop(peers);
-    drop(entry);
+    inner.release(peers, peer);
 }
 
 async fn dial_once<E: EpochMaker>(
@@ -1442,9 +1448,7 @@ impl<E: EpochMaker> Drop for Accepting<'_, E> {
                     dial = self.inner.dial_for(peer, state);
                 }
             }
-            let entry = self.inner.let_go(&mut peers, peer);
-            drop(peers);
-            drop(entry);
+            self.inner.release(peers, peer);
             if let Some(wait) = dial {
                 let dial = dial_task(self.inner.clone(), peer, wait);
                 self.inner.runtime.spawn(dial);

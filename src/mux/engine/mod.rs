@@ -289,10 +289,11 @@ impl<L: Link> Mux<L> {
     /// Queues `link` among the links to read out before the next one is
     /// served, unless the entry has retired (then the link comes back).
     fn hand_over_read_out(entry: &PeerEntry<L>, link: L, opening: Opening) -> Result<(), L> {
-        let control = entry.control.state();
+        let mut control = entry.control.state();
         if control.retired {
             return Err(link);
         }
+        control.let_go = false;
         // An older link waiting to be served is read out first, in epoch
         // order, and not served after this one; closed gracefully, so its
         // peer's last batches are read out too.
@@ -313,10 +314,11 @@ impl<L: Link> Mux<L> {
     /// under, since a link left in a retired entry would be neither served
     /// nor failed, and the node would count the peer linked.
     fn hand_over(entry: &PeerEntry<L>, link: L, opening: Opening) -> Result<(), L> {
-        let control = entry.control.state();
+        let mut control = entry.control.state();
         if control.retired {
             return Err(link);
         }
+        control.let_go = false;
         let mut handed = lock(&entry.handed_through);
         *handed = (*handed).max(Some(link.epoch()));
         drop(handed);
@@ -349,6 +351,22 @@ impl<L: Link> Mux<L> {
         entry.control.forgets.fetch_add(1, Ordering::AcqRel);
         control.forgotten = true;
         drop(control);
+        entry.control.wake.notify_one();
+    }
+
+    /// The connector has let `peer` go: it only dialled in, its last link
+    /// is over, and nothing dials it back. Its task retires as soon as it
+    /// holds nothing (no bytes of the peer's unread, no slot waiting for a
+    /// link), where it would wait out `idle_retire` for a peer that may
+    /// come back: a crowd of fresh ids that handshake and go leaves no
+    /// entries and tasks behind (docs/design.md § "A peer counts against
+    /// `max_peers` while anything of it is kept"). A link handed over
+    /// before then keeps the entry, as for any peer.
+    pub fn let_go_peer(&self, peer: PeerId) {
+        let Some(entry) = lock(&self.shared.peers).get(&peer).cloned() else {
+            return;
+        };
+        entry.control.state().let_go = true;
         entry.control.wake.notify_one();
     }
 
@@ -732,7 +750,11 @@ async fn wait_for_link<L: Link>(
         shutdown.as_mut().enable();
         end_forgotten(entry);
         let now = Instant::now();
-        let wants_link = !entry.control.state().dirty_inlets.is_empty()
+        let (wants_link, let_go) = {
+            let control = entry.control.state();
+            (!control.dirty_inlets.is_empty(), control.let_go)
+        };
+        let wants_link = wants_link
             || lock(&entry.messages)
                 .as_ref()
                 .is_some_and(|rx| !rx.is_empty());
@@ -764,7 +786,7 @@ async fn wait_for_link<L: Link>(
         if wants_link {
             idle_since = now;
             shared.dialer.want_link(peer);
-        } else if now >= idle_since + shared.config.idle_retire {
+        } else if let_go || now >= idle_since + shared.config.idle_retire {
             held.settle();
             entry.control.publish_held(held.bytes(), 0);
             if held.is_empty() && retire(shared, entry, false) {
