@@ -10,7 +10,7 @@ use qpmux::link::bootstrap::ClusterKey;
 use qpmux::link::tcp::{
     ConnectError, ReadOutBudget, TcpLink, TcpLinkConfig, TcpNode, TcpNodeConfig,
 };
-use qpmux::link::{EpochEnd, Link, LinkError, LinkFault};
+use qpmux::link::{EpochEnd, Link, LinkError, LinkFault, ReadOutOwner};
 use qpmux::mux::{
     DropReason, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, ProtocolError, SendError,
     SlotSender, StreamKey, Terminal,
@@ -1358,6 +1358,46 @@ async fn link_beside_a_silent_peer(config: &TcpLinkConfig) -> (TcpLink, tokio::n
             .expect("write");
     }
     (link, raw)
+}
+
+/// The peer's close reads out on the peer's share of the node's budget.
+/// Past it the link still flushes ours, but waits only briefly for the
+/// peer's EOF: a peer that says goodbye and never closes (here: the end
+/// is the mux's `PeerClosed` for its Goodbye, and the raw peer stays
+/// silent) holds the socket for no longer, not for the read-out's seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_peers_close_past_its_read_out_share_waits_briefly_for_its_eof() {
+    bounded(async {
+        // A quarter of four: one read-out for this peer.
+        let budget = ReadOutBudget::new(4).owned_by(ReadOutOwner {
+            peer: PeerId(9),
+            registered: true,
+        });
+        let config = TcpLinkConfig {
+            recv_batches: 1,
+            read_outs: budget.clone(),
+            ..TcpLinkConfig::default()
+        };
+        let (kept, silent) = link_beside_a_silent_peer(&config).await;
+        let (brief, _silent) = link_beside_a_silent_peer(&config).await;
+        kept.fail(EpochEnd::PeerClosed);
+        brief.fail(EpochEnd::PeerClosed);
+        assert_eq!((budget.in_use(), budget.refused()), (1, 1));
+        let (_, end) = read_until_end(&brief, Duration::from_secs(2)).await;
+        assert!(end.is_some(), "waited out a full read-out");
+        // The one on the budget delivers all the peer sent and waits on.
+        for i in 0..4u8 {
+            assert_eq!(kept.recv().await.expect("read out")[0], i);
+        }
+        let waiting = tokio::time::timeout(Duration::from_millis(500), kept.recv()).await;
+        assert!(waiting.is_err(), "{waiting:?}");
+        // The peer's EOF ends it, and the read-out comes back.
+        drop(silent);
+        let (rest, end) = read_until_end(&kept, Duration::from_secs(10)).await;
+        assert_eq!((rest, end.is_some()), (Vec::new(), true));
+        until(|| budget.in_use() == 0).await;
+    })
+    .await;
 }
 
 /// Replaced links read out within their node's budget. Past it one is cut

@@ -267,9 +267,13 @@ impl ReadOutBudget {
     /// Gives back a read-out this clone took.
     pub(crate) fn give_back(&self) {
         let mut held = self.held();
-        held.total -= 1;
+        // Saturating: this runs in `ReadOut::drop`, maybe while unwinding.
+        debug_assert!(held.total > 0, "a read-out given back twice");
+        held.total = held.total.saturating_sub(1);
         if let Some(owner) = self.owner {
-            held.unregistered -= usize::from(!owner.registered);
+            held.unregistered = held
+                .unregistered
+                .saturating_sub(usize::from(!owner.registered));
             if let Entry::Occupied(mut count) = held.by_peer.entry(owner.peer) {
                 *count.get_mut() -= 1;
                 if *count.get() == 0 {

@@ -140,7 +140,8 @@ pub(crate) struct ControlState {
     /// The connector let the peer go (it only dialled in, and its last link
     /// is over): the peer task retires as soon as it holds nothing, not an
     /// idle period later ([`crate::mux::Mux::let_go_peer`]). A link handed
-    /// over clears it.
+    /// over to be served clears it (one to be read out does not: it is a
+    /// forgotten peer's).
     pub let_go: bool,
 }
 

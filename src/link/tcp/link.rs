@@ -73,6 +73,11 @@ impl Default for TcpLinkConfig {
 const WRITE_BATCHES: usize = 256;
 /// How long a graceful close may keep flushing after the epoch ended.
 const FLUSH_GRACE: Duration = Duration::from_secs(2);
+/// How long the peer's close waits for its EOF when the peer's share of the
+/// node's read-outs is spent (else `2 × FLUSH_GRACE`): an honest peer's FIN
+/// follows its Goodbye at once, and a peer that never sends one holds the
+/// socket no longer than this.
+const UNBUDGETED_PEER_CLOSE: Duration = Duration::from_millis(100);
 
 /// A posted batch waiting for the writer: its buffer, the batch's length,
 /// and how many bytes of its frame (`len|batch`) are already written.
@@ -156,7 +161,10 @@ impl Inner {
     /// side's last batches reach the other (docs/design.md § "A closed link
     /// delivers both ways"). Any other end shuts the socket now. A fault,
     /// violation or panic that comes later cuts a read-out short (the mux's
-    /// own `Replaced`, or the peer's EOF, does not).
+    /// own `Replaced`, or the peer's EOF, does not). The read-outs of the
+    /// closes the peer chooses (its close, its newer link) come from its
+    /// share of the node's budget; past it a replaced link is cut and the
+    /// peer's close waits only [`UNBUDGETED_PEER_CLOSE`] for its EOF.
     fn end(&self, reason: EpochEnd) {
         let mut state = self.lock();
         if state.ended.is_some() {
@@ -183,12 +191,19 @@ impl Inner {
         }
         state.ended = Some(reason);
         // A reader already gone (its runtime dropped it) reads nothing out.
-        let reading_out = !state.reader_done
-            && (flushes(reason) || reason == EpochEnd::Replaced && self.read_outs.try_take());
+        let budgeted = !state.reader_done
+            && matches!(reason, EpochEnd::Replaced | EpochEnd::PeerClosed)
+            && self.read_outs.try_take();
+        let reading_out = !state.reader_done && (flushes(reason) || budgeted);
         if reading_out {
             state.reading_out = true;
-            state.read_out_budgeted = reason == EpochEnd::Replaced;
-            state.read_out_until = Some(tokio::time::Instant::now() + FLUSH_GRACE * 2);
+            state.read_out_budgeted = budgeted;
+            let time = if reason == EpochEnd::PeerClosed && !budgeted {
+                UNBUDGETED_PEER_CLOSE
+            } else {
+                FLUSH_GRACE * 2
+            };
+            state.read_out_until = Some(tokio::time::Instant::now() + time);
         }
         drop(state);
         if !flushes(reason) && !reading_out {

@@ -616,17 +616,26 @@ impl<E: EpochMaker> NodeInner<E> {
         })
     }
 
-    /// [`NodeInner::let_go`], then, outside the table's lock, tells the mux
-    /// so, whose task for the peer then retires as soon as it holds nothing.
+    /// [`NodeInner::let_go`], telling the mux so (its task for the peer
+    /// then retires as soon as it holds nothing), and drops what was let go
+    /// after unlocking. The mux hears it under the table's lock, before any
+    /// newer link of the peer's is installed, so the word cannot land on
+    /// an epoch that began after it.
     fn release(&self, mut peers: MutexGuard<'_, Peers<E>>, peer: PeerId) {
-        let entry = self.let_go(&mut peers, peer);
+        let entry = self.let_go_told(&mut peers, peer);
         drop(peers);
+        drop(entry);
+    }
+
+    /// [`NodeInner::let_go`], and the mux told if the peer went.
+    fn let_go_told(&self, peers: &mut Peers<E>, peer: PeerId) -> Option<PeerState<E::Link>> {
+        let entry = self.let_go(peers, peer);
         if entry.is_some()
             && let Some(mux) = self.mux.get()
         {
             mux.let_go_peer(peer);
         }
-        drop(entry);
+        entry
     }
 
     /// Takes `peer`'s entry out of the table if nothing is left in it: not
@@ -923,18 +932,15 @@ impl<E: EpochMaker> Connector<E> {
                 state.wanted = false;
                 state.current.take()
             });
-            (link, self.inner.let_go(&mut peers, peer))
+            (link, self.inner.let_go_told(&mut peers, peer))
         };
         if let Some(link) = link {
             link.fail(EpochEnd::Closed);
         }
+        drop(entry);
         if let Some(mux) = self.inner.mux.get() {
             mux.forget_peer(peer);
-            if entry.is_some() {
-                mux.let_go_peer(peer);
-            }
         }
-        drop(entry);
     }
 
     /// Ends the current link to `peer` gracefully, if there is one.

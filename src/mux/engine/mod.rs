@@ -289,11 +289,10 @@ impl<L: Link> Mux<L> {
     /// Queues `link` among the links to read out before the next one is
     /// served, unless the entry has retired (then the link comes back).
     fn hand_over_read_out(entry: &PeerEntry<L>, link: L, opening: Opening) -> Result<(), L> {
-        let mut control = entry.control.state();
+        let control = entry.control.state();
         if control.retired {
             return Err(link);
         }
-        control.let_go = false;
         // An older link waiting to be served is read out first, in epoch
         // order, and not served after this one; closed gracefully, so its
         // peer's last batches are read out too.
@@ -971,7 +970,12 @@ fn retire<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, force: bool) -> boo
     let mut peers = lock(&shared.peers);
     let mut control = entry.control.state();
     let links_waiting = lock(&entry.incoming).is_some() || !lock(&entry.superseded).is_empty();
-    if !force && (!control.dirty_inlets.is_empty() || links_waiting) {
+    // A channel `install_messages` filled since the caller looked (it
+    // installs under the control lock, into no retired entry).
+    let messages_waiting = lock(&entry.messages)
+        .as_ref()
+        .is_some_and(|rx| !rx.is_empty());
+    if !force && (!control.dirty_inlets.is_empty() || links_waiting || messages_waiting) {
         return false;
     }
     control.retired = true;
