@@ -530,6 +530,51 @@ async fn a_stalled_link_nothing_waits_on_ends_at_a_sweeps_second_look() {
     drop(peer);
 }
 
+/// The stall limit judges SENDs the peer's RC layer never completes, not
+/// a slow consumer: a receiver that holds every batch for longer than the
+/// limit (2 s here) leaves the sender out of link credit, its `reserve`
+/// waiting and looking for a stall every 50 ms, with nothing posted
+/// unacknowledged, so nothing ends, and the rest arrives once it reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_slower_than_the_stall_limit_ends_nothing() {
+    let (da, db) = (device().await, device().await);
+    // Every SEND signaled, so each is judged (and each completes).
+    let every = RdmaConfig {
+        signal_every: 1,
+        ..config(4)
+    };
+    let (a, b) = pair(&da, &db, Epoch(1), every).expect("pair");
+    let mut sent = 0u8;
+    while !reserve_waits(&a).await {
+        send(&a, &[sent; 64]).await;
+        sent += 1;
+    }
+    assert!(sent > 0);
+    until(|| a.stats().sends_acked == u64::from(sent)).await;
+    let mut held = Vec::new();
+    for i in 0..sent {
+        let batch = b.recv().await.expect("batch");
+        assert_eq!(batch[0], i);
+        held.push(batch);
+    }
+    let next = tokio::spawn({
+        let a = a.clone();
+        async move { send(&a, &[sent; 64]).await }
+    });
+    // Past the limit, every credit still held at b.
+    tokio::time::sleep(Duration::from_millis(2600)).await;
+    assert!(!next.is_finished(), "a had credit to send");
+    assert!(!a.check_stall() && !a.check_stall(), "a verdict");
+    assert_eq!(a.end_reason(), None);
+    drop(held);
+    tokio::time::timeout(Duration::from_secs(10), next)
+        .await
+        .expect("credit came back")
+        .expect("the send");
+    assert_eq!(b.recv().await.expect("the next")[0], sent);
+    assert_eq!((a.end_reason(), b.end_reason()), (None, None));
+}
+
 /// A hand-driven verbs QP connected to a link end, playing a hostile peer:
 /// before it posts `sends` (payload length, immediate), `first` runs on the
 /// link. Returns the epoch's end and the batches the link delivered.
