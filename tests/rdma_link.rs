@@ -533,10 +533,16 @@ async fn a_stalled_link_nothing_waits_on_ends_at_a_sweeps_second_look() {
 /// The stall limit judges SENDs the peer's RC layer never completes, not
 /// a slow consumer: a receiver that holds every batch for longer than the
 /// limit (2 s here) leaves the sender out of link credit, its `reserve`
-/// waiting and looking for a stall every 50 ms, with nothing posted
-/// unacknowledged, so nothing ends, and the rest arrives once it reads.
+/// waiting with nothing posted unacknowledged for it or a sweep to judge,
+/// so nothing ends, and the rest arrives once it reads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_slower_than_the_stall_limit_ends_nothing() {
+    tokio::time::timeout(Duration::from_secs(30), slower_consumer())
+        .await
+        .expect("the test's steps took their time");
+}
+
+async fn slower_consumer() {
     let (da, db) = (device().await, device().await);
     // Every SEND signaled, so each is judged (and each completes).
     let every = RdmaConfig {

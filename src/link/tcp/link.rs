@@ -51,8 +51,9 @@ pub struct TcpLinkConfig {
     /// `TCP_USER_TIMEOUT` (Linux): unacknowledged data older than this kills
     /// the connection. Default 5 s.
     pub user_timeout: Option<Duration>,
-    /// How many replaced links made with this config (one node's) may read
-    /// out at once. Default 16.
+    /// How many links made with this config (one node's) may read out at
+    /// once for a close their peer chose (its close, its newer link), shared
+    /// by owner. Default 16.
     pub read_outs: ReadOutBudget,
 }
 
@@ -73,10 +74,11 @@ impl Default for TcpLinkConfig {
 const WRITE_BATCHES: usize = 256;
 /// How long a graceful close may keep flushing after the epoch ended.
 const FLUSH_GRACE: Duration = Duration::from_secs(2);
-/// How long the peer's close waits for its EOF when the peer's share of the
-/// node's read-outs is spent (else `2 × FLUSH_GRACE`): an honest peer's FIN
-/// follows its Goodbye at once, and a peer that never sends one holds the
-/// socket no longer than this.
+/// How long the peer's close waits for its EOF after our flush when the
+/// peer's share of the node's read-outs is spent (else `2 × FLUSH_GRACE`
+/// from the end): an honest peer's FIN follows its Goodbye at once, and a
+/// peer that never sends one holds the socket no longer than this past our
+/// flush (itself bounded by `FLUSH_GRACE`).
 const UNBUDGETED_PEER_CLOSE: Duration = Duration::from_millis(100);
 
 /// A posted batch waiting for the writer: its buffer, the batch's length,
@@ -104,8 +106,14 @@ struct State {
     /// or `read_out_until` (a graceful end, the peer's close, or a
     /// replacement that got a read-out).
     reading_out: bool,
-    /// This link holds one of the budget's read-outs (a replacement's).
+    /// This link holds one of the budget's read-outs (for a close the
+    /// peer chose).
     read_out_budgeted: bool,
+    /// The peer's close found its share spent: once our flush is out, the
+    /// read-out waits only [`UNBUDGETED_PEER_CLOSE`] more.
+    short_read_out: bool,
+    /// The reader met the peer's EOF: its close needs no read-out.
+    peer_eof: bool,
     /// Past it, a link reading out stops waiting for the peer's EOF.
     read_out_until: Option<tokio::time::Instant>,
     /// The reader task is gone: a link reading out ends `recv` only then.
@@ -164,42 +172,37 @@ impl Inner {
     /// own `Replaced`, or the peer's EOF, does not). The read-outs of the
     /// closes the peer chooses (its close, its newer link) come from its
     /// share of the node's budget; past it a replaced link is cut and the
-    /// peer's close waits only [`UNBUDGETED_PEER_CLOSE`] for its EOF.
+    /// peer's close waits only [`UNBUDGETED_PEER_CLOSE`] past our flush
+    /// for its EOF. Our own closes' read-outs are ours, and take none.
     fn end(&self, reason: EpochEnd) {
         let mut state = self.lock();
         if state.ended.is_some() {
-            // A replacement of a link reading out for the peer's close (it
-            // closed, then redialled) needs a read-out from the budget like
-            // any other, or is cut: a peer cannot pile up links this way
-            // either. Our own closes' read-outs are ours, and take none.
-            let unbudgeted = reason == EpochEnd::Replaced
-                && state.ended == Some(EpochEnd::PeerClosed)
-                && state.reading_out
-                && !state.read_out_budgeted
-                && !state.reader_done;
-            let budgeted = unbudgeted && self.read_outs.try_take();
-            state.read_out_budgeted |= budgeted;
+            // A replacement of a link already closed (by us or the peer,
+            // whose close took its read-out or its short wait) holds nothing
+            // more; only a fault cuts the read-out.
             drop(state);
-            let fault = matches!(
+            if matches!(
                 reason,
                 EpochEnd::Fault(_) | EpochEnd::Violation(_) | EpochEnd::Internal
-            );
-            if fault || (unbudgeted && !budgeted) {
+            ) {
                 self.cut_read_out(Cut::Now);
             }
             return;
         }
         state.ended = Some(reason);
-        // A reader already gone (its runtime dropped it) reads nothing out.
-        let budgeted = !state.reader_done
-            && matches!(reason, EpochEnd::Replaced | EpochEnd::PeerClosed)
-            && self.read_outs.try_take();
+        // A reader already gone (its runtime dropped it) reads nothing out,
+        // nor does one that met the peer's EOF.
+        let peers_choice = matches!(reason, EpochEnd::Replaced | EpochEnd::PeerClosed)
+            && !state.reader_done
+            && !state.peer_eof;
+        let budgeted = peers_choice && self.read_outs.try_take();
         let reading_out = !state.reader_done && (flushes(reason) || budgeted);
         if reading_out {
             state.reading_out = true;
             state.read_out_budgeted = budgeted;
-            let time = if reason == EpochEnd::PeerClosed && !budgeted {
-                UNBUDGETED_PEER_CLOSE
+            state.short_read_out = peers_choice && !budgeted;
+            let time = if state.short_read_out {
+                FLUSH_GRACE + UNBUDGETED_PEER_CLOSE
             } else {
                 FLUSH_GRACE * 2
             };
@@ -234,6 +237,19 @@ impl Inner {
         }
         self.wake_end.notify_waiters();
         self.reader.notify_one();
+    }
+
+    /// Our flush is out (FIN sent): a short read-out waits only
+    /// [`UNBUDGETED_PEER_CLOSE`] more for the peer's EOF.
+    fn flushed(&self) {
+        let mut state = self.lock();
+        if !state.short_read_out {
+            return;
+        }
+        let soon = tokio::time::Instant::now() + UNBUDGETED_PEER_CLOSE;
+        state.read_out_until = state.read_out_until.map(|until| until.min(soon));
+        drop(state);
+        self.wake_end.notify_waiters();
     }
 
     /// A panic in the reader or writer (a bug here): the epoch ends as
@@ -504,7 +520,10 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf, done: 
                 }
                 inner.wake_recv.notify_waiters();
             }
-            Ok(None) => break EpochEnd::PeerClosed,
+            Ok(None) => {
+                inner.lock().peer_eof = true;
+                break EpochEnd::PeerClosed;
+            }
             Err(ReadError::Io(err)) => {
                 tracing::debug!(epoch = %inner.epoch, %err, "tcp link read failed");
                 break end_of_io(&err);
@@ -519,7 +538,8 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf, done: 
 
 /// After a read-out was cut with nobody left to deliver to, a link that
 /// flushes reads and discards what the peer still sends until its EOF,
-/// within the read-out's time (`2 × FLUSH_GRACE` from the end). Linux resets a connection that receives data
+/// within the read-out's time (`read_out_until`, which a short read-out
+/// moves closer once our flush is out). Linux resets a connection that receives data
 /// after `shutdown(SHUT_RD)`, or is closed with data unread, and purges what
 /// our flush left in the send queue. Any other link here is cut: it ended
 /// without a read-out, was cut for a fault, or waited its time for the
@@ -536,13 +556,20 @@ async fn read_out_close<R: tokio::io::AsyncRead + Unpin>(inner: &Inner, rd: &mut
         inner.shutdown_socket();
         return;
     }
-    let until = inner
-        .lock()
-        .read_out_until
-        .unwrap_or_else(|| tokio::time::Instant::now() + FLUSH_GRACE * 2);
+    let fallback = tokio::time::Instant::now() + FLUSH_GRACE * 2;
     let mut scratch = vec![0u8; 16 * 1024];
-    let until_eof = async { while let Ok(1..) = rd.read(&mut scratch).await {} };
-    let _ = tokio::time::timeout_at(until, until_eof).await;
+    loop {
+        // Made before the deadline is read: a move between the two is seen.
+        let moved = inner.wake_end.notified();
+        tokio::pin!(moved);
+        moved.as_mut().enable();
+        let until = inner.lock().read_out_until.unwrap_or(fallback);
+        tokio::select! {
+            read = rd.read(&mut scratch) => if !matches!(read, Ok(1..)) { break },
+            () = tokio::time::sleep_until(until) => break,
+            () = moved => {}
+        }
+    }
     // A peer that never closed its side is cut, not left half-open.
     inner.shutdown_socket();
 }
@@ -626,6 +653,7 @@ async fn write_loop(inner: Arc<Inner>) {
                     // Flushed: send our FIN and let the reader take the
                     // peer's last bytes (`read_out_close`).
                     inner.shutdown(Shutdown::Write);
+                    inner.flushed();
                     return;
                 }
                 break;
