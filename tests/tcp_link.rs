@@ -477,7 +477,7 @@ async fn a_graceful_close_delivers_what_both_ends_had_posted() {
 
 /// Our own graceful close's read-out takes no budget, so a `Replaced` that
 /// follows it (the mux reading the link out) leaves it reading even with no
-/// read-out left: only a replacement of the peer's close is budgeted.
+/// read-out left: a replacement after any close takes none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_after_our_close_keeps_its_read_out_without_budget() {
     bounded(async {
@@ -1405,8 +1405,9 @@ async fn the_peers_close_past_its_read_out_share_flushes_then_waits_briefly() {
         kept.fail(EpochEnd::PeerClosed);
         brief.fail(EpochEnd::PeerClosed);
         assert_eq!((budget.in_use(), budget.refused()), (1, 1));
-        // Far past the short wait: the flush is not cut.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Past the short wait, within the flush's 1 s grace: the flush is
+        // not cut.
+        tokio::time::sleep(Duration::from_millis(300)).await;
         let mut got = Vec::new();
         let read = tokio::io::AsyncReadExt::read_to_end(&mut peer, &mut got);
         tokio::time::timeout(Duration::from_secs(10), read)
@@ -1415,9 +1416,9 @@ async fn the_peers_close_past_its_read_out_share_flushes_then_waits_briefly() {
             .expect("no reset");
         let frames: Vec<u8> = got.chunks(4 + 256).map(|frame| frame[4]).collect();
         assert_eq!(frames, (0..N).collect::<Vec<_>>());
-        // Then the short wait from the flush's end, not the flush's grace
-        // (2 s from the close): the link ends without the peer's EOF.
-        let (_, end) = read_until_end(&brief, Duration::from_secs(1)).await;
+        // Then the short wait from the flush's end, not from the flush's
+        // grace (1.1 s from the close): the link ends without the peer's EOF.
+        let (_, end) = read_until_end(&brief, Duration::from_millis(500)).await;
         assert!(end.is_some(), "waited out the flush's grace or a read-out");
         // The one on the budget delivers all its peer sent and waits on.
         for i in 0..4u8 {

@@ -267,11 +267,12 @@ impl ReadOutBudget {
     /// Gives back a read-out this clone took.
     pub(crate) fn give_back(&self) {
         let mut held = self.held();
-        // Saturating, and no panic: this runs in `ReadOut::drop`, maybe
-        // while unwinding.
-        if held.total == 0 {
-            tracing::error!("a read-out given back that was not held");
-        }
+        // Saturating, and no panic while unwinding: this runs in
+        // `ReadOut::drop`.
+        debug_assert!(
+            held.total > 0 || std::thread::panicking(),
+            "a read-out given back that was not held"
+        );
         held.total = held.total.saturating_sub(1);
         if let Some(owner) = self.owner {
             held.unregistered = held

@@ -74,11 +74,15 @@ impl Default for TcpLinkConfig {
 const WRITE_BATCHES: usize = 256;
 /// How long a graceful close may keep flushing after the epoch ended.
 const FLUSH_GRACE: Duration = Duration::from_secs(2);
+/// How long a peer's close past its share of the read-outs may keep
+/// flushing (else `FLUSH_GRACE`): a peer that stops reading holds the
+/// socket no longer than this and [`UNBUDGETED_PEER_CLOSE`].
+const UNBUDGETED_FLUSH_GRACE: Duration = Duration::from_secs(1);
 /// How long the peer's close waits for its EOF after our flush when the
 /// peer's share of the node's read-outs is spent (else `2 × FLUSH_GRACE`
 /// from the end): an honest peer's FIN follows its Goodbye at once, and a
 /// peer that never sends one holds the socket no longer than this past our
-/// flush (itself bounded by `FLUSH_GRACE`).
+/// flush (itself bounded by [`UNBUDGETED_FLUSH_GRACE`]).
 const UNBUDGETED_PEER_CLOSE: Duration = Duration::from_millis(100);
 
 /// A posted batch waiting for the writer: its buffer, the batch's length,
@@ -175,7 +179,14 @@ impl Inner {
     /// peer's close waits only [`UNBUDGETED_PEER_CLOSE`] past our flush
     /// for its EOF. Our own closes' read-outs are ours, and take none.
     fn end(&self, reason: EpochEnd) {
+        self.end_seen(reason, false);
+    }
+
+    /// [`Inner::end`]; `eof`: the reader met the peer's EOF, said under the
+    /// same lock, so no other end can come between.
+    fn end_seen(&self, reason: EpochEnd, eof: bool) {
         let mut state = self.lock();
+        state.peer_eof |= eof;
         if state.ended.is_some() {
             // A replacement of a link already closed (by us or the peer,
             // whose close took its read-out or its short wait) holds nothing
@@ -202,7 +213,7 @@ impl Inner {
             state.read_out_budgeted = budgeted;
             state.short_read_out = peers_choice && !budgeted;
             let time = if state.short_read_out {
-                FLUSH_GRACE + UNBUDGETED_PEER_CLOSE
+                UNBUDGETED_FLUSH_GRACE + UNBUDGETED_PEER_CLOSE
             } else {
                 FLUSH_GRACE * 2
             };
@@ -467,6 +478,7 @@ impl Drop for ReaderDone {
 async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf, done: ReaderDone) {
     let _done = done;
     let mut rd = BufReader::with_capacity(64 * 1024, std::io::Cursor::new(prefix).chain(rd));
+    let mut eof = false;
     let reason = loop {
         // Back-pressure: stop reading while the consumer holds enough. The
         // consumer's `notify_one` after it sees `reader_stalled` leaves a
@@ -521,7 +533,7 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf, done: 
                 inner.wake_recv.notify_waiters();
             }
             Ok(None) => {
-                inner.lock().peer_eof = true;
+                eof = true;
                 break EpochEnd::PeerClosed;
             }
             Err(ReadError::Io(err)) => {
@@ -533,7 +545,7 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf, done: 
             }
         }
     };
-    inner.end(reason);
+    inner.end_seen(reason, eof);
 }
 
 /// After a read-out was cut with nobody left to deliver to, a link that
@@ -680,7 +692,8 @@ async fn write_loop(inner: Arc<Inner>) {
     inner.shutdown_socket();
 }
 
-/// Resolves `FLUSH_GRACE` after the epoch ended: a graceful close may flush
+/// Resolves `FLUSH_GRACE` (a short read-out's: `UNBUDGETED_FLUSH_GRACE`)
+/// after the epoch ended: a graceful close may flush
 /// that long into a peer that stopped reading (a zero window, which
 /// `TCP_USER_TIMEOUT` does not cover), then the socket is cut.
 async fn ended_then_grace(inner: &Inner) {
@@ -693,7 +706,12 @@ async fn ended_then_grace(inner: &Inner) {
         }
         notified.await;
     }
-    tokio::time::sleep(FLUSH_GRACE).await;
+    let grace = if inner.lock().short_read_out {
+        UNBUDGETED_FLUSH_GRACE
+    } else {
+        FLUSH_GRACE
+    };
+    tokio::time::sleep(grace).await;
 }
 
 /// The unwritten rest of each batch's frame (`len|batch`), as slices.
