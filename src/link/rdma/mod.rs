@@ -228,6 +228,10 @@ pub struct LinkStats {
     /// last-sent word) that ran out their bound instead of ending on the
     /// event.
     pub close_waits_expired: u64,
+    /// Closes for the peer's close made short (our posted SENDs waited
+    /// for, the peer's last word not) because its share of the node's
+    /// read-outs was spent.
+    pub short_closes: u64,
 }
 
 /// Where this end's credit stands (see [`credit::Credit`]).
@@ -520,9 +524,14 @@ impl<D: Device + 'static> Shared<D> {
     /// until the peer says the same, so its last SENDs land in our receives
     /// and are delivered. Each wait is bounded by [`close_wait`]; a link
     /// with no last-sent hook has nobody to hear from and skips the second.
+    /// A close the peer chose takes one of the node's read-outs from the
+    /// peer's share; past it a replaced link is torn down at once, and the
+    /// peer's close makes the first wait only (after its Goodbye the peer
+    /// owes no SEND).
     /// docs/rdma-link.md § "Graceful close waits for posted SENDs",
     /// docs/design.md § "A closed link delivers both ways".
     fn end_gracefully(self: &Arc<Self>, reason: EpochEnd) {
+        let mut short = false;
         {
             let mut st = self.lock();
             if !st.set_end(reason) {
@@ -536,7 +545,8 @@ impl<D: Device + 'static> Shared<D> {
                     Some(owner) => self.read_outs.owned_by(owner).hold(),
                     None => self.read_outs.hold(),
                 };
-                if st.read_out.is_none() {
+                short = st.read_out.is_none() && reason == EpochEnd::PeerClosed;
+                if st.read_out.is_none() && !short {
                     // Decided under this lock, as torn down at once: no
                     // graceful end can slip in between.
                     drop(st);
@@ -545,6 +555,7 @@ impl<D: Device + 'static> Shared<D> {
                     return;
                 }
             }
+            st.stats.short_closes += u64::from(short);
             self.fence_locked(&mut st);
         }
         self.wake_send.notify_waiters();
@@ -568,8 +579,9 @@ impl<D: Device + 'static> Shared<D> {
                 let _in_link = shared.span.enter();
                 tracing::debug!(unfinished, "graceful close gave up on posted SENDs");
             }
-            // Cut short: no last-sent word, so the peer hears a reset.
-            if !cut && shared.run_last_sent() {
+            // Cut short: no last-sent word, so the peer hears a reset. A
+            // short close says it and goes.
+            if !cut && shared.run_last_sent() && !short {
                 let deadline = tokio::time::Instant::now() + wait;
                 shared
                     .wait_close(deadline, |shared| {

@@ -516,7 +516,8 @@ async fn torn_down(link: &RdmaLink<SoftDevice>, reason: EpochEnd) {
 }
 
 /// A replaced end, or one the peer closed, closes gracefully only on one of
-/// the node's read-outs: past the budget it is torn down at once. The
+/// the node's read-outs: past the budget a replaced one is torn down at
+/// once, and one the peer closed waits only for our posted SENDs. The
 /// read-out comes back at the close's teardown (docs/design.md § "A closed
 /// link delivers both ways").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -557,7 +558,8 @@ async fn replaced_ends_past_the_read_out_budget_are_torn_down_at_once() {
 
     // The budget serves the next close the peer chose, its `PeerClosed`
     // (a Goodbye, or the half-close) too; while it is held, the next is
-    // torn down at once, and a replacement after it takes nothing more.
+    // short (no SEND of ours is in flight: torn down at once), and a
+    // replacement after it takes nothing more.
     let (a3, b3) = on_budget(&da, &db, &budget, config);
     let (a4, _b4) = on_budget(&da, &db, &budget, config);
     a3.fail(EpochEnd::PeerClosed);
@@ -596,20 +598,36 @@ async fn a_peers_closes_take_read_outs_from_its_share_alone() {
     };
     let (first, _p1) = owned(1, true);
     let (again, _p2) = owned(1, true);
+    let (replaced_too, _p3) = owned(1, true);
+    let told = |link: &RdmaLink<SoftDevice>| {
+        let told = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = told.clone();
+        link.on_last_sent(move || flag.store(true, std::sync::atomic::Ordering::Release));
+        move || told.load(std::sync::atomic::Ordering::Acquire)
+    };
+    let (again_told, replaced_told) = (told(&again), told(&replaced_too));
     first.fail(EpochEnd::Replaced);
     again.fail(EpochEnd::PeerClosed);
-    assert_eq!((budget.in_use(), budget.refused()), (1, 1));
+    replaced_too.fail(EpochEnd::Replaced);
+    assert_eq!((budget.in_use(), budget.refused()), (1, 2));
+    // Past the share the peer's close is short: our posted SENDs are
+    // waited for and the peer told so (no reset), its word is not; a
+    // replacement is torn down at once, the peer told nothing.
     torn_down(&again, EpochEnd::PeerClosed).await;
+    assert!(again_told(), "the short close said its last word");
+    assert_eq!(again.stats().short_closes, 1);
+    torn_down(&replaced_too, EpochEnd::Replaced).await;
+    assert!(!replaced_told());
     let fresh: Vec<_> = (10..13).map(|id| owned(id, false)).collect();
     for (link, _) in &fresh {
         link.fail(EpochEnd::PeerClosed);
     }
-    assert_eq!((budget.in_use(), budget.refused()), (3, 2));
+    assert_eq!((budget.in_use(), budget.refused()), (3, 3));
     torn_down(&fresh[2].0, EpochEnd::PeerClosed).await;
     // The last read-out is still there for a registered peer.
     let (other, other_peer) = owned(2, true);
     other.fail(EpochEnd::Replaced);
-    assert_eq!((budget.in_use(), budget.refused()), (4, 2));
+    assert_eq!((budget.in_use(), budget.refused()), (4, 3));
     send_bytes(&other_peer, b"kept").await;
     assert_eq!(recv_bytes(&other).await, b"kept");
     other.peer_finished();
