@@ -1435,6 +1435,27 @@ async fn the_peers_close_past_its_read_out_share_flushes_then_waits_briefly() {
     .await;
 }
 
+/// With no short read-out left either, the peer's close is cut at once,
+/// as a replaced link past the budget is, and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_peers_close_past_the_short_read_outs_too_is_cut() {
+    bounded(async {
+        let budget = ReadOutBudget::new(0);
+        let config = TcpLinkConfig {
+            recv_batches: 1,
+            read_outs: budget.clone(),
+            ..TcpLinkConfig::default()
+        };
+        let (link, _silent) = link_beside_a_silent_peer(&config).await;
+        link.fail(EpochEnd::PeerClosed);
+        assert_eq!((budget.refused(), budget.short_refused()), (1, 1));
+        // The silent peer's four batches are not read out.
+        let (got, end) = read_until_end(&link, Duration::from_secs(2)).await;
+        assert!(got.len() < 4 && end.is_some(), "{got:?} {end:?}");
+    })
+    .await;
+}
+
 /// Replaced links read out within their node's budget. Past it one is cut
 /// at once, as before read-outs, so a peer that never closes its old
 /// connections holds no more sockets open than the budget; a fault cuts a

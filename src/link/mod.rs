@@ -148,6 +148,11 @@ pub enum LinkError {
 /// together, so neither one peer redialling nor a crowd of fresh ids can
 /// leave the registered peers without a read-out (docs/design.md § "A
 /// closed link delivers both ways").
+///
+/// Past its share, a close for the peer's own close may still take a
+/// short one ([`ReadOutTier::Short`]: our last batches flushed, the peer's last
+/// word not waited for, well under a second), from a second pool four
+/// times as large and shared the same way; past that it is cut too.
 #[derive(Clone, Debug)]
 pub struct ReadOutBudget {
     counts: Arc<ReadOutCounts>,
@@ -167,14 +172,26 @@ pub struct ReadOutOwner {
     pub registered: bool,
 }
 
-#[derive(Debug, Default)]
-struct ReadOutCounts {
-    held: Mutex<ReadOutsHeld>,
-    refused: AtomicU64,
+/// Which of a [`ReadOutBudget`]'s two pools a read-out comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadOutTier {
+    /// A whole read-out: the peer's last batches are waited for.
+    Full,
+    /// A short one, for the peer's close past its share of the full ones:
+    /// our last batches go out, the peer's last word is not waited for.
+    Short,
 }
 
-/// Read-outs held now. `by_peer` has an entry only while that peer holds
-/// one, so it never outgrows the budget.
+#[derive(Debug, Default)]
+struct ReadOutCounts {
+    /// Held now, by tier (`Full`, `Short`).
+    held: Mutex<[ReadOutsHeld; 2]>,
+    refused: AtomicU64,
+    short_refused: AtomicU64,
+}
+
+/// Read-outs of one tier held now. `by_peer` has an entry only while that
+/// peer holds one, so it never outgrows the pool.
 #[derive(Debug, Default)]
 struct ReadOutsHeld {
     total: usize,
@@ -182,8 +199,50 @@ struct ReadOutsHeld {
     by_peer: HashMap<PeerId, usize>,
 }
 
+impl ReadOutsHeld {
+    /// Whether `owner` may take one more of a pool of `max`: a quarter of
+    /// it a peer, half for the unregistered, all of it in all.
+    fn fits(&self, owner: Option<ReadOutOwner>, max: usize) -> bool {
+        self.total < max
+            && owner.is_none_or(|owner| {
+                self.by_peer.get(&owner.peer).copied().unwrap_or(0) < max.div_ceil(4)
+                    && (owner.registered || self.unregistered < max.div_ceil(2))
+            })
+    }
+
+    fn take(&mut self, owner: Option<ReadOutOwner>) {
+        self.total += 1;
+        if let Some(owner) = owner {
+            *self.by_peer.entry(owner.peer).or_default() += 1;
+            self.unregistered += usize::from(!owner.registered);
+        }
+    }
+
+    /// Saturating, and no panic while unwinding: this runs in
+    /// `ReadOut::drop`.
+    fn give(&mut self, owner: Option<ReadOutOwner>) {
+        debug_assert!(
+            self.total > 0 || std::thread::panicking(),
+            "a read-out given back that was not held"
+        );
+        self.total = self.total.saturating_sub(1);
+        if let Some(owner) = owner {
+            self.unregistered = self
+                .unregistered
+                .saturating_sub(usize::from(!owner.registered));
+            if let Entry::Occupied(mut count) = self.by_peer.entry(owner.peer) {
+                *count.get_mut() -= 1;
+                if *count.get() == 0 {
+                    count.remove();
+                }
+            }
+        }
+    }
+}
+
 impl ReadOutBudget {
-    /// A budget of `max` read-outs at once (0: every replaced link is cut).
+    /// A budget of `max` read-outs at once (0: every replaced link is cut),
+    /// and `4 × max` short ones.
     pub fn new(max: usize) -> ReadOutBudget {
         ReadOutBudget {
             counts: Arc::default(),
@@ -216,85 +275,94 @@ impl ReadOutBudget {
         self.max.div_ceil(2)
     }
 
-    /// Read-outs held now.
+    /// How many of `tier` may be held at once.
+    pub fn max(&self, tier: ReadOutTier) -> usize {
+        match tier {
+            ReadOutTier::Full => self.max,
+            ReadOutTier::Short => self.max.saturating_mul(4),
+        }
+    }
+
+    /// Full read-outs held now.
     pub fn in_use(&self) -> usize {
-        self.held().total
+        self.in_use_of(ReadOutTier::Full)
     }
 
-    /// Read-outs `peer`'s links hold now.
+    /// Read-outs of `tier` held now.
+    pub fn in_use_of(&self, tier: ReadOutTier) -> usize {
+        self.held()[tier as usize].total
+    }
+
+    /// Full read-outs `peer`'s links hold now.
     pub fn held_by(&self, peer: PeerId) -> usize {
-        self.held().by_peer.get(&peer).copied().unwrap_or(0)
+        self.held()[ReadOutTier::Full as usize]
+            .by_peer
+            .get(&peer)
+            .copied()
+            .unwrap_or(0)
     }
 
-    /// Links cut because the budget, or their owner's share of it, was
-    /// spent when they needed a read-out.
+    /// Closes that found no full read-out in their share: a replaced link
+    /// is then cut at once; the peer's close asks for a short one.
     pub fn refused(&self) -> u64 {
         self.counts.refused.load(Ordering::Relaxed)
     }
 
-    fn held(&self) -> MutexGuard<'_, ReadOutsHeld> {
+    /// Closes for the peer's close that found no short read-out either,
+    /// and were cut at once.
+    pub fn short_refused(&self) -> u64 {
+        self.counts.short_refused.load(Ordering::Relaxed)
+    }
+
+    fn held(&self) -> MutexGuard<'_, [ReadOutsHeld; 2]> {
         self.counts
             .held
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// One read-out, given back when the guard drops; `None` past the budget.
-    pub(crate) fn hold(&self) -> Option<ReadOut> {
-        self.try_take().then(|| ReadOut(self.clone()))
+    /// One read-out of `tier`, given back when the guard drops; `None` past
+    /// the pool or the owner's share of it.
+    pub(crate) fn hold(&self, tier: ReadOutTier) -> Option<ReadOut> {
+        self.try_take(tier).then(|| ReadOut(self.clone(), tier))
     }
 
-    pub(crate) fn try_take(&self) -> bool {
+    pub(crate) fn try_take(&self, tier: ReadOutTier) -> bool {
         let mut held = self.held();
-        let fits = held.total < self.max
-            && self.owner.is_none_or(|owner| {
-                held.by_peer.get(&owner.peer).copied().unwrap_or(0) < self.per_peer()
-                    && (owner.registered || held.unregistered < self.unregistered())
-            });
-        if !fits {
-            drop(held);
-            self.counts.refused.fetch_add(1, Ordering::Relaxed);
-            return false;
+        let pool = &mut held[tier as usize];
+        if pool.fits(self.owner, self.max(tier)) {
+            pool.take(self.owner);
+            return true;
         }
-        held.total += 1;
-        if let Some(owner) = self.owner {
-            *held.by_peer.entry(owner.peer).or_default() += 1;
-            held.unregistered += usize::from(!owner.registered);
-        }
-        true
+        drop(held);
+        let refused = match tier {
+            ReadOutTier::Full => &self.counts.refused,
+            ReadOutTier::Short => &self.counts.short_refused,
+        };
+        refused.fetch_add(1, Ordering::Relaxed);
+        false
     }
 
-    /// Gives back a read-out this clone took.
-    pub(crate) fn give_back(&self) {
-        let mut held = self.held();
-        // Saturating, and no panic while unwinding: this runs in
-        // `ReadOut::drop`.
-        debug_assert!(
-            held.total > 0 || std::thread::panicking(),
-            "a read-out given back that was not held"
-        );
-        held.total = held.total.saturating_sub(1);
-        if let Some(owner) = self.owner {
-            held.unregistered = held
-                .unregistered
-                .saturating_sub(usize::from(!owner.registered));
-            if let Entry::Occupied(mut count) = held.by_peer.entry(owner.peer) {
-                *count.get_mut() -= 1;
-                if *count.get() == 0 {
-                    count.remove();
-                }
-            }
-        }
+    /// Gives back a read-out of `tier` this clone took.
+    pub(crate) fn give_back(&self, tier: ReadOutTier) {
+        self.held()[tier as usize].give(self.owner);
     }
 }
 
 /// One read-out of a [`ReadOutBudget`], given back on drop.
 #[derive(Debug)]
-pub(crate) struct ReadOut(ReadOutBudget);
+pub(crate) struct ReadOut(ReadOutBudget, ReadOutTier);
+
+impl ReadOut {
+    /// Which pool it came from.
+    pub(crate) fn tier(&self) -> ReadOutTier {
+        self.1
+    }
+}
 
 impl Drop for ReadOut {
     fn drop(&mut self) {
-        self.0.give_back();
+        self.0.give_back(self.1);
     }
 }
 
@@ -396,6 +464,7 @@ pub trait Node: Send + Sync + 'static {
 
 #[cfg(test)]
 mod tests {
+    use super::ReadOutTier::{Full, Short};
     use super::*;
 
     fn owner(peer: u64, registered: bool) -> ReadOutOwner {
@@ -414,30 +483,30 @@ mod tests {
         let budget = ReadOutBudget::new(16);
         assert_eq!((budget.per_peer(), budget.unregistered()), (4, 8));
         let redialler = budget.owned_by(owner(1, true));
-        let mut held: Vec<ReadOut> = (0..4).filter_map(|_| redialler.hold()).collect();
+        let mut held: Vec<ReadOut> = (0..4).filter_map(|_| redialler.hold(Full)).collect();
         assert_eq!(held.len(), 4);
-        assert!(redialler.hold().is_none(), "a fifth for one peer");
+        assert!(redialler.hold(Full).is_none(), "a fifth for one peer");
         assert_eq!((budget.held_by(PeerId(1)), budget.refused()), (4, 1));
         // Fresh ids, one read-out each, fill the unregistered half and no more.
         let fresh: Vec<ReadOut> = (100..112)
-            .filter_map(|id| budget.owned_by(owner(id, false)).hold())
+            .filter_map(|id| budget.owned_by(owner(id, false)).hold(Full))
             .collect();
         assert_eq!(fresh.len(), 8);
         assert_eq!(budget.refused(), 5);
         // The registered peers still have the rest, a quarter each.
         let honest = budget.owned_by(owner(2, true));
-        held.extend((0..4).filter_map(|_| honest.hold()));
+        held.extend((0..4).filter_map(|_| honest.hold(Full)));
         assert_eq!((budget.in_use(), budget.held_by(PeerId(2))), (16, 4));
         // The total still bounds everyone.
-        assert!(budget.owned_by(owner(3, true)).hold().is_none());
-        assert!(budget.hold().is_none(), "an unowned link");
+        assert!(budget.owned_by(owner(3, true)).hold(Full).is_none());
+        assert!(budget.hold(Full).is_none(), "an unowned link");
         drop(fresh);
         assert_eq!(budget.in_use(), 8);
-        assert!(budget.owned_by(owner(200, false)).hold().is_some());
+        assert!(budget.owned_by(owner(200, false)).hold(Full).is_some());
         drop(held);
         assert_eq!(budget.in_use(), 0);
-        assert!(budget.held().by_peer.is_empty());
-        assert_eq!(budget.held().unregistered, 0);
+        assert!(budget.held()[0].by_peer.is_empty());
+        assert_eq!(budget.held()[0].unregistered, 0);
     }
 
     /// The shares round up, so a small budget still serves a peer: one
@@ -445,14 +514,39 @@ mod tests {
     #[test]
     fn a_small_read_out_budget_still_serves_one_peer() {
         let one = ReadOutBudget::new(1);
-        let fresh = one.owned_by(owner(9, false)).hold();
+        let fresh = one.owned_by(owner(9, false)).hold(Full);
         assert!(fresh.is_some());
-        assert!(one.owned_by(owner(1, true)).hold().is_none());
+        assert!(one.owned_by(owner(1, true)).hold(Full).is_none());
         drop(fresh);
-        assert!(one.owned_by(owner(1, true)).hold().is_some());
+        assert!(one.owned_by(owner(1, true)).hold(Full).is_some());
         let none = ReadOutBudget::new(0);
-        assert!(none.owned_by(owner(1, true)).hold().is_none());
-        assert!(none.hold().is_none());
+        assert!(none.owned_by(owner(1, true)).hold(Full).is_none());
+        assert!(none.hold(Full).is_none());
         assert_eq!(none.refused(), 2);
+    }
+
+    /// Past its share of full read-outs, a peer's close takes a short one
+    /// from the second pool (four times as large, shared the same way),
+    /// counted apart; past that it is refused too, and each tier's guard
+    /// gives back to its own pool.
+    #[test]
+    fn short_read_outs_have_their_own_pool_and_shares() {
+        let budget = ReadOutBudget::new(4);
+        assert_eq!((budget.max(Full), budget.max(Short)), (4, 16));
+        let peer = budget.owned_by(owner(1, true));
+        let full = peer.hold(Full).expect("its one full read-out");
+        assert!(peer.hold(Full).is_none());
+        let short: Vec<ReadOut> = (0..5).filter_map(|_| peer.hold(Short)).collect();
+        assert_eq!(short.len(), 4, "a quarter of the short pool");
+        assert_eq!((budget.refused(), budget.short_refused()), (1, 1));
+        let crowd: Vec<ReadOut> = (100..120)
+            .filter_map(|id| budget.owned_by(owner(id, false)).hold(Short))
+            .collect();
+        assert_eq!(crowd.len(), 8, "half of it for the unregistered");
+        assert_eq!((budget.in_use_of(Full), budget.in_use_of(Short)), (1, 12));
+        assert!(short.iter().all(|r| r.tier() == Short));
+        drop((full, short, crowd));
+        assert_eq!((budget.in_use_of(Full), budget.in_use_of(Short)), (0, 0));
+        assert!(budget.held().iter().all(|pool| pool.by_peer.is_empty()));
     }
 }

@@ -152,10 +152,11 @@ impl<D: Device + 'static> PreparedEnd<D> {
         })
     }
 
-    /// Takes the graceful closes of this end's replacement (and of its
-    /// replacement after the peer's close) from `budget`, shared by a
-    /// node's ends; past it a replaced end is torn down at once. A
-    /// stand-alone end's budget is unbounded.
+    /// Takes the graceful closes of this end's replacement and of the
+    /// peer's close from `budget`, shared by a node's ends; past it a
+    /// replaced end is torn down at once, and the peer's close is short
+    /// (or, past the short ones too, torn down at once). A stand-alone
+    /// end's budget is unbounded.
     pub fn with_read_outs(mut self, budget: ReadOutBudget) -> PreparedEnd<D> {
         self.read_outs = budget;
         self

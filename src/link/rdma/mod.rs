@@ -43,7 +43,9 @@ pub use self::node::{DEFAULT_MAX_REGISTERED, RdmaEpochs, RdmaNodeConfig, RdmaTra
 use self::pool::{Blocked, Lease, PoolChunk};
 pub use self::pool::{DEFAULT_POOL_BUFFERS, PoolStats, SendPool};
 pub use self::registered::{MemlockLimit, RegisteredBudget, Registration};
-use super::{EpochEnd, Link, LinkError, LinkFault, ReadOut, ReadOutBudget, ReadOutOwner};
+use super::{
+    EpochEnd, Link, LinkError, LinkFault, ReadOut, ReadOutBudget, ReadOutOwner, ReadOutTier,
+};
 use crate::mux::protocol::Epoch;
 use crate::verbs::{
     Device, MemoryRegion, PostError, QpAddress, QueuePair, RecvWr, SendOpcode, SendWr, Sge,
@@ -229,8 +231,8 @@ pub struct LinkStats {
     /// event.
     pub close_waits_expired: u64,
     /// Closes for the peer's close made short (our posted SENDs waited
-    /// for, the peer's last word not) because its share of the node's
-    /// read-outs was spent.
+    /// for, the peer's last word not) on a short read-out, its share of
+    /// the node's full ones being spent.
     pub short_closes: u64,
 }
 
@@ -498,7 +500,8 @@ impl<D: Device + 'static> Shared<D> {
     /// peer's (PeerClosed), or a replacement by the same peer's newer link
     /// (it still closes this one, and what it sent here lands) when a
     /// runtime is there to wait in, else now. The last two each take one of
-    /// the node's read-outs, or end now.
+    /// the node's read-outs (the peer's close a short one past its share),
+    /// or end now.
     fn fail(self: &Arc<Self>, reason: EpochEnd) {
         match reason {
             EpochEnd::Closed | EpochEnd::Shutdown | EpochEnd::PeerClosed | EpochEnd::Replaced
@@ -526,8 +529,8 @@ impl<D: Device + 'static> Shared<D> {
     /// with no last-sent hook has nobody to hear from and skips the second.
     /// A close the peer chose takes one of the node's read-outs from the
     /// peer's share; past it a replaced link is torn down at once, and the
-    /// peer's close makes the first wait only (after its Goodbye the peer
-    /// owes no SEND).
+    /// peer's close takes a short one, making the first wait only (after
+    /// its Goodbye the peer owes no batch), or past those is torn down too.
     /// docs/rdma-link.md § "Graceful close waits for posted SENDs",
     /// docs/design.md § "A closed link delivers both ways".
     fn end_gracefully(self: &Arc<Self>, reason: EpochEnd) {
@@ -541,12 +544,20 @@ impl<D: Device + 'static> Shared<D> {
             // the node's read-outs, or none and torn down at once (our own
             // closes are ours to bound).
             if matches!(reason, EpochEnd::Replaced | EpochEnd::PeerClosed) {
-                st.read_out = match st.read_out_owner {
-                    Some(owner) => self.read_outs.owned_by(owner).hold(),
-                    None => self.read_outs.hold(),
+                let budget = match st.read_out_owner {
+                    Some(owner) => self.read_outs.owned_by(owner),
+                    None => self.read_outs.clone(),
                 };
-                short = st.read_out.is_none() && reason == EpochEnd::PeerClosed;
-                if st.read_out.is_none() && !short {
+                st.read_out = budget.hold(ReadOutTier::Full).or_else(|| {
+                    (reason == EpochEnd::PeerClosed)
+                        .then(|| budget.hold(ReadOutTier::Short))
+                        .flatten()
+                });
+                short = st
+                    .read_out
+                    .as_ref()
+                    .is_some_and(|r| r.tier() == ReadOutTier::Short);
+                if st.read_out.is_none() {
                     // Decided under this lock, as torn down at once: no
                     // graceful end can slip in between.
                     drop(st);

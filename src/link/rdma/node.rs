@@ -38,7 +38,7 @@ use crate::link::bootstrap::{BootstrapError, ClusterKey, Endpoint, EndpointKind,
 use crate::link::tcp::{
     ConnectError, Connector, ConnectorConfig, EpochMaker, TcpLinkConfig, configure,
 };
-use crate::link::{EpochEnd, Link, Node, ReadOutBudget, ReadOutOwner, RegisterError};
+use crate::link::{EpochEnd, Link, Node, ReadOutBudget, ReadOutOwner, ReadOutTier, RegisterError};
 use crate::mux::engine::ProtocolError;
 use crate::mux::protocol::Epoch;
 use crate::mux::{Mux, MuxConfig, PeerId};
@@ -72,8 +72,9 @@ pub struct RdmaNodeConfig {
     pub pool_buffers: usize,
     /// Links closing gracefully at once for their peer's sake (its close,
     /// or its newer link replacing them), each keeping its QP and receive
-    /// ring up for the peer's last SENDs; past it such a link is torn down
-    /// at once. Default 16.
+    /// ring up for the peer's last SENDs, shared by owner; past its share
+    /// a replaced link is torn down at once and the peer's close is short,
+    /// on one of four times as many short read-outs. Default 16.
     pub read_outs: ReadOutBudget,
 }
 
@@ -655,6 +656,14 @@ impl<D: Device + 'static> RdmaTransport<D> {
         out.extend([
             ("qpmux_read_outs", as_u64(read_outs.in_use())),
             ("qpmux_read_outs_refused_total", read_outs.refused()),
+            (
+                "qpmux_read_outs_short",
+                as_u64(read_outs.in_use_of(ReadOutTier::Short)),
+            ),
+            (
+                "qpmux_read_outs_short_refused_total",
+                read_outs.short_refused(),
+            ),
         ]);
         out
     }

@@ -577,8 +577,8 @@ async fn replaced_ends_past_the_read_out_budget_are_torn_down_at_once() {
 
 /// A connector's link closes on its peer's share of the budget: past a
 /// quarter of it for one peer, or past half of it for the peers the node
-/// never registered, the close is torn down at once while others still
-/// find read-outs.
+/// never registered, a replaced link is torn down at once and the peer's
+/// close is short, while others still find read-outs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peers_closes_take_read_outs_from_its_share_alone() {
     let (da, db) = (device().await, device().await);
@@ -615,7 +615,8 @@ async fn a_peers_closes_take_read_outs_from_its_share_alone() {
     // replacement is torn down at once, the peer told nothing.
     torn_down(&again, EpochEnd::PeerClosed).await;
     assert!(again_told(), "the short close said its last word");
-    assert_eq!(again.stats().short_closes, 1);
+    let stats = again.stats();
+    assert_eq!((stats.short_closes, stats.close_waits_expired), (1, 0));
     torn_down(&replaced_too, EpochEnd::Replaced).await;
     assert!(!replaced_told());
     let fresh: Vec<_> = (10..13).map(|id| owned(id, false)).collect();
@@ -633,6 +634,27 @@ async fn a_peers_closes_take_read_outs_from_its_share_alone() {
     other.peer_finished();
     torn_down(&other, EpochEnd::Replaced).await;
     assert_eq!(budget.held_by(PeerId(2)), 0, "given back at the teardown");
+}
+
+/// With no short read-out left either, the peer's close is torn down at
+/// once, telling the peer nothing (a reset), and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_close_past_the_short_read_outs_too_is_torn_down_at_once() {
+    let (da, db) = (device().await, device().await);
+    let config = RdmaConfig {
+        timeout: 0,
+        ..small()
+    };
+    let budget = ReadOutBudget::new(0);
+    let (link, _peer) = on_budget(&da, &db, &budget, config);
+    let told = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = told.clone();
+    link.on_last_sent(move || flag.store(true, std::sync::atomic::Ordering::Release));
+    link.fail(EpochEnd::PeerClosed);
+    assert_eq!((budget.refused(), budget.short_refused()), (1, 1));
+    torn_down(&link, EpochEnd::PeerClosed).await;
+    assert!(!told.load(std::sync::atomic::Ordering::Acquire));
+    assert_eq!(link.stats().short_closes, 0);
 }
 
 /// An abrupt end met while a graceful close waits for its peer cuts the

@@ -28,7 +28,7 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Notify;
 
-use crate::link::{EpochEnd, Link, LinkError, LinkFault, ReadOutBudget, ReadOutOwner};
+use crate::link::{EpochEnd, Link, LinkError, LinkFault, ReadOutBudget, ReadOutOwner, ReadOutTier};
 use crate::mux::engine::ProtocolError;
 use crate::mux::protocol::Epoch;
 use crate::stages::{self, Stage};
@@ -110,11 +110,12 @@ struct State {
     /// or `read_out_until` (a graceful end, the peer's close, or a
     /// replacement that got a read-out).
     reading_out: bool,
-    /// This link holds one of the budget's read-outs (for a close the
-    /// peer chose).
-    read_out_budgeted: bool,
-    /// The peer's close found its share spent: once our flush is out, the
-    /// read-out waits only [`UNBUDGETED_PEER_CLOSE`] more.
+    /// The budget's read-out this link holds, and of which pool (for a
+    /// close the peer chose).
+    read_out_held: Option<ReadOutTier>,
+    /// The peer's close found its share of full read-outs spent and took
+    /// a short one: once our flush is out, it waits only
+    /// [`UNBUDGETED_PEER_CLOSE`] more.
     short_read_out: bool,
     /// The reader met the peer's EOF: its close needs no read-out.
     peer_eof: bool,
@@ -206,12 +207,23 @@ impl Inner {
         let peers_choice = matches!(reason, EpochEnd::Replaced | EpochEnd::PeerClosed)
             && !state.reader_done
             && !state.peer_eof;
-        let budgeted = peers_choice && self.read_outs.try_take();
-        let reading_out = !state.reader_done && (flushes(reason) || budgeted);
+        let held = peers_choice
+            .then(|| {
+                if self.read_outs.try_take(ReadOutTier::Full) {
+                    Some(ReadOutTier::Full)
+                } else {
+                    (reason == EpochEnd::PeerClosed && self.read_outs.try_take(ReadOutTier::Short))
+                        .then_some(ReadOutTier::Short)
+                }
+            })
+            .flatten();
+        // The peer's choice with no read-out left, even a short one: cut.
+        let cut = peers_choice && held.is_none();
+        let reading_out = !state.reader_done && !cut && (flushes(reason) || held.is_some());
         if reading_out {
             state.reading_out = true;
-            state.read_out_budgeted = budgeted;
-            state.short_read_out = peers_choice && !budgeted;
+            state.read_out_held = held;
+            state.short_read_out = held == Some(ReadOutTier::Short);
             let time = if state.short_read_out {
                 UNBUDGETED_FLUSH_GRACE + UNBUDGETED_PEER_CLOSE
             } else {
@@ -220,7 +232,7 @@ impl Inner {
             state.read_out_until = Some(tokio::time::Instant::now() + time);
         }
         drop(state);
-        if !flushes(reason) && !reading_out {
+        if cut || !flushes(reason) && !reading_out {
             self.shutdown_socket();
         }
         self.wake_send.notify_waiters();
@@ -465,8 +477,8 @@ impl Drop for ReaderDone {
         let mut state = self.0.lock();
         state.reader_done = true;
         // Under the lock: whoever sees the reader done finds the budget back.
-        if std::mem::take(&mut state.read_out_budgeted) {
-            self.0.read_outs.give_back();
+        if let Some(tier) = state.read_out_held.take() {
+            self.0.read_outs.give_back(tier);
         }
         drop(state);
         self.0.wake_recv.notify_waiters();
