@@ -10,7 +10,7 @@ use qpmux::link::bootstrap::ClusterKey;
 use qpmux::link::tcp::{
     ConnectError, ReadOutBudget, TcpLink, TcpLinkConfig, TcpNode, TcpNodeConfig,
 };
-use qpmux::link::{EpochEnd, Link, LinkError, LinkFault, ReadOutOwner};
+use qpmux::link::{EpochEnd, Link, LinkError, LinkFault, ReadOutOwner, ReadOutTier};
 use qpmux::mux::{
     DropReason, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, ProtocolError, SendError,
     SlotSender, StreamKey, Terminal,
@@ -1435,23 +1435,36 @@ async fn the_peers_close_past_its_read_out_share_flushes_then_waits_briefly() {
     .await;
 }
 
-/// With no short read-out left either, the peer's close is cut at once,
-/// as a replaced link past the budget is, and counted.
+/// Past the full read-outs the peer's close takes a short one, from a pool
+/// four times as large, given back to that pool once its short wait is
+/// over; with none of those left either it is cut at once, as a replaced
+/// link past the budget is, and counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_peers_close_past_the_short_read_outs_too_is_cut() {
     bounded(async {
-        let budget = ReadOutBudget::new(0);
+        let budget = ReadOutBudget::new(1);
         let config = TcpLinkConfig {
             recv_batches: 1,
             read_outs: budget.clone(),
             ..TcpLinkConfig::default()
         };
-        let (link, _silent) = link_beside_a_silent_peer(&config).await;
-        link.fail(EpochEnd::PeerClosed);
-        assert_eq!((budget.refused(), budget.short_refused()), (1, 1));
-        // The silent peer's four batches are not read out.
-        let (got, end) = read_until_end(&link, Duration::from_secs(2)).await;
+        let mut links = Vec::new();
+        for _ in 0..6 {
+            links.push(link_beside_a_silent_peer(&config).await);
+        }
+        for (link, _) in &links {
+            link.fail(EpochEnd::PeerClosed);
+        }
+        let held = |tier| budget.in_use_of(tier);
+        assert_eq!((held(ReadOutTier::Full), held(ReadOutTier::Short)), (1, 4));
+        assert_eq!((budget.refused(), budget.short_refused()), (5, 1));
+        // The last is cut: the silent peer's four batches are not read out.
+        let (got, end) = read_until_end(&links[5].0, Duration::from_secs(2)).await;
         assert!(got.len() < 4 && end.is_some(), "{got:?} {end:?}");
+        // The short ones end without the peer's EOF and give back to their
+        // pool; the full one waits on.
+        until(|| held(ReadOutTier::Short) == 0).await;
+        assert_eq!(held(ReadOutTier::Full), 1);
     })
     .await;
 }

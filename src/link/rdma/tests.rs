@@ -617,6 +617,11 @@ async fn a_peers_closes_take_read_outs_from_its_share_alone() {
     assert!(again_told(), "the short close said its last word");
     let stats = again.stats();
     assert_eq!((stats.short_closes, stats.close_waits_expired), (1, 0));
+    // Its short read-out went back to the short pool.
+    assert_eq!(
+        (budget.in_use_of(ReadOutTier::Short), budget.short_refused()),
+        (0, 0)
+    );
     torn_down(&replaced_too, EpochEnd::Replaced).await;
     assert!(!replaced_told());
     let fresh: Vec<_> = (10..13).map(|id| owned(id, false)).collect();

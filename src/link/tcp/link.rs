@@ -53,7 +53,8 @@ pub struct TcpLinkConfig {
     pub user_timeout: Option<Duration>,
     /// How many links made with this config (one node's) may read out at
     /// once for a close their peer chose (its close, its newer link), shared
-    /// by owner. Default 16.
+    /// by owner, and four times as many short read-outs for the peer's
+    /// close past its share. Default 16.
     pub read_outs: ReadOutBudget,
 }
 
@@ -119,6 +120,9 @@ struct State {
     short_read_out: bool,
     /// The reader met the peer's EOF: its close needs no read-out.
     peer_eof: bool,
+    /// Cut at the end for want of a read-out: the writer flushes nothing
+    /// and the reader discards nothing (the socket is shut).
+    cut: bool,
     /// Past it, a link reading out stops waiting for the peer's EOF.
     read_out_until: Option<tokio::time::Instant>,
     /// The reader task is gone: a link reading out ends `recv` only then.
@@ -176,9 +180,11 @@ impl Inner {
     /// violation or panic that comes later cuts a read-out short (the mux's
     /// own `Replaced`, or the peer's EOF, does not). The read-outs of the
     /// closes the peer chooses (its close, its newer link) come from its
-    /// share of the node's budget; past it a replaced link is cut and the
-    /// peer's close waits only [`UNBUDGETED_PEER_CLOSE`] past our flush
-    /// for its EOF. Our own closes' read-outs are ours, and take none.
+    /// share of the node's budget; past it a replaced link is cut, and the
+    /// peer's close takes a short read-out (a flush within
+    /// [`UNBUDGETED_FLUSH_GRACE`], then [`UNBUDGETED_PEER_CLOSE`] for its
+    /// EOF) or, past those too, is cut, flushing nothing. Our own closes'
+    /// read-outs are ours, and take none.
     fn end(&self, reason: EpochEnd) {
         self.end_seen(reason, false);
     }
@@ -219,6 +225,7 @@ impl Inner {
             .flatten();
         // The peer's choice with no read-out left, even a short one: cut.
         let cut = peers_choice && held.is_none();
+        state.cut = cut;
         let reading_out = !state.reader_done && !cut && (flushes(reason) || held.is_some());
         if reading_out {
             state.reading_out = true;
@@ -574,7 +581,7 @@ async fn read_out_close<R: tokio::io::AsyncRead + Unpin>(inner: &Inner, rd: &mut
         let expired = state
             .read_out_until
             .is_some_and(|until| until <= tokio::time::Instant::now());
-        state.ended.is_some_and(flushes) && !expired
+        state.ended.is_some_and(flushes) && !expired && !state.cut
     };
     if !discards {
         inner.shutdown_socket();
@@ -662,7 +669,7 @@ async fn write_loop(inner: Arc<Inner>) {
             // reading out, whose peer reads it out too.
             let ended = state
                 .ended
-                .map(|reason| flushes(reason) || state.reading_out);
+                .map(|reason| !state.cut && (flushes(reason) || state.reading_out));
             let n = state.queue.len().min(WRITE_BATCHES);
             let work: Vec<Queued> = match ended {
                 Some(false) => Vec::new(),
