@@ -259,11 +259,22 @@ async fn epoch_death_reports_what_was_not_written_and_the_next_epoch_works<K: Ki
         kind.kill(a.transport.node(), PeerId(2)),
         "a live link to kill"
     );
-    until("every frame delivered or reported", || {
+    // Every frame is delivered or reported, but one: the frame whose last
+    // batch was posted when the link died is written, so "maybe delivered"
+    // (docs/reliability.md), and its batch may die in flight unreported (1
+    // run in about 90 under a CPU hog, on RDMA, where the soft driver sends
+    // what a post queued). Give it a moment to land if it was delivered.
+    until("every frame delivered or reported, but at most one", || {
         delivered += b.streams.message_stream.drain().count();
-        delivered + errors.count() == N
+        delivered + errors.count() >= N - 1
     })
     .await;
+    let settle = tokio::time::Instant::now() + Duration::from_millis(500);
+    while delivered + errors.count() < N && tokio::time::Instant::now() < settle {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        delivered += b.streams.message_stream.drain().count();
+    }
+    assert!(delivered + errors.count() <= N, "a frame counted twice");
     assert!(
         errors.count() > 0,
         "frames still queued when the link died were reported"
