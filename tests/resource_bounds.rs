@@ -334,6 +334,29 @@ async fn a_peer_gone_with_unbound_streams_here_still_counts_against_max_peers() 
     .await;
 }
 
+/// What departed peers left behind counts against peers the node did not
+/// register only: ids that open a stream nobody binds and leave (a
+/// thousand of them would fill the default `max_peers`) cannot lock the
+/// node out of the peers it chose, dialling in or dialled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_departed_peers_left_does_not_lock_out_a_registered_peer() {
+    bounded(async {
+        let ([l_node, a_node, b_node], [l, a, b]) = one_peer_room_and_two_dialers().await;
+        let empty = StreamKey::new(A.0, 2);
+        let tx = a.open(L, empty).expect("open");
+        tx.finish(Terminal::Finalized).expect("finish");
+        until(|| l.peers_holding() == [A]).await;
+        a_leaves_and_b_is_refused(&l_node, &l, &a_node, &a, &b_node).await;
+        // Registered here, B is let in while A's entry still waits.
+        l_node.register(B, b_node.local_addr());
+        assert!(b_node.connect(L).await.is_ok());
+        assert_eq!(l.peers_holding(), [A]);
+        assert_eq!(l_node.stats().peer_limit_refusals, 1);
+        drop(b);
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slowloris_dialers_are_cut_at_the_handshake_timeout() {
     bounded(async {

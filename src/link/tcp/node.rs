@@ -663,9 +663,12 @@ impl<E: EpochMaker> NodeInner<E> {
     /// and a peer gone from the table while the mux still holds bytes it
     /// sent or streams it opened that nobody has bound (so peers coming and
     /// going under fresh ids cannot pile up memory or registry entries:
-    /// each counts until what it left is read or bound).
+    /// each counts until what it left is read or bound). Those gone count
+    /// against peers this node did not register only: what strangers left
+    /// behind cannot lock the node out of the peers it chose.
     fn at_peer_limit(&self, peers: &Peers<E>, peer: PeerId) -> bool {
-        if peers.get(&peer).is_some_and(Self::live) {
+        let state = peers.get(&peer);
+        if state.is_some_and(Self::live) {
             return false;
         }
         let in_table = peers
@@ -674,12 +677,15 @@ impl<E: EpochMaker> NodeInner<E> {
                 **id != peer && (Self::live(s) || s.dial != Dial::Idle || s.accepting > 0)
             })
             .count();
-        let gone_holding = self.mux.get().map_or(0, |mux| {
-            mux.peers_holding()
+        let registered = state.is_some_and(|s| s.addr.is_some());
+        let gone_holding = match self.mux.get() {
+            Some(mux) if !registered => mux
+                .peers_holding()
                 .into_iter()
                 .filter(|id| *id != peer && !peers.contains_key(id))
-                .count()
-        });
+                .count(),
+            _ => 0,
+        };
         in_table + gone_holding >= self.config.max_peers
     }
 
