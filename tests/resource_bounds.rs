@@ -278,6 +278,24 @@ async fn a_leaves_and_b_is_refused(
     assert_eq!(l_node.stats().peer_limit_refusals, 1);
 }
 
+/// A opens a stream at L that nobody binds, finishes it with no bytes, and
+/// leaves; B, new, is refused. Returns the stream's key.
+async fn a_leaves_an_unbound_stream(
+    l_node: &TcpNode,
+    l: &Mux<TcpLink>,
+    a_node: &TcpNode,
+    a: &Mux<TcpLink>,
+    b_node: &TcpNode,
+) -> StreamKey {
+    let empty = StreamKey::new(A.0, 2);
+    let tx = a.open(L, empty).expect("open");
+    tx.finish(Terminal::Finalized).expect("finish");
+    until(|| l.peers_holding() == [A]).await;
+    assert_eq!(l.stats().peer_held_bytes, 0, "nothing but the entry");
+    a_leaves_and_b_is_refused(l_node, l, a_node, a, b_node).await;
+    empty
+}
+
 /// A peer that left bytes here in a stream nobody has bound still counts
 /// against `max_peers` after its link is gone: peers that come and go under
 /// fresh ids cannot pile up memory. Once its stream is read, a new peer
@@ -318,12 +336,7 @@ async fn a_peer_gone_with_unread_bytes_here_still_counts_against_max_peers() {
 async fn a_peer_gone_with_unbound_streams_here_still_counts_against_max_peers() {
     bounded(async {
         let ([l_node, a_node, b_node], [l, a, b]) = one_peer_room_and_two_dialers().await;
-        let empty = StreamKey::new(A.0, 2);
-        let tx = a.open(L, empty).expect("open");
-        tx.finish(Terminal::Finalized).expect("finish");
-        until(|| l.peers_holding() == [A]).await;
-        assert_eq!(l.stats().peer_held_bytes, 0, "nothing but the entry");
-        a_leaves_and_b_is_refused(&l_node, &l, &a_node, &a, &b_node).await;
+        let empty = a_leaves_an_unbound_stream(&l_node, &l, &a_node, &a, &b_node).await;
         // Bound and read: A keeps nothing here, and B fits.
         let mut rx = l.bind(empty).expect("bind");
         assert_eq!(rx.recv().await, Some(Frame::Finalized));
@@ -342,11 +355,7 @@ async fn a_peer_gone_with_unbound_streams_here_still_counts_against_max_peers() 
 async fn what_departed_peers_left_does_not_lock_out_a_registered_peer() {
     bounded(async {
         let ([l_node, a_node, b_node], [l, a, b]) = one_peer_room_and_two_dialers().await;
-        let empty = StreamKey::new(A.0, 2);
-        let tx = a.open(L, empty).expect("open");
-        tx.finish(Terminal::Finalized).expect("finish");
-        until(|| l.peers_holding() == [A]).await;
-        a_leaves_and_b_is_refused(&l_node, &l, &a_node, &a, &b_node).await;
+        a_leaves_an_unbound_stream(&l_node, &l, &a_node, &a, &b_node).await;
         // Registered here, B is let in while A's entry still waits.
         l_node.register(B, b_node.local_addr());
         assert!(b_node.connect(L).await.is_ok());

@@ -485,6 +485,15 @@ async fn an_end_hook_added_after_the_end_may_use_its_link() {
     assert_eq!(*seen.lock().expect("lock"), Some((reason, Some(reason))));
 }
 
+/// [`small`] with each wait of a graceful close bounded at 5 s
+/// (`timeout = 0`), far past any test's steps.
+fn closes_bounded_at_5s() -> RdmaConfig {
+    RdmaConfig {
+        timeout: 0,
+        ..small()
+    }
+}
+
 /// An end on `budget` connected to a stand-alone end. Its graceful close
 /// waits for the peer's word, which only the test gives
 /// ([`RdmaLink::peer_finished`]).
@@ -523,11 +532,7 @@ async fn torn_down(link: &RdmaLink<SoftDevice>, reason: EpochEnd) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replaced_ends_past_the_read_out_budget_are_torn_down_at_once() {
     let (da, db) = (device().await, device().await);
-    // Each wait of a close bounded at 5 s, far past the test's steps.
-    let config = RdmaConfig {
-        timeout: 0,
-        ..small()
-    };
+    let config = closes_bounded_at_5s();
     let budget = ReadOutBudget::new(1);
     let (a1, b1) = on_budget(&da, &db, &budget, config);
     let (a2, _b2) = on_budget(&da, &db, &budget, config);
@@ -582,10 +587,7 @@ async fn replaced_ends_past_the_read_out_budget_are_torn_down_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peers_closes_take_read_outs_from_its_share_alone() {
     let (da, db) = (device().await, device().await);
-    let config = RdmaConfig {
-        timeout: 0,
-        ..small()
-    };
+    let config = closes_bounded_at_5s();
     // A quarter: one a peer; half: two for the unregistered.
     let budget = ReadOutBudget::new(4);
     let owned = |peer: u64, registered| {
@@ -646,10 +648,7 @@ async fn a_peers_closes_take_read_outs_from_its_share_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peers_close_past_the_short_read_outs_too_is_torn_down_at_once() {
     let (da, db) = (device().await, device().await);
-    let config = RdmaConfig {
-        timeout: 0,
-        ..small()
-    };
+    let config = closes_bounded_at_5s();
     let budget = ReadOutBudget::new(0);
     let (link, _peer) = on_budget(&da, &db, &budget, config);
     let told = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -669,11 +668,7 @@ async fn a_peers_close_past_the_short_read_outs_too_is_torn_down_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abrupt_end_cuts_a_graceful_close_and_a_replacement_does_not() {
     let (da, db) = (device().await, device().await);
-    // Each wait of a close bounded at 5 s, far past the test's steps.
-    let config = RdmaConfig {
-        timeout: 0,
-        ..small()
-    };
+    let config = closes_bounded_at_5s();
     let budget = ReadOutBudget::new(0);
     let (kept, kept_peer) = on_budget(&da, &db, &budget, config);
     let (cut, _cut_peer) = on_budget(&da, &db, &budget, config);
