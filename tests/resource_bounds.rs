@@ -228,7 +228,9 @@ async fn a_node_at_max_peers_refuses_a_new_peer_by_name_both_ways() {
             l_node.last_refusal(),
             Some(ConnectError::TooManyPeers { limit: 1 })
         );
-        // Dialing: L refuses before it connects.
+        // Dialing: L refuses before it connects. A registered peer counts
+        // against registered peers only, so A is registered here first.
+        l_node.register(A, a_node.local_addr());
         l_node.register(C, c_node.local_addr());
         assert_eq!(
             l_node.connect(C).await,
@@ -245,6 +247,112 @@ async fn a_node_at_max_peers_refuses_a_new_peer_by_name_both_ways() {
         until(|| l.epoch(A).is_none()).await;
         assert!(b_node.connect(L).await.is_ok());
         assert_eq!(l_node.stats().peer_limit_refusals, 2);
+    })
+    .await;
+}
+
+/// Peers that dialled in unasked (strangers) count against everyone, but a
+/// registered peer counts against registered peers only: strangers holding
+/// every place cannot keep the node from the peers it chose, dialled or
+/// dialling in, while another stranger is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_cannot_lock_a_node_out_of_its_registered_peers() {
+    bounded(async {
+        let room = 2;
+        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
+            max_peers: room,
+            ..c
+        })
+        .await;
+        let addr = l_node.local_addr();
+        // Strangers take every place, with live links.
+        let mut strangers = Vec::new();
+        for id in 10..10 + room as u64 {
+            let dialer = HostileDialer::connect(addr).await;
+            let (epoch, stream) = dialer
+                .establish(None, PeerId(id), L, Default::default())
+                .await
+                .expect("a place left");
+            until(|| l.epoch(PeerId(id)) == Some(epoch)).await;
+            strangers.push(stream);
+        }
+        // L dials C, registered, past them.
+        let (b_node, _b) = tcp_node(B, |c| c).await;
+        let (c_node, _c) = tcp_node(C, |c| c).await;
+        l_node.register(C, c_node.local_addr());
+        assert!(l_node.connect(C).await.is_ok());
+        // And B, registered, dials in.
+        l_node.register(B, b_node.local_addr());
+        b_node.register(L, addr);
+        assert!(b_node.connect(L).await.is_ok());
+        assert_eq!(l_node.stats().peer_limit_refusals, 0);
+        // Another stranger is refused: the table holds twice `max_peers`.
+        let one_more = HostileDialer::connect(addr).await;
+        let refused = one_more
+            .establish(None, PeerId(20), L, Default::default())
+            .await;
+        assert!(refused.is_err(), "{refused:?}");
+        until(|| l_node.last_refusal().is_some()).await;
+        assert_eq!(
+            l_node.last_refusal(),
+            Some(ConnectError::TooManyPeers { limit: room })
+        );
+        drop(strangers);
+    })
+    .await;
+}
+
+/// Strangers from one source (an IPv4 address) hold at most
+/// `max_peers_per_source` places: one host cannot take all of `max_peers`
+/// with live links, while a stranger from another source still gets in, and
+/// the source gets its place back when one of its links goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_source_cannot_take_every_peer_place() {
+    bounded(async {
+        let per_source = 2;
+        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
+            max_peers_per_source: per_source,
+            ..c
+        })
+        .await;
+        let addr = l_node.local_addr();
+        let loud: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
+        let mut links = Vec::new();
+        for id in 10..10 + per_source as u64 {
+            let dialer = HostileDialer::connect_from(loud, addr).await;
+            let (epoch, stream) = dialer
+                .establish(None, PeerId(id), L, Default::default())
+                .await
+                .expect("within the source's share");
+            until(|| l.epoch(PeerId(id)) == Some(epoch)).await;
+            links.push(stream);
+        }
+        let one_more = HostileDialer::connect_from(loud, addr).await;
+        let refused = one_more
+            .establish(None, PeerId(20), L, Default::default())
+            .await;
+        assert!(refused.is_err(), "{refused:?}");
+        until(|| l_node.last_refusal().is_some()).await;
+        assert_eq!(
+            l_node.last_refusal(),
+            Some(ConnectError::TooManyPeersFromSource {
+                from: loud,
+                limit: per_source
+            })
+        );
+        // Another source (the honest node dials from 127.0.0.1) gets in.
+        let (a_node, _a) = tcp_node(A, |c| c).await;
+        a_node.register(L, addr);
+        assert!(a_node.connect(L).await.is_ok());
+        // One of the source's links goes, and its place comes back.
+        drop(links.pop());
+        until(|| l.epoch(PeerId(10 + per_source as u64 - 1)).is_none()).await;
+        let again = HostileDialer::connect_from(loud, addr).await;
+        again
+            .establish(None, PeerId(20), L, Default::default())
+            .await
+            .expect("the place came back");
+        assert_eq!(l_node.stats().peer_limit_refusals, 1);
     })
     .await;
 }
@@ -495,6 +603,48 @@ async fn one_source_cannot_fill_the_handshake_pool() {
             l_node.last_refusal()
         );
         assert_eq!(l_node.stats().handshakes_shed, 1);
+    })
+    .await;
+}
+
+/// A quarter of the handshake pool is kept for connections from the
+/// sources of registered peers' addresses: silent dialers elsewhere fill
+/// the rest and are shed past it, and a registered peer still gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_strangers_leave_handshakes_for_registered_peers() {
+    bounded(async {
+        let (l_node, _l) = tcp_node(L, |c| TcpNodeConfig {
+            max_pending_handshakes: 4,
+            max_pending_per_source: 8,
+            handshake_timeout: Duration::from_secs(5),
+            ..c
+        })
+        .await;
+        let addr = l_node.local_addr();
+        let (a_node, _a) = tcp_node(A, |c| c).await;
+        l_node.register(A, a_node.local_addr());
+        a_node.register(L, addr);
+        let stranger: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
+        // Three of the four are the strangers' to take.
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(HostileDialer::connect_from(stranger, addr).await);
+        }
+        let mut shed = HostileDialer::silent_from(stranger, addr).await;
+        assert_eq!(read_to_close(&mut shed).await, 0, "closed without a word");
+        assert_eq!(l_node.stats().handshakes_shed, 1);
+        assert_eq!(
+            l_node.last_refusal(),
+            Some(ConnectError::TooManyHandshakes { limit: 3 })
+        );
+        // The fourth is kept for A, which dials from 127.0.0.1.
+        assert!(
+            a_node.connect(L).await.is_ok(),
+            "{:?}",
+            l_node.last_refusal()
+        );
+        assert_eq!(l_node.stats().handshakes_shed, 1);
+        drop(held);
     })
     .await;
 }

@@ -525,7 +525,16 @@ pub struct HostileDialer {
 impl HostileDialer {
     /// Connects and reads the listener's challenge.
     pub async fn connect(addr: SocketAddr) -> HostileDialer {
-        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        let stream = TcpStream::connect(addr).await.expect("connect");
+        HostileDialer::challenged(stream).await
+    }
+
+    /// As [`HostileDialer::connect`], from source IP `from`.
+    pub async fn connect_from(from: IpAddr, addr: SocketAddr) -> HostileDialer {
+        HostileDialer::challenged(HostileDialer::silent_from(from, addr).await).await
+    }
+
+    async fn challenged(mut stream: TcpStream) -> HostileDialer {
         let mut len = [0u8; 4];
         stream.read_exact(&mut len).await.expect("challenge");
         let mut challenge = len.to_vec();

@@ -64,16 +64,23 @@ pub struct TcpNodeConfig {
     pub backoff_min: Duration,
     /// Largest backoff. Default 5 s.
     pub backoff_max: Duration,
-    /// Handshakes accepted concurrently; more connections are closed at once. Default 64.
+    /// Handshakes accepted concurrently; more connections are closed at
+    /// once. A quarter of them is kept for sources that are registered
+    /// peers' addresses. Default 64.
     pub max_pending_handshakes: usize,
     /// Of those, handshakes from one source (an IPv4 address, or an IPv6
     /// /64); its further connections are closed at once, so one host's
-    /// silent dialers cannot fill the pool. Default 32.
+    /// silent dialers cannot fill the pool. Default 16.
     pub max_pending_per_source: usize,
     /// Peers with a live link or a dial or handshake under way, and peers
     /// gone whose bytes are still held here unread; a new peer beyond this
-    /// is refused ([`ConnectError::TooManyPeers`]). Default 1024.
+    /// is refused ([`ConnectError::TooManyPeers`]). A registered peer is
+    /// counted against registered peers only. Default 1024.
     pub max_peers: usize,
+    /// Of those, peers not registered here that dialled in from one source;
+    /// more are refused ([`ConnectError::TooManyPeersFromSource`]), so one
+    /// host cannot take every place. Default 128.
+    pub max_peers_per_source: usize,
 }
 
 /// What every connector needs, whatever its epochs are made of.
@@ -89,14 +96,19 @@ pub struct ConnectorConfig {
     pub backoff_min: Duration,
     /// Largest backoff.
     pub backoff_max: Duration,
-    /// Handshakes accepted concurrently; more connections are closed at once.
+    /// Handshakes accepted concurrently; more connections are closed at
+    /// once (a quarter kept for registered peers' sources).
     pub max_pending_handshakes: usize,
     /// Handshakes from one source IP at once; more are closed at once.
     pub max_pending_per_source: usize,
     /// Peers with a live link or a dial or handshake under way, and peers
     /// gone whose bytes are held here; a new peer beyond this is refused
-    /// ([`ConnectError::TooManyPeers`]).
+    /// ([`ConnectError::TooManyPeers`]); registered peers count against
+    /// registered peers only.
     pub max_peers: usize,
+    /// Peers not registered here from one source IP; more are refused
+    /// ([`ConnectError::TooManyPeersFromSource`]).
+    pub max_peers_per_source: usize,
 }
 
 impl ConnectorConfig {
@@ -118,6 +130,7 @@ impl TcpNodeConfig {
                 max_pending_handshakes: self.max_pending_handshakes,
                 max_pending_per_source: self.max_pending_per_source,
                 max_peers: self.max_peers,
+                max_peers_per_source: self.max_peers_per_source,
             },
             self.link,
         )
@@ -133,8 +146,9 @@ impl TcpNodeConfig {
             backoff_min: Duration::from_millis(50),
             backoff_max: Duration::from_secs(5),
             max_pending_handshakes: 64,
-            max_pending_per_source: 32,
+            max_pending_per_source: 16,
             max_peers: 1024,
+            max_peers_per_source: 128,
         }
     }
 }
@@ -189,8 +203,18 @@ pub enum ConnectError {
         /// The configured `max_peers`.
         limit: usize,
     },
-    /// An incoming connection found `max_pending_handshakes` under way and
-    /// was closed without a word.
+    /// A peer not registered here, dialling in from a source that already
+    /// has `max_peers_per_source` such peers (the peer is told `Unavailable`).
+    #[error("{limit} peers already in from {from}")]
+    TooManyPeersFromSource {
+        /// The hello's source: its IPv4 address, or its IPv6 /64.
+        from: IpAddr,
+        /// The configured `max_peers_per_source`.
+        limit: usize,
+    },
+    /// An incoming connection found `max_pending_handshakes` under way (or
+    /// all but the quarter kept for registered peers' sources, when it is
+    /// not one) and was closed without a word.
     #[error("{limit} handshakes already pending")]
     TooManyHandshakes {
         /// The configured `max_pending_handshakes`.
@@ -239,6 +263,7 @@ impl ConnectError {
             | ConnectError::Incompatible(_)
             | ConnectError::Resources
             | ConnectError::TooManyPeers { .. }
+            | ConnectError::TooManyPeersFromSource { .. }
             | ConnectError::TooManyHandshakes { .. }
             | ConnectError::TooManyHandshakesFromSource { .. }
             | ConnectError::TooManyHandshakesFromPeer { .. } => false,
@@ -447,6 +472,10 @@ struct PeerState<L> {
     /// values are partly the peer's choice; their count is not.
     floor_claim: Epoch,
     incarnation: Option<u64>,
+    /// The source (see [`source_of`]) of the last hello accepted from the
+    /// peer: while it is not registered, it counts against that source's
+    /// `max_peers_per_source`.
+    source: Option<IpAddr>,
     current: Option<L>,
     backoff: Duration,
     retry_at: Option<Instant>,
@@ -463,6 +492,7 @@ impl<L> Default for PeerState<L> {
             last_epoch: Epoch::default(),
             floor_claim: Epoch::default(),
             incarnation: None,
+            source: None,
             current: None,
             backoff: Duration::ZERO,
             retry_at: None,
@@ -490,6 +520,10 @@ struct NodeInner<E: EpochMaker> {
     handshakes: Arc<Semaphore>,
     /// Handshakes under way per source IP (an entry only while one is).
     pending_by_source: Mutex<HashMap<IpAddr, usize>>,
+    /// The sources of registered peers' addresses, with how many peers
+    /// each; changed only under the `peers` lock. Connections from them may
+    /// take the quarter of the handshakes kept back from other sources.
+    registered_sources: Mutex<HashMap<IpAddr, usize>>,
     /// The runtime the node started on. Dials and the shutdown's wait are
     /// spawned here: `want_link` and `shutdown_after` may be called from a
     /// thread outside any runtime (velo's synchronous sends reach them).
@@ -503,6 +537,7 @@ struct Refusals {
     last: Option<ConnectError>,
     refused: WarnGate,
     shed: WarnGate,
+    accept_failed: WarnGate,
 }
 
 /// The source a handshake's share is counted against: an IPv4 address
@@ -658,26 +693,41 @@ impl<E: EpochMaker> NodeInner<E> {
         peers.remove(&peer)
     }
 
-    /// True if taking `peer` on would exceed `max_peers`: a peer already
-    /// live is never new; others count while live, dialing or accepting,
-    /// and a peer gone from the table while the mux still holds bytes it
-    /// sent or streams it opened that nobody has bound (so peers coming and
-    /// going under fresh ids cannot pile up memory or registry entries:
-    /// each counts until what it left is read or bound). Those gone count
-    /// against peers this node did not register only: what strangers left
-    /// behind cannot lock the node out of the peers it chose.
-    fn at_peer_limit(&self, peers: &Peers<E>, peer: PeerId) -> bool {
+    /// Why taking `peer` on would exceed a peer limit, if it would. A peer
+    /// already live is never new; others count while live, dialing or
+    /// accepting, and a peer gone from the table while the mux still holds
+    /// bytes it sent or streams it opened that nobody has bound (so peers
+    /// coming and going under fresh ids cannot pile up memory or registry
+    /// entries: each counts until what it left is read or bound).
+    ///
+    /// A registered peer counts against registered peers only: strangers
+    /// (and what departed ones left behind) cannot lock the node out of the
+    /// peers it chose, and those are bounded by what the application
+    /// registers, so the table holds at most twice `max_peers`. A stranger
+    /// counts against everyone, and against the strangers that dialled in
+    /// from its `source` (`max_peers_per_source`), so one host cannot take
+    /// every place.
+    fn peer_limit(
+        &self,
+        peers: &Peers<E>,
+        peer: PeerId,
+        source: Option<IpAddr>,
+    ) -> Option<ConnectError> {
         let state = peers.get(&peer);
         if state.is_some_and(Self::live) {
-            return false;
+            return None;
         }
-        let in_table = peers
-            .iter()
-            .filter(|(id, s)| {
-                **id != peer && (Self::live(s) || s.dial != Dial::Idle || s.accepting > 0)
-            })
-            .count();
         let registered = state.is_some_and(|s| s.addr.is_some());
+        let mut in_table = 0;
+        let mut from_source = 0;
+        for (id, s) in peers {
+            let held = Self::live(s) || s.dial != Dial::Idle || s.accepting > 0;
+            if *id == peer || !held || (registered && s.addr.is_none()) {
+                continue;
+            }
+            in_table += 1;
+            from_source += usize::from(s.addr.is_none() && source.is_some() && s.source == source);
+        }
         let gone_holding = match self.mux.get() {
             Some(mux) if !registered => mux
                 .peers_holding()
@@ -686,7 +736,53 @@ impl<E: EpochMaker> NodeInner<E> {
                 .count(),
             _ => 0,
         };
-        in_table + gone_holding >= self.config.max_peers
+        let config = &self.config;
+        if in_table + gone_holding >= config.max_peers {
+            return Some(ConnectError::TooManyPeers {
+                limit: config.max_peers,
+            });
+        }
+        match source {
+            Some(from) if !registered && from_source >= config.max_peers_per_source.max(1) => {
+                Some(ConnectError::TooManyPeersFromSource {
+                    from,
+                    limit: config.max_peers_per_source.max(1),
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// Handshakes kept for connections from registered peers' sources.
+    fn handshakes_kept(&self) -> usize {
+        self.config.max_pending_handshakes.max(1) / 4
+    }
+
+    /// True if `source` is the source of a registered peer's address.
+    fn is_registered_source(&self, source: IpAddr) -> bool {
+        self.registered_sources
+            .lock()
+            .expect("node state poisoned")
+            .contains_key(&source)
+    }
+
+    /// Moves `state`'s address to `addr`, keeping `registered_sources`
+    /// counted. Called under the `peers` lock.
+    fn readdress(&self, state: &mut PeerState<E::Link>, addr: Option<SocketAddr>) {
+        let old = std::mem::replace(&mut state.addr, addr);
+        let mut sources = self.registered_sources.lock().expect("node state poisoned");
+        if let Some(old) = old {
+            let from = source_of(old.ip());
+            if let Some(count) = sources.get_mut(&from) {
+                *count -= 1;
+                if *count == 0 {
+                    sources.remove(&from);
+                }
+            }
+        }
+        if let Some(new) = addr {
+            *sources.entry(source_of(new.ip())).or_insert(0) += 1;
+        }
     }
 
     /// One more failed attempt: the wait doubles, within the configured bounds.
@@ -855,6 +951,7 @@ impl<E: EpochMaker> Connector<E> {
             shutdown_notify: Notify::new(),
             handshakes: Arc::new(Semaphore::new(max_pending)),
             pending_by_source: Mutex::new(HashMap::new()),
+            registered_sources: Mutex::new(HashMap::new()),
             runtime: tokio::runtime::Handle::current(),
         });
         tokio::spawn(accept_loop(inner.clone(), listener));
@@ -896,7 +993,8 @@ impl<E: EpochMaker> Connector<E> {
     /// Tells the node where `peer` listens.
     pub fn register(&self, peer: PeerId, addr: SocketAddr) {
         let mut peers = self.inner.peers();
-        self.inner.entry(&mut peers, peer).addr = Some(addr);
+        let state = self.inner.entry(&mut peers, peer);
+        self.inner.readdress(state, Some(addr));
     }
 
     /// The current link to `peer`, if any (ended or not): a test hook to fail it.
@@ -932,7 +1030,7 @@ impl<E: EpochMaker> Connector<E> {
         let (link, entry) = {
             let mut peers = self.inner.peers();
             let link = peers.get_mut(&peer).and_then(|state| {
-                state.addr = None;
+                self.inner.readdress(state, None);
                 state.backoff = Duration::ZERO;
                 state.retry_at = None;
                 state.wanted = false;
@@ -1155,11 +1253,9 @@ async fn dial_once<E: EpochMaker>(
         let peers = inner.peers();
         let state = peers.get(&peer).ok_or(ConnectError::UnknownPeer(peer))?;
         let addr = state.addr.ok_or(ConnectError::UnknownPeer(peer))?;
-        if inner.at_peer_limit(&peers, peer) {
+        if let Some(refusal) = inner.peer_limit(&peers, peer, None) {
             bump(&inner.counters.peer_limit_refusals);
-            return Err(ConnectError::TooManyPeers {
-                limit: inner.config.max_peers,
-            });
+            return Err(refusal);
         }
         (addr, state.last_epoch)
     };
@@ -1400,19 +1496,38 @@ async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListe
         let (stream, remote) = match accepted {
             Ok(accepted) => accepted,
             Err(err) => {
-                // Per-connection failures (aborted, fd limits): keep serving.
-                tracing::warn!(%err, "accept failed");
+                // Per-connection failures (aborted, fd limits): keep serving,
+                // and warn at most once per gate period.
+                let warn = {
+                    let mut refusals = inner.refusals.lock().expect("node state poisoned");
+                    refusals.accept_failed.admit(Instant::now())
+                };
+                match warn {
+                    Some(suppressed) => tracing::warn!(%err, suppressed, "accept failed"),
+                    None => tracing::debug!(%err, "accept failed"),
+                }
                 // Out of descriptors would fail again at once: do not spin.
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             }
         };
-        let Ok(permit) = inner.handshakes.clone().try_acquire_owned() else {
-            let limit = inner.config.max_pending_handshakes.max(1);
-            inner.shed(ConnectError::TooManyHandshakes { limit }, remote);
-            continue;
-        };
         let from = source_of(remote.ip());
+        // The last quarter of the pool is kept for registered peers'
+        // sources: strangers' silent dialers cannot shut them out. Permits
+        // are taken only here, so the count cannot fall between the look
+        // and the take.
+        let kept = inner.handshakes_kept();
+        let strangers_full =
+            inner.handshakes.available_permits() <= kept && !inner.is_registered_source(from);
+        let permit = match inner.handshakes.clone().try_acquire_owned() {
+            Ok(permit) if !strangers_full => permit,
+            _ => {
+                let limit = inner.config.max_pending_handshakes.max(1);
+                let limit = if strangers_full { limit - kept } else { limit };
+                inner.shed(ConnectError::TooManyHandshakes { limit }, remote);
+                continue;
+            }
+        };
         let Some(source) = SourcePermit::take(&inner, from) else {
             let limit = inner.config.max_pending_per_source.max(1);
             inner.shed(
@@ -1423,7 +1538,8 @@ async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListe
         };
         let inner = inner.clone();
         tokio::spawn(async move {
-            let result = timeout(inner.config.handshake_timeout, accept_once(&inner, stream))
+            let handshake = accept_once(&inner, stream, from);
+            let result = timeout(inner.config.handshake_timeout, handshake)
                 .await
                 .unwrap_or(Err(ConnectError::Timeout));
             drop(source);
@@ -1472,6 +1588,7 @@ impl<E: EpochMaker> Drop for Accepting<'_, E> {
 async fn accept_once<E: EpochMaker>(
     inner: &Arc<NodeInner<E>>,
     mut stream: TcpStream,
+    source: IpAddr,
 ) -> Result<Epoch, ConnectError> {
     stream.set_nodelay(true)?;
     let mut hs = Handshake::listener(
@@ -1492,7 +1609,7 @@ async fn accept_once<E: EpochMaker>(
         &mut stream,
         &mut hs,
         |hello| {
-            let proposed = match decide(inner, hello) {
+            let proposed = match decide(inner, hello, source) {
                 Ok(proposed) => proposed,
                 Err((reason, refusal)) => {
                     local_failure = refusal;
@@ -1504,7 +1621,7 @@ async fn accept_once<E: EpochMaker>(
             // Only now, for an authenticated and wanted dialer, are resources
             // made, and connected (RDMA: RTR) before we answer.
             let made = inner.epochs.accepts(&hello.endpoint).and_then(|()| {
-                let epoch = agreed_epoch(hello.proposed, proposed)?;
+                let epoch = agreed_epoch(proposed, hello.proposed)?;
                 let (prepared, endpoint) = inner.epochs.prepare()?;
                 let a = inner.epochs.arm(prepared, &hello.endpoint, epoch)?;
                 Ok((a, endpoint))
@@ -1561,18 +1678,15 @@ async fn accept_once<E: EpochMaker>(
 fn decide<E: EpochMaker>(
     inner: &NodeInner<E>,
     hello: &HelloFields,
+    source: IpAddr,
 ) -> Result<Epoch, (DeclineReason, Option<ConnectError>)> {
     if inner.shutdown.load(Ordering::Acquire) || inner.mux.get().is_none() {
         return Err((DeclineReason::Unavailable, None));
     }
     let mut peers = inner.peers();
-    if inner.at_peer_limit(&peers, hello.node) {
+    if let Some(refusal) = inner.peer_limit(&peers, hello.node, Some(source)) {
         bump(&inner.counters.peer_limit_refusals);
-        let limit = inner.config.max_peers;
-        return Err((
-            DeclineReason::Unavailable,
-            Some(ConnectError::TooManyPeers { limit }),
-        ));
+        return Err((DeclineReason::Unavailable, Some(refusal)));
     }
     let state = inner.entry(&mut peers, hello.node);
     if state.dial == Dial::Connecting && hello.node > inner.config.id {
@@ -1604,6 +1718,7 @@ fn decide<E: EpochMaker>(
     }
     state.accepting += 1;
     state.accepting_from = Some(hello.incarnation);
+    state.source = Some(source);
     Ok(state.last_epoch)
 }
 
