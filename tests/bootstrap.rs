@@ -147,10 +147,17 @@ async fn node_to_node_with_and_without_a_key() {
             // Each link's read-out comes from its peer's share, and B never
             // registered A, which only dialled in.
             let owner = |node: &TcpNode, peer| node.link(peer).and_then(|l| l.read_out_owner());
-            let registered = |peer, registered| Some(ReadOutOwner { peer, registered });
-            assert_eq!(owner(&a_node, B), registered(B, true));
+            // Its read-outs count against the source it dialled in from.
+            let registered = |peer, registered, source: Option<&str>| {
+                Some(ReadOutOwner {
+                    peer,
+                    registered,
+                    source: source.map(|ip| ip.parse().expect("an address")),
+                })
+            };
+            assert_eq!(owner(&a_node, B), registered(B, true, None));
             until(|| b_node.link(A).is_some()).await;
-            assert_eq!(owner(&b_node, A), registered(A, false));
+            assert_eq!(owner(&b_node, A), registered(A, false, Some("127.0.0.1")));
             // A deliberate reconnect proposes the running epoch: epoch 2 replaces it.
             assert_eq!(a_node.connect(B).await, Ok(Epoch(2)));
             until(|| b.epoch(A) == Some(Epoch(2)) && a.epoch(B) == Some(Epoch(2))).await;

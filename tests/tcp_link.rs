@@ -1373,6 +1373,7 @@ async fn the_peers_close_past_its_read_out_share_flushes_then_waits_briefly() {
         let budget = ReadOutBudget::new(4).owned_by(ReadOutOwner {
             peer: PeerId(9),
             registered: true,
+            source: None,
         });
         let config = TcpLinkConfig {
             recv_batches: 1,

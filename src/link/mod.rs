@@ -25,6 +25,7 @@ pub mod tcp;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::future::Future;
+use std::net::IpAddr;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -143,11 +144,13 @@ pub enum LinkError {
 /// delivers what its peer sent").
 ///
 /// A link the connector made names its [`ReadOutOwner`], and the budget
-/// shares itself out: one peer holds at most a quarter of it, and peers
-/// this node did not register (they only dialled in) at most half of it
-/// together, so neither one peer redialling nor a crowd of fresh ids can
-/// leave the registered peers without a read-out (docs/design.md § "A
-/// closed link delivers both ways").
+/// shares itself out: one peer holds at most a quarter of it, peers this
+/// node did not register (they only dialled in) at most half of it
+/// together, and those from one source an eighth, so neither one peer
+/// redialling nor a crowd of fresh ids can leave the registered peers
+/// without a read-out, and one host's crowd cannot leave the other
+/// strangers without one (docs/design.md § "A closed link delivers both
+/// ways").
 ///
 /// Past its share, a close for the peer's own close may still take a
 /// short one ([`ReadOutTier::Short`]: our last batches flushed, the peer's
@@ -171,6 +174,9 @@ pub struct ReadOutOwner {
     /// This node registered the peer's address, rather than only accepting
     /// its dial.
     pub registered: bool,
+    /// Where an unregistered peer dialled in from (an IPv4 address, or an
+    /// IPv6 /64); `None` if unknown.
+    pub source: Option<IpAddr>,
 }
 
 /// Which of a [`ReadOutBudget`]'s two pools a read-out comes from.
@@ -201,24 +207,37 @@ struct ReadOutCounts {
     short_refused: AtomicU64,
 }
 
-/// Read-outs of one tier held now. `by_peer` has an entry only while that
-/// peer holds one, so it never outgrows the pool.
+/// Read-outs of one tier held now. `by_peer` and `by_source` have an
+/// entry only while that peer or source holds one, so they never outgrow
+/// the pool.
 #[derive(Debug, Default)]
 struct ReadOutsHeld {
     total: usize,
     unregistered: usize,
     by_peer: HashMap<PeerId, usize>,
+    /// Held by unregistered peers, per source.
+    by_source: HashMap<IpAddr, usize>,
 }
 
 impl ReadOutsHeld {
     /// Whether `owner` may take one more of a pool of `max`: a quarter of
-    /// it a peer, half for the unregistered, all of it in all.
+    /// it a peer, half for the unregistered, an eighth for the unregistered
+    /// from one source, all of it in all.
     fn fits(&self, owner: Option<ReadOutOwner>, max: usize) -> bool {
         self.total < max
             && owner.is_none_or(|owner| {
-                self.by_peer.get(&owner.peer).copied().unwrap_or(0) < max.div_ceil(4)
-                    && (owner.registered || self.unregistered < max.div_ceil(2))
+                held_under(&self.by_peer, &owner.peer) < max.div_ceil(4)
+                    && (owner.registered
+                        || self.unregistered < max.div_ceil(2)
+                            && owner.source.is_none_or(|from| {
+                                held_under(&self.by_source, &from) < max.div_ceil(8)
+                            }))
             })
+    }
+
+    /// The source `owner`'s read-outs count against, if any.
+    fn source_of(owner: &ReadOutOwner) -> Option<IpAddr> {
+        owner.source.filter(|_| !owner.registered)
     }
 
     fn take(&mut self, owner: Option<ReadOutOwner>) {
@@ -226,6 +245,9 @@ impl ReadOutsHeld {
         if let Some(owner) = owner {
             *self.by_peer.entry(owner.peer).or_default() += 1;
             self.unregistered += usize::from(!owner.registered);
+            if let Some(from) = Self::source_of(&owner) {
+                *self.by_source.entry(from).or_default() += 1;
+            }
         }
     }
 
@@ -241,12 +263,25 @@ impl ReadOutsHeld {
             self.unregistered = self
                 .unregistered
                 .saturating_sub(usize::from(!owner.registered));
-            if let Entry::Occupied(mut count) = self.by_peer.entry(owner.peer) {
-                *count.get_mut() -= 1;
-                if *count.get() == 0 {
-                    count.remove();
-                }
+            release(&mut self.by_peer, owner.peer);
+            if let Some(from) = Self::source_of(&owner) {
+                release(&mut self.by_source, from);
             }
+        }
+    }
+}
+
+/// How many are held under `key`.
+fn held_under<K: std::hash::Hash + Eq>(counts: &HashMap<K, usize>, key: &K) -> usize {
+    counts.get(key).copied().unwrap_or(0)
+}
+
+/// One less held under `key`, its entry gone at none.
+fn release<K: std::hash::Hash + Eq>(counts: &mut HashMap<K, usize>, key: K) {
+    if let Entry::Occupied(mut count) = counts.entry(key) {
+        *count.get_mut() -= 1;
+        if *count.get() == 0 {
+            count.remove();
         }
     }
 }
@@ -285,6 +320,12 @@ impl ReadOutBudget {
     /// together: half of the budget (of the short pool, half likewise).
     pub fn unregistered(&self) -> usize {
         self.max.div_ceil(2)
+    }
+
+    /// The most full read-outs the unregistered peers from one source hold
+    /// together: an eighth of the budget (of the short pool likewise).
+    pub fn per_source(&self) -> usize {
+        self.max.div_ceil(8)
     }
 
     /// How many of `tier` may be held at once.
@@ -379,7 +420,8 @@ impl Drop for ReadOut {
 }
 
 impl Default for ReadOutBudget {
-    /// 16 read-outs at once: 4 a peer, 8 for the unregistered.
+    /// 16 read-outs at once: 4 a peer, 8 for the unregistered, 2 for the
+    /// unregistered from one source.
     fn default() -> Self {
         ReadOutBudget::new(16)
     }
@@ -483,6 +525,14 @@ mod tests {
         ReadOutOwner {
             peer: PeerId(peer),
             registered,
+            source: None,
+        }
+    }
+
+    fn stranger_from(peer: u64, source: &str) -> ReadOutOwner {
+        ReadOutOwner {
+            source: Some(source.parse().expect("an address")),
+            ..owner(peer, false)
         }
     }
 
@@ -519,6 +569,41 @@ mod tests {
         assert_eq!(budget.in_use(), 0);
         assert!(budget.held()[0].by_peer.is_empty());
         assert_eq!(budget.held()[0].unregistered, 0);
+    }
+
+    /// Strangers from one source hold at most an eighth of each pool
+    /// together, so one host's crowd of fresh ids leaves the other
+    /// strangers' share; a registered peer's source is not counted.
+    #[test]
+    fn strangers_from_one_source_share_an_eighth_of_each_pool() {
+        let budget = ReadOutBudget::new(16);
+        assert_eq!(budget.per_source(), 2);
+        let crowd: Vec<ReadOut> = (100..110)
+            .filter_map(|id| budget.owned_by(stranger_from(id, "10.0.0.9")).hold(Full))
+            .collect();
+        assert_eq!((crowd.len(), budget.refused()), (2, 8));
+        let short: Vec<ReadOut> = (100..120)
+            .filter_map(|id| budget.owned_by(stranger_from(id, "10.0.0.9")).hold(Short))
+            .collect();
+        assert_eq!(short.len(), 8, "an eighth of the short pool");
+        let elsewhere = budget.owned_by(stranger_from(200, "10.0.0.7"));
+        let other = elsewhere.hold(Full).expect("another source's share");
+        let registered = ReadOutOwner {
+            registered: true,
+            ..stranger_from(300, "10.0.0.9")
+        };
+        let chosen: Vec<ReadOut> = (0..4)
+            .filter_map(|_| budget.owned_by(registered).hold(Full))
+            .collect();
+        assert_eq!(chosen.len(), 4, "a registered peer's quarter");
+        drop((crowd, short, other, chosen));
+        assert!(budget.held().iter().all(|pool| pool.by_source.is_empty()));
+        assert!(
+            budget
+                .owned_by(stranger_from(101, "10.0.0.9"))
+                .hold(Full)
+                .is_some()
+        );
     }
 
     /// The shares round up, so a small budget still serves a peer: one

@@ -595,6 +595,7 @@ async fn a_peers_closes_take_read_outs_from_its_share_alone() {
         a.set_read_out_owner(ReadOutOwner {
             peer: PeerId(peer),
             registered,
+            source: None,
         });
         (a, b)
     };
@@ -713,7 +714,13 @@ async fn a_nodes_links_take_their_read_outs_from_the_nodes_budget() {
     // B's accept is done too, or the next dial is asked to come again.
     until(|| b.mux().epoch(A) == Some(Epoch(1))).await;
     // Each close takes its read-out from the peer's share.
-    let owner = |peer, registered| Some(ReadOutOwner { peer, registered });
+    let owner = |peer, registered| {
+        Some(ReadOutOwner {
+            peer,
+            registered,
+            source: None,
+        })
+    };
     let link_owner = |t: &RdmaTransport<SoftDevice>, peer| t.node().link(peer)?.read_out_owner();
     assert_eq!(link_owner(&a, B), owner(B, true));
     assert_eq!(link_owner(&b, A), owner(A, true));

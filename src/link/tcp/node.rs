@@ -1429,6 +1429,7 @@ fn install<E: EpochMaker>(
                 let owner = ReadOutOwner {
                     peer,
                     registered: false,
+                    source: None,
                 };
                 let link = inner
                     .epochs
@@ -1442,9 +1443,11 @@ fn install<E: EpochMaker>(
     if established.epoch <= state.last_epoch {
         return Err(ConnectError::Superseded(state.last_epoch));
     }
+    // A stranger's read-outs count against the source it dialled in from.
     let owner = ReadOutOwner {
         peer,
         registered: state.addr.is_some(),
+        source: state.source.filter(|_| state.addr.is_none()),
     };
     let link = inner
         .epochs
