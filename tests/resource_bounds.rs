@@ -357,6 +357,47 @@ async fn one_source_cannot_take_every_peer_place() {
     .await;
 }
 
+/// What a departed stranger left here counts against its source's
+/// `max_peers_per_source` too: one host cannot take every place with ids
+/// that open a stream nobody binds and leave, while another source still
+/// gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_departed_strangers_left_counts_against_their_source() {
+    bounded(async {
+        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
+            max_peers_per_source: 1,
+            ..c
+        })
+        .await;
+        let (a_node, a) = tcp_node(A, |c| c).await;
+        let (b_node, _b) = tcp_node(B, |c| c).await;
+        for dialer in [&a_node, &b_node] {
+            dialer.register(L, l_node.local_addr());
+        }
+        assert!(a_node.connect(L).await.is_ok());
+        until(|| l.epoch(A).is_some()).await;
+        // A (from 127.0.0.1) leaves an unbound stream and goes; B, from
+        // the same source, is refused by it.
+        a_leaves_an_unbound_stream(&l_node, &l, &a_node, &a, &b_node).await;
+        assert_eq!(
+            l_node.last_refusal(),
+            Some(ConnectError::TooManyPeersFromSource {
+                from: "127.0.0.1".parse().expect("literal"),
+                limit: 1
+            })
+        );
+        // Another source gets in.
+        let other =
+            HostileDialer::connect_from("127.0.0.2".parse().expect("literal"), l_node.local_addr())
+                .await;
+        other
+            .establish(None, PeerId(20), L, Default::default())
+            .await
+            .expect("another source");
+    })
+    .await;
+}
+
 /// L with room for one peer, and A and B, which know L's address.
 async fn one_peer_room_and_two_dialers() -> ([TcpNode; 3], [Mux<TcpLink>; 3]) {
     let (l_node, l) = tcp_node(L, |c| TcpNodeConfig { max_peers: 1, ..c }).await;

@@ -520,6 +520,10 @@ struct NodeInner<E: EpochMaker> {
     handshakes: Arc<Semaphore>,
     /// Handshakes under way per source IP (an entry only while one is).
     pending_by_source: Mutex<HashMap<IpAddr, usize>>,
+    /// Where peers let go of had last dialled in from, kept while the mux
+    /// may still hold what they left (pruned at each hello); locked under
+    /// the `peers` lock only.
+    departed: Mutex<HashMap<PeerId, IpAddr>>,
     /// The sources of registered peers' addresses, with how many peers
     /// each; changed only under the `peers` lock. Connections from them may
     /// take the quarter of the handshakes kept back from other sources.
@@ -690,7 +694,14 @@ impl<E: EpochMaker> NodeInner<E> {
         }
         let claim = state.last_epoch.min(state.floor_claim);
         self.epoch_floor.fetch_max(claim.0, Ordering::Relaxed);
+        if let Some(from) = state.source {
+            self.departed().insert(peer, from);
+        }
         peers.remove(&peer)
+    }
+
+    fn departed(&self) -> MutexGuard<'_, HashMap<PeerId, IpAddr>> {
+        self.departed.lock().expect("node state poisoned")
     }
 
     /// Why taking `peer` on would exceed a peer limit, if it would. A peer
@@ -705,8 +716,8 @@ impl<E: EpochMaker> NodeInner<E> {
     /// peers it chose, and those are bounded by what the application
     /// registers, so the table holds at most twice `max_peers`. A stranger
     /// counts against everyone, and against the strangers that dialled in
-    /// from its `source` (`max_peers_per_source`), so one host cannot take
-    /// every place.
+    /// from its `source` (`max_peers_per_source`), live or departed with
+    /// something left here, so one host cannot take every place.
     fn peer_limit(
         &self,
         peers: &Peers<E>,
@@ -728,14 +739,21 @@ impl<E: EpochMaker> NodeInner<E> {
             in_table += 1;
             from_source += usize::from(s.addr.is_none() && source.is_some() && s.source == source);
         }
-        let gone_holding = match self.mux.get() {
-            Some(mux) if !registered => mux
+        // Gone from the table, still holding something here (sorted).
+        let gone: Vec<PeerId> = match self.mux.get() {
+            Some(mux) if !registered || source.is_some() => mux
                 .peers_holding()
                 .into_iter()
                 .filter(|id| *id != peer && !peers.contains_key(id))
-                .count(),
-            _ => 0,
+                .collect(),
+            _ => Vec::new(),
         };
+        if let Some(from) = source {
+            let mut departed = self.departed();
+            departed.retain(|id, _| gone.binary_search(id).is_ok());
+            from_source += departed.values().filter(|left| **left == from).count();
+        }
+        let gone_holding = if registered { 0 } else { gone.len() };
         let config = &self.config;
         if in_table + gone_holding >= config.max_peers {
             return Some(ConnectError::TooManyPeers {
@@ -952,6 +970,7 @@ impl<E: EpochMaker> Connector<E> {
             handshakes: Arc::new(Semaphore::new(max_pending)),
             pending_by_source: Mutex::new(HashMap::new()),
             registered_sources: Mutex::new(HashMap::new()),
+            departed: Mutex::new(HashMap::new()),
             runtime: tokio::runtime::Handle::current(),
         });
         tokio::spawn(accept_loop(inner.clone(), listener));
