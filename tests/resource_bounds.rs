@@ -16,7 +16,7 @@ use qpmux::mux::{
     CloseReason, Frame, Mux, MuxConfig, MuxError, MuxTransport, PeerId, RECORD_OVERHEAD, SendError,
     SlotSender, StreamKey, Terminal,
 };
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const L: PeerId = PeerId(1);
 const A: PeerId = PeerId(2);
@@ -353,6 +353,58 @@ async fn one_source_cannot_take_every_peer_place() {
             .await
             .expect("the place came back");
         assert_eq!(l_node.stats().peer_limit_refusals, 1);
+    })
+    .await;
+}
+
+/// A hello under a live stranger's id from another host, abandoned after
+/// the answer, does not move that peer's count to the other host: a
+/// source's count follows the links installed, not hellos.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_under_a_live_id_does_not_move_its_source() {
+    bounded(async {
+        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
+            max_peers_per_source: 1,
+            ..c
+        })
+        .await;
+        let addr = l_node.local_addr();
+        let x: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
+        let y: std::net::IpAddr = "127.0.0.3".parse().expect("literal");
+        let dialer = HostileDialer::connect_from(x, addr).await;
+        let (epoch, _live) = dialer
+            .establish(None, PeerId(10), L, Default::default())
+            .await
+            .expect("x's one place");
+        until(|| l.epoch(PeerId(10)) == Some(epoch)).await;
+        // From y, a hello as that peer (a new incarnation), answered, then
+        // abandoned before the ready.
+        let mut claim = HostileDialer::connect_from(y, addr).await;
+        let hello = claim.hello_of(None, PeerId(10), L, 99);
+        claim.say(&hello).await;
+        // The listener's hello, read whole, so our close is a FIN.
+        let mut len = [0u8; 4];
+        claim.stream.read_exact(&mut len).await.expect("answered");
+        let mut answer = vec![0u8; u32::from_be_bytes(len) as usize];
+        claim
+            .stream
+            .read_exact(&mut answer)
+            .await
+            .expect("answered");
+        drop(claim);
+        until(|| l_node.stats().withdrawn == 1).await;
+        // x's place is still taken, and y's is free.
+        let from_x = HostileDialer::connect_from(x, addr).await;
+        let refused = from_x
+            .establish(None, PeerId(11), L, Default::default())
+            .await;
+        assert!(refused.is_err(), "{refused:?}");
+        let from_y = HostileDialer::connect_from(y, addr).await;
+        from_y
+            .establish(None, PeerId(12), L, Default::default())
+            .await
+            .expect("y's place is free");
+        assert_eq!(l.epoch(PeerId(10)), Some(epoch), "the live link stands");
     })
     .await;
 }

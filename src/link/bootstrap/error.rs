@@ -77,16 +77,6 @@ pub enum BootstrapError {
     /// above them (only a peer that proposed one near `u64::MAX` gets here).
     #[error("no epoch is left above {0}")]
     EpochsExhausted(Epoch),
-    /// The peer proposed an epoch more than
-    /// [`MAX_EPOCH_LEAP`](super::MAX_EPOCH_LEAP) past ours: no honest history
-    /// gets there.
-    #[error("the peer proposed epoch {theirs}, too far past our {ours}")]
-    EpochLeap {
-        /// Our proposal.
-        ours: Epoch,
-        /// The peer's.
-        theirs: Epoch,
-    },
     /// The peer claims our own node id.
     #[error("peer claims our own node id")]
     SelfConnect,

@@ -350,7 +350,7 @@ impl Handshake {
                 &[&self.challenge, &self.dialer_hello, &signed],
             )
         });
-        let epoch = agreed_epoch(local.proposed, peer.proposed)?;
+        let epoch = agreed_epoch(peer.proposed, local.proposed)?;
         wire::frame(&mut self.out, &wire::with_mac(signed.clone(), mac));
         self.local = Some(local);
         self.state = State::AwaitReady {
@@ -563,21 +563,10 @@ impl Handshake {
     }
 }
 
-/// How far a peer's proposal may run ahead of ours. Honest epochs grow by
-/// one per link (a restart of ours starts our side low again), so a leap
-/// past this is a lie: accepted, it would push the pair's epochs toward
-/// `u64::MAX`, where no epoch is left and the pair could never link again.
-pub const MAX_EPOCH_LEAP: u64 = 1 << 32;
-
-/// Epoch = max(both proposals) + 1, from our proposal and the peer's; none
-/// if the peer's leaps more than [`MAX_EPOCH_LEAP`] past ours, or if the
-/// sum would wrap (a wrapped epoch would run below the ones it must
-/// supersede).
-pub fn agreed_epoch(ours: Epoch, theirs: Epoch) -> Result<Epoch, BootstrapError> {
-    if theirs.0 > ours.0.saturating_add(MAX_EPOCH_LEAP) {
-        return Err(BootstrapError::EpochLeap { ours, theirs });
-    }
-    let top = ours.max(theirs);
+/// Epoch = max(both proposals) + 1; none if that would wrap (a wrapped
+/// epoch would run below the ones it must supersede).
+pub fn agreed_epoch(a: Epoch, b: Epoch) -> Result<Epoch, BootstrapError> {
+    let top = a.max(b);
     top.0
         .checked_add(1)
         .map(Epoch)

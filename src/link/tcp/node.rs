@@ -791,6 +791,7 @@ impl<E: EpochMaker> NodeInner<E> {
         let mut sources = self.registered_sources.lock().expect("node state poisoned");
         if let Some(old) = old {
             let from = source_of(old.ip());
+            debug_assert!(sources.contains_key(&from), "a registered source uncounted");
             if let Some(count) = sources.get_mut(&from) {
                 *count -= 1;
                 if *count == 0 {
@@ -1403,10 +1404,14 @@ async fn drive(
 }
 
 /// Which end of the bootstrap connection this node was; an accepting end
-/// carries its handshake's count, for the install to settle.
+/// carries its handshake's count, for the install to settle, and the
+/// connection's source.
 enum Side<'a> {
     Dialed,
-    Accepted(&'a mut bool),
+    Accepted {
+        counted: &'a mut bool,
+        source: IpAddr,
+    },
 }
 
 /// Installs an established epoch: a new link, attached to the mux.
@@ -1433,7 +1438,7 @@ fn install<E: EpochMaker>(
         max_slots: established.peer.max_slots,
     };
     let state = match side {
-        Side::Accepted(_) => inner.entry(&mut peers, peer),
+        Side::Accepted { .. } => inner.entry(&mut peers, peer),
         Side::Dialed => match peers.get_mut(&peer) {
             Some(state) if state.addr.is_some() => state,
             // Forgotten while the dial was under way (no address, or no
@@ -1462,15 +1467,22 @@ fn install<E: EpochMaker>(
     if established.epoch <= state.last_epoch {
         return Err(ConnectError::Superseded(state.last_epoch));
     }
+    // The source of the link being installed: a hello alone does not move
+    // a live peer's, or one host could shift its peers' count onto another.
+    let source = match &side {
+        Side::Accepted { source, .. } => Some(*source),
+        Side::Dialed => state.source,
+    };
     // A stranger's read-outs count against the source it dialled in from.
     let owner = ReadOutOwner {
         peer,
         registered: state.addr.is_some(),
-        source: state.source.filter(|_| state.addr.is_none()),
+        source: source.filter(|_| state.addr.is_none()),
     };
     let link = inner
         .epochs
         .finish(armed, stream, prefix, established.epoch, owner)?;
+    state.source = source;
     let incarnation = established.peer.incarnation;
     let restarted = state.incarnation.is_some_and(|known| known != incarnation);
     if restarted {
@@ -1491,7 +1503,7 @@ fn install<E: EpochMaker>(
         });
     }
     state.wanted = false;
-    if let Side::Accepted(counted) = side {
+    if let Side::Accepted { counted, .. } = side {
         // Settled with the install: a mux asking for a link once this one
         // dies must not find the handshake still under way and be ignored.
         state.accepting = state.accepting.saturating_sub(1);
@@ -1643,7 +1655,7 @@ async fn accept_once<E: EpochMaker>(
             // Only now, for an authenticated and wanted dialer, are resources
             // made, and connected (RDMA: RTR) before we answer.
             let made = inner.epochs.accepts(&hello.endpoint).and_then(|()| {
-                let epoch = agreed_epoch(proposed, hello.proposed)?;
+                let epoch = agreed_epoch(hello.proposed, proposed)?;
                 let (prepared, endpoint) = inner.epochs.prepare()?;
                 let a = inner.epochs.arm(prepared, &hello.endpoint, epoch)?;
                 Ok((a, endpoint))
@@ -1684,7 +1696,10 @@ async fn accept_once<E: EpochMaker>(
     let armed = armed.ok_or(BootstrapError::OutOfOrder)?;
     let epoch = install(
         inner,
-        Side::Accepted(&mut guard.counted),
+        Side::Accepted {
+            counted: &mut guard.counted,
+            source,
+        },
         established,
         armed,
         stream,
@@ -1740,7 +1755,11 @@ fn decide<E: EpochMaker>(
     }
     state.accepting += 1;
     state.accepting_from = Some(hello.incarnation);
-    state.source = Some(source);
+    if !NodeInner::<E>::live(state) {
+        // Counted against this source while the handshake is under way; a
+        // live peer's moves only when this link installs.
+        state.source = Some(source);
+    }
     Ok(state.last_epoch)
 }
 
