@@ -12,6 +12,7 @@ use qpmux::link::bootstrap::DeclineReason;
 use qpmux::link::mem::{MemConfig, MemFabric};
 use qpmux::link::tcp::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
 use qpmux::link::{Link, Node};
+use qpmux::mux::protocol::Epoch;
 use qpmux::mux::{
     CloseReason, Frame, Mux, MuxConfig, MuxError, MuxTransport, PeerId, RECORD_OVERHEAD, SendError,
     SlotSender, StreamKey, Terminal,
@@ -394,17 +395,68 @@ async fn a_hello_under_a_live_id_does_not_move_its_source() {
         drop(claim);
         until(|| l_node.stats().withdrawn == 1).await;
         // x's place is still taken, and y's is free.
+        let refusals = l_node.stats().refused;
         let from_x = HostileDialer::connect_from(x, addr).await;
         let refused = from_x
             .establish(None, PeerId(11), L, Default::default())
             .await;
         assert!(refused.is_err(), "{refused:?}");
+        until(|| l_node.stats().refused > refusals).await;
+        assert_eq!(
+            l_node.last_refusal(),
+            Some(ConnectError::TooManyPeersFromSource { from: x, limit: 1 })
+        );
         let from_y = HostileDialer::connect_from(y, addr).await;
         from_y
             .establish(None, PeerId(12), L, Default::default())
             .await
             .expect("y's place is free");
         assert_eq!(l.epoch(PeerId(10)), Some(epoch), "the live link stands");
+    })
+    .await;
+}
+
+/// A live stranger re-handshaking from another source would move its
+/// place there: that source's share is checked first, so one host cannot
+/// empty its share by moving its peers onto a second address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_stranger_cannot_move_into_a_full_source() {
+    bounded(async {
+        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
+            max_peers_per_source: 1,
+            ..c
+        })
+        .await;
+        let addr = l_node.local_addr();
+        let x: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
+        let y: std::net::IpAddr = "127.0.0.3".parse().expect("literal");
+        let mut live = Vec::new();
+        for (from, id) in [(x, 10), (y, 11)] {
+            let dialer = HostileDialer::connect_from(from, addr).await;
+            let (epoch, stream) = dialer
+                .establish(None, PeerId(id), L, Default::default())
+                .await
+                .expect("each source's one place");
+            until(|| l.epoch(PeerId(id)) == Some(epoch)).await;
+            live.push(stream);
+        }
+        // x's peer, from y (proposing its running epoch, so not stale).
+        let moving = HostileDialer::connect_from(y, addr).await;
+        let refused = moving.establish(None, PeerId(10), L, Epoch(1)).await;
+        assert!(refused.is_err(), "{refused:?}");
+        until(|| l_node.last_refusal().is_some()).await;
+        assert_eq!(
+            l_node.last_refusal(),
+            Some(ConnectError::TooManyPeersFromSource { from: y, limit: 1 })
+        );
+        // From x itself the same peer may reconnect.
+        let again = HostileDialer::connect_from(x, addr).await;
+        let (epoch, _stream) = again
+            .establish(None, PeerId(10), L, Epoch(1))
+            .await
+            .expect("a reconnect from its own source");
+        until(|| l.epoch(PeerId(10)) == Some(epoch)).await;
+        drop(live);
     })
     .await;
 }
@@ -431,6 +483,8 @@ async fn what_departed_strangers_left_counts_against_their_source() {
         // A (from 127.0.0.1) leaves an unbound stream and goes; B, from
         // the same source, is refused by it.
         a_leaves_an_unbound_stream(&l_node, &l, &a_node, &a, &b_node).await;
+        // (Recorded when L's side of the handshake ends, after B heard.)
+        until(|| l_node.last_refusal().is_some()).await;
         assert_eq!(
             l_node.last_refusal(),
             Some(ConnectError::TooManyPeersFromSource {
@@ -438,6 +492,24 @@ async fn what_departed_strangers_left_counts_against_their_source() {
                 limit: 1
             })
         );
+        // A hello under A's id from a full source is refused, and does not
+        // wipe the record: a fresh id from A's source is still refused.
+        let full: std::net::IpAddr = "127.0.0.3".parse().expect("literal");
+        let holder = HostileDialer::connect_from(full, l_node.local_addr()).await;
+        let (_, _held) = holder
+            .establish(None, PeerId(30), L, Default::default())
+            .await
+            .expect("the full source's one place");
+        let as_a = HostileDialer::connect_from(full, l_node.local_addr()).await;
+        let refused = as_a.establish(None, A, L, Default::default()).await;
+        assert!(refused.is_err(), "{refused:?}");
+        let fresh = HostileDialer::connect(l_node.local_addr()).await;
+        let refused = fresh
+            .establish(None, PeerId(31), L, Default::default())
+            .await;
+        assert!(refused.is_err(), "{refused:?}");
+        let refusals = l_node.stats().peer_limit_refusals;
+        assert_eq!(refusals, 3, "B, the hello as A, the fresh id");
         // Another source gets in.
         let other =
             HostileDialer::connect_from("127.0.0.2".parse().expect("literal"), l_node.local_addr())

@@ -548,6 +548,7 @@ proptest! {
 #[test]
 fn the_agreed_epoch_is_above_both_proposals_and_never_wraps() {
     assert_eq!(agreed_epoch(Epoch(3), Epoch(7)), Ok(Epoch(8)));
+    assert_eq!(agreed_epoch(Epoch(7), Epoch(3)), Ok(Epoch(8)));
     assert_eq!(
         agreed_epoch(Epoch(u64::MAX - 1), Epoch(0)),
         Ok(Epoch(u64::MAX))

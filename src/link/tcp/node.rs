@@ -725,10 +725,16 @@ impl<E: EpochMaker> NodeInner<E> {
         source: Option<IpAddr>,
     ) -> Option<ConnectError> {
         let state = peers.get(&peer);
-        if state.is_some_and(Self::live) {
+        let registered = state.is_some_and(|s| s.addr.is_some());
+        let live = state.is_some_and(Self::live);
+        // A live stranger's handshake from another source would move its
+        // place there: checked against that source, not against the total.
+        let moving = live
+            && !registered
+            && source.is_some_and(|from| state.and_then(|s| s.source) != Some(from));
+        if live && !moving {
             return None;
         }
-        let registered = state.is_some_and(|s| s.addr.is_some());
         let mut in_table = 0;
         let mut from_source = 0;
         for (id, s) in peers {
@@ -739,23 +745,36 @@ impl<E: EpochMaker> NodeInner<E> {
             in_table += 1;
             from_source += usize::from(s.addr.is_none() && source.is_some() && s.source == source);
         }
-        // Gone from the table, still holding something here (sorted).
-        let gone: Vec<PeerId> = match self.mux.get() {
-            Some(mux) if !registered || source.is_some() => mux
-                .peers_holding()
-                .into_iter()
-                .filter(|id| *id != peer && !peers.contains_key(id))
-                .collect(),
+        // Peers gone from the table that the mux still keeps (sorted), and
+        // whether each holds something.
+        let kept = match self.mux.get() {
+            Some(mux) if !registered => mux.peers_kept(),
             _ => Vec::new(),
         };
-        if let Some(from) = source {
+        let gone_holding = |id: &PeerId| {
+            *id != peer
+                && !peers.contains_key(id)
+                && kept
+                    .binary_search_by_key(id, |(kept, _)| *kept)
+                    .is_ok_and(|at| kept[at].1)
+        };
+        let gone = kept.iter().filter(|(id, _)| gone_holding(id)).count();
+        if let Some(from) = source.filter(|_| !registered) {
+            // A record goes once the mux keeps nothing of its peer (a task
+            // still draining may yet come to hold) or the peer is back in
+            // the table; the hello's own peer keeps its record, refused or
+            // not.
             let mut departed = self.departed();
-            departed.retain(|id, _| gone.binary_search(id).is_ok());
-            from_source += departed.values().filter(|left| **left == from).count();
+            departed.retain(|id, _| {
+                !peers.contains_key(id) && kept.binary_search_by_key(id, |(kept, _)| *kept).is_ok()
+            });
+            from_source += departed
+                .iter()
+                .filter(|(id, left)| **left == from && gone_holding(id))
+                .count();
         }
-        let gone_holding = if registered { 0 } else { gone.len() };
         let config = &self.config;
-        if in_table + gone_holding >= config.max_peers {
+        if !live && in_table + gone >= config.max_peers {
             return Some(ConnectError::TooManyPeers {
                 limit: config.max_peers,
             });
@@ -1473,11 +1492,13 @@ fn install<E: EpochMaker>(
         Side::Accepted { source, .. } => Some(*source),
         Side::Dialed => state.source,
     };
-    // A stranger's read-outs count against the source it dialled in from.
+    // A stranger counts, and its read-outs, against the source it dialled
+    // in from; a registered peer has none.
+    let source = source.filter(|_| state.addr.is_none());
     let owner = ReadOutOwner {
         peer,
         registered: state.addr.is_some(),
-        source: source.filter(|_| state.addr.is_none()),
+        source,
     };
     let link = inner
         .epochs
@@ -1755,7 +1776,7 @@ fn decide<E: EpochMaker>(
     }
     state.accepting += 1;
     state.accepting_from = Some(hello.incarnation);
-    if !NodeInner::<E>::live(state) {
+    if !NodeInner::<E>::live(state) && state.addr.is_none() {
         // Counted against this source while the handshake is under way; a
         // live peer's moves only when this link installs.
         state.source = Some(source);

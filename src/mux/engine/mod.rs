@@ -512,15 +512,32 @@ impl<L: Link> Mux<L> {
     /// opens created that nobody has bound yet (registry entries, kept
     /// until a `bind`). Sorted, each once.
     pub fn peers_holding(&self) -> Vec<PeerId> {
-        let mut holding: Vec<PeerId> = lock(&self.shared.peers)
+        self.peers_kept()
+            .into_iter()
+            .filter_map(|(peer, holding)| holding.then_some(peer))
+            .collect()
+    }
+
+    /// The peers this node has a task for or keeps unbound streams of, each
+    /// with whether it holds something ([`Mux::peers_holding`]): a peer
+    /// kept but holding nothing may still come to (its task is draining a
+    /// link). Sorted by id, each once.
+    pub fn peers_kept(&self) -> Vec<(PeerId, bool)> {
+        let mut kept: Vec<(PeerId, bool)> = lock(&self.shared.peers)
             .iter()
-            .filter(|(_, entry)| entry.control.peer_held.load(Ordering::Acquire) > 0)
-            .map(|(peer, _)| *peer)
+            .map(|(peer, entry)| (*peer, entry.control.peer_held.load(Ordering::Acquire) > 0))
             .collect();
-        holding.extend(self.shared.registry.peers_with_unbound());
-        holding.sort_unstable();
-        holding.dedup();
-        holding
+        kept.extend(
+            self.shared
+                .registry
+                .peers_with_unbound()
+                .into_iter()
+                .map(|peer| (peer, true)),
+        );
+        // Holding first within an id, so the dedup keeps it.
+        kept.sort_unstable_by_key(|(peer, holding)| (*peer, !*holding));
+        kept.dedup_by_key(|(peer, _)| *peer);
+        kept
     }
 
     fn entry(&self, peer: PeerId) -> Arc<PeerEntry<L>> {
