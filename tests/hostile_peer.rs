@@ -783,6 +783,62 @@ fn tcp_frame(
     frame
 }
 
+/// A stranger's link ended by its Goodbye is read out to its EOF before
+/// the connector lets the stranger go. Meanwhile the mux already holds the
+/// stream it opened and nobody bound, so the stranger still counts against
+/// its source: another id from there is refused. (Before, such an entry
+/// counted nowhere until the read-out ended.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closing_strangers_leftovers_count_against_its_source_before_it_is_let_go() {
+    bounded(async {
+        let config = TcpNodeConfig {
+            key: ClusterKey::new(KEY),
+            max_peers_per_source: 1,
+            ..TcpNodeConfig::new(TARGET)
+        };
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let (target_node, target) = TcpNode::start(config, any, MuxConfig::default())
+            .await
+            .expect("bind");
+        let addr = target_node.local_addr();
+        let from: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
+        let dialer = HostileDialer::connect_from(from, addr).await;
+        let (epoch, mut stream) = dialer
+            .establish(Some(KEY), EVIL, TARGET, Epoch::default())
+            .await
+            .expect("a link");
+        // An open nobody binds, then a Goodbye and no FIN: read out.
+        use tokio::io::AsyncWriteExt;
+        let key = StreamKey::new(EVIL.0, 1);
+        let frames = tcp_frame(epoch, |enc| {
+            enc.push_open(slot(0, 0), FrameSeq(0), key.anchor.0, key.session.0)
+                .expect("fits");
+            enc.push_goodbye().expect("fits");
+        });
+        stream.write_all(&frames).await.expect("write");
+        until(|| target.peers_holding() == [EVIL]).await;
+        until(|| {
+            target_node
+                .link(EVIL)
+                .is_some_and(|l| l.end_reason().is_some())
+        })
+        .await;
+        assert_eq!(target_node.stats().peers_known, 1, "not let go yet");
+        let other = HostileDialer::connect_from(from, addr).await;
+        let refused = other
+            .establish(Some(KEY), PeerId(77), TARGET, Epoch::default())
+            .await;
+        assert!(refused.is_err(), "{refused:?}");
+        until(|| target_node.last_refusal().is_some()).await;
+        assert_eq!(
+            target_node.last_refusal(),
+            Some(ConnectError::TooManyPeersFromSource { from, limit: 1 })
+        );
+        drop(stream);
+    })
+    .await;
+}
+
 /// A record from the honest node reaches the target on the running epoch.
 async fn honest_round(from: &Mux<TcpLink>, to: &Mux<TcpLink>, session: u64) {
     let key = StreamKey::new(HONEST_TCP.0, session);

@@ -461,6 +461,115 @@ async fn a_live_stranger_cannot_move_into_a_full_source() {
     .await;
 }
 
+/// A live stranger that moves to a source with room takes its place
+/// there and frees one at its old source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_moving_to_another_source_takes_its_place_there() {
+    bounded(async {
+        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
+            max_peers_per_source: 1,
+            ..c
+        })
+        .await;
+        let addr = l_node.local_addr();
+        let x: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
+        let y: std::net::IpAddr = "127.0.0.3".parse().expect("literal");
+        let first = HostileDialer::connect_from(x, addr).await;
+        let (_, old) = first
+            .establish(None, PeerId(10), L, Default::default())
+            .await
+            .expect("x's one place");
+        let moving = HostileDialer::connect_from(y, addr).await;
+        let (epoch, _moved) = moving
+            .establish(None, PeerId(10), L, Epoch(1))
+            .await
+            .expect("y has room");
+        // (The replaced link is read out to its EOF before the new one.)
+        drop(old);
+        until(|| l.epoch(PeerId(10)) == Some(epoch)).await;
+        // x has its place back; y's is taken.
+        let from_x = HostileDialer::connect_from(x, addr).await;
+        from_x
+            .establish(None, PeerId(11), L, Default::default())
+            .await
+            .expect("x's place came back");
+        let from_y = HostileDialer::connect_from(y, addr).await;
+        let refused = from_y
+            .establish(None, PeerId(12), L, Default::default())
+            .await;
+        assert!(refused.is_err(), "{refused:?}");
+        until(|| l_node.last_refusal().is_some()).await;
+        assert_eq!(
+            l_node.last_refusal(),
+            Some(ConnectError::TooManyPeersFromSource { from: y, limit: 1 })
+        );
+    })
+    .await;
+}
+
+/// Moves under way at once into one source are each checked against the
+/// others at install: two answered while the source had room for one, then
+/// both readied, install one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moves_into_a_source_at_once_install_within_its_share() {
+    bounded(async {
+        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
+            max_peers_per_source: 2,
+            ..c
+        })
+        .await;
+        let addr = l_node.local_addr();
+        let x: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
+        let y: std::net::IpAddr = "127.0.0.3".parse().expect("literal");
+        let mut live = Vec::new();
+        for (from, id) in [(x, 10), (x, 11), (y, 12)] {
+            let dialer = HostileDialer::connect_from(from, addr).await;
+            let (epoch, stream) = dialer
+                .establish(None, PeerId(id), L, Default::default())
+                .await
+                .expect("within each source's share");
+            until(|| l.epoch(PeerId(id)) == Some(epoch)).await;
+            live.push(stream);
+        }
+        // Both of x's peers, from y, answered while y has one place left.
+        let mut answered = Vec::new();
+        for id in [10, 11] {
+            let dialer = HostileDialer::connect_from(y, addr).await;
+            let (dialer, hs, epoch) = dialer
+                .answered(None, PeerId(id), L, Epoch(1))
+                .await
+                .expect("y had room at the hello");
+            assert_eq!(epoch, Epoch(2));
+            answered.push((dialer, hs));
+        }
+        let mut from_x: Vec<_> = live.drain(..2).map(Some).collect();
+        for (dialer, hs) in answered {
+            live.push(dialer.send_ready(hs).await);
+        }
+        until(|| l_node.stats().peer_limit_refusals == 1).await;
+        until(|| l_node.last_refusal().is_some()).await;
+        assert_eq!(
+            l_node.last_refusal(),
+            Some(ConnectError::TooManyPeersFromSource { from: y, limit: 2 })
+        );
+        // One moved; the other keeps its link from x.
+        let moved: Vec<usize> = (0..2)
+            .filter(|at| {
+                let link = l_node.link(PeerId(10 + *at as u64));
+                link.is_some_and(|link| link.epoch() == Epoch(2))
+            })
+            .collect();
+        assert_eq!(moved.len(), 1, "{moved:?}");
+        let (moved, stayed) = (moved[0], 1 - moved[0]);
+        // (A replaced link is read out to its EOF before the new one.)
+        drop(from_x[moved].take());
+        until(|| l.epoch(PeerId(10 + moved as u64)) == Some(Epoch(2))).await;
+        assert_eq!(l.epoch(PeerId(10 + stayed as u64)), Some(Epoch(1)));
+        drop(live);
+    })
+    .await;
+}
+
 /// What a departed stranger left here counts against its source's
 /// `max_peers_per_source` too: one host cannot take every place with ids
 /// that open a stream nobody binds and leave, while another source still

@@ -639,6 +639,43 @@ impl HostileDialer {
         }
     }
 
+    /// Runs the handshake as `me` up to the listener's answer and stops
+    /// before the ready: returns the connection and the agreed epoch, with
+    /// the ready still to send ([`HostileDialer::send_ready`]), or why not.
+    pub async fn answered(
+        mut self,
+        key: Option<&[u8]>,
+        me: PeerId,
+        to: PeerId,
+        proposed: Epoch,
+    ) -> Result<(HostileDialer, Handshake, Epoch), BootstrapError> {
+        let mut hs = self.handshake(key, me, to, proposed, 7);
+        let hello = hs.poll_transmit().expect("the hello");
+        self.stream.write_all(&hello).await.ok();
+        let mut buf = [0u8; 1024];
+        loop {
+            match hs.poll_event() {
+                Some(Event::Established(done)) => return Ok((self, hs, done.epoch)),
+                Some(Event::Declined(reason)) => return Err(BootstrapError::Declined(reason)),
+                Some(Event::PeerHello(_)) | None => {}
+            }
+            match self.stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return Err(hs.handle_eof()),
+                Ok(n) => {
+                    hs.handle_input(&buf[..n])?;
+                }
+            }
+        }
+    }
+
+    /// Sends the ready [`HostileDialer::answered`] held back; the connection
+    /// is then the link's.
+    pub async fn send_ready(mut self, mut hs: Handshake) -> TcpStream {
+        let ready = hs.poll_transmit().expect("the ready");
+        self.stream.write_all(&ready).await.expect("ready");
+        self.stream
+    }
+
     /// Writes `bytes` (ignoring a reset: the listener may have cut us already).
     pub async fn say(&mut self, bytes: &[u8]) {
         self.stream.write_all(bytes).await.ok();

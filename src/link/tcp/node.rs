@@ -735,29 +735,32 @@ impl<E: EpochMaker> NodeInner<E> {
         if live && !moving {
             return None;
         }
+        // The peers the mux keeps (sorted), and whether each holds
+        // something: asked for strangers only, whom leftovers count against.
+        let kept = match self.mux.get() {
+            Some(mux) if !registered => mux.peers_kept(),
+            _ => Vec::new(),
+        };
+        let holding = |id: &PeerId| {
+            kept.binary_search_by_key(id, |(kept, _)| *kept)
+                .is_ok_and(|at| kept[at].1)
+        };
         let mut in_table = 0;
         let mut from_source = 0;
         for (id, s) in peers {
-            let held = Self::live(s) || s.dial != Dial::Idle || s.accepting > 0;
+            // A stranger whose ended link the mux has not yet let go may
+            // leave something behind meanwhile.
+            let held = Self::live(s)
+                || s.dial != Dial::Idle
+                || s.accepting > 0
+                || (s.addr.is_none() && holding(id));
             if *id == peer || !held || (registered && s.addr.is_none()) {
                 continue;
             }
             in_table += 1;
             from_source += usize::from(s.addr.is_none() && source.is_some() && s.source == source);
         }
-        // Peers gone from the table that the mux still keeps (sorted), and
-        // whether each holds something.
-        let kept = match self.mux.get() {
-            Some(mux) if !registered => mux.peers_kept(),
-            _ => Vec::new(),
-        };
-        let gone_holding = |id: &PeerId| {
-            *id != peer
-                && !peers.contains_key(id)
-                && kept
-                    .binary_search_by_key(id, |(kept, _)| *kept)
-                    .is_ok_and(|at| kept[at].1)
-        };
+        let gone_holding = |id: &PeerId| *id != peer && !peers.contains_key(id) && holding(id);
         let gone = kept.iter().filter(|(id, _)| gone_holding(id)).count();
         if let Some(from) = source.filter(|_| !registered) {
             // A record goes once the mux keeps nothing of its peer (a task
@@ -807,6 +810,10 @@ impl<E: EpochMaker> NodeInner<E> {
     /// counted. Called under the `peers` lock.
     fn readdress(&self, state: &mut PeerState<E::Link>, addr: Option<SocketAddr>) {
         let old = std::mem::replace(&mut state.addr, addr);
+        if addr.is_some() {
+            // A registered peer counts against no source.
+            state.source = None;
+        }
         let mut sources = self.registered_sources.lock().expect("node state poisoned");
         if let Some(old) = old {
             let from = source_of(old.ip());
@@ -1448,6 +1455,19 @@ fn install<E: EpochMaker>(
     let mut peers = inner.peers();
     if inner.shutdown.load(Ordering::Acquire) {
         return Err(ConnectError::NotServing);
+    }
+    if let Side::Accepted { source, .. } = &side
+        && peers
+            .get(&peer)
+            .is_some_and(|s| NodeInner::<E>::live(s) && s.source != Some(*source))
+        && let Some(refusal) = inner.peer_limit(&peers, peer, Some(*source))
+    {
+        // A live stranger moving to another source was checked at its
+        // hello, but moves under way at once were not counted against one
+        // another: checked again here, under the lock installs take in turn.
+        // Nothing was read from the link yet, and the peer hears its death.
+        bump(&inner.counters.peer_limit_refusals);
+        return Err(refusal);
     }
     let terms = PeerTerms {
         slot_window: established.peer.slot_window,
