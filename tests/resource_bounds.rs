@@ -512,6 +512,20 @@ async fn a_stranger_moving_to_another_source_takes_its_place_there() {
 /// both readied, install one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn moves_into_a_source_at_once_install_within_its_share() {
+    moves_at_once(false).await;
+}
+
+/// As above, with the old links from x gone before the readies: the moves
+/// are installs of peers no longer live, still checked against y.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moves_whose_old_links_went_meanwhile_install_within_the_share() {
+    moves_at_once(true).await;
+}
+
+/// x holds peers 10 and 11, y holds 12 of its 2 places; both of x's
+/// peers re-link from y at once (answered, then readied), x's old links
+/// closed before the readies if `old_gone_first`. One move installs.
+async fn moves_at_once(old_gone_first: bool) {
     bounded(async {
         let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
             max_peers_per_source: 2,
@@ -543,6 +557,17 @@ async fn moves_into_a_source_at_once_install_within_its_share() {
             answered.push((dialer, hs));
         }
         let mut from_x: Vec<_> = live.drain(..2).map(Some).collect();
+        if old_gone_first {
+            from_x.clear();
+            for id in [10, 11] {
+                until(|| {
+                    l_node
+                        .link(PeerId(id))
+                        .is_some_and(|k| k.end_reason().is_some())
+                })
+                .await;
+            }
+        }
         for (dialer, hs) in answered {
             live.push(dialer.send_ready(hs).await);
         }
@@ -552,7 +577,7 @@ async fn moves_into_a_source_at_once_install_within_its_share() {
             l_node.last_refusal(),
             Some(ConnectError::TooManyPeersFromSource { from: y, limit: 2 })
         );
-        // One moved; the other keeps its link from x.
+        // One moved.
         let moved: Vec<usize> = (0..2)
             .filter(|at| {
                 let link = l_node.link(PeerId(10 + *at as u64));
@@ -562,9 +587,14 @@ async fn moves_into_a_source_at_once_install_within_its_share() {
         assert_eq!(moved.len(), 1, "{moved:?}");
         let (moved, stayed) = (moved[0], 1 - moved[0]);
         // (A replaced link is read out to its EOF before the new one.)
-        drop(from_x[moved].take());
+        if let Some(old) = from_x.get_mut(moved) {
+            drop(old.take());
+        }
         until(|| l.epoch(PeerId(10 + moved as u64)) == Some(Epoch(2))).await;
-        assert_eq!(l.epoch(PeerId(10 + stayed as u64)), Some(Epoch(1)));
+        if !old_gone_first {
+            // The other keeps its link from x.
+            assert_eq!(l.epoch(PeerId(10 + stayed as u64)), Some(Epoch(1)));
+        }
         drop(live);
     })
     .await;
@@ -918,6 +948,42 @@ async fn silent_strangers_leave_handshakes_for_registered_peers() {
             l_node.last_refusal()
         );
         assert_eq!(l_node.stats().handshakes_shed, 1);
+        drop(held);
+    })
+    .await;
+}
+
+/// A source where several registered peers live may have a handshake
+/// under way for each of them, past `max_pending_per_source`: a host or
+/// subnet of registered peers dialling at once is not shed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_of_registered_peers_may_handshake_for_each_of_them() {
+    bounded(async {
+        let (l_node, _l) = tcp_node(L, |c| TcpNodeConfig {
+            max_pending_handshakes: 8,
+            max_pending_per_source: 2,
+            handshake_timeout: Duration::from_secs(5),
+            ..c
+        })
+        .await;
+        let addr = l_node.local_addr();
+        for id in 100..103 {
+            l_node.register(PeerId(id), SocketAddr::new(addr.ip(), 1));
+        }
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(HostileDialer::connect(addr).await);
+        }
+        let mut shed = HostileDialer::silent(addr).await;
+        assert_eq!(read_to_close(&mut shed).await, 0, "closed without a word");
+        assert_eq!(l_node.stats().handshakes_shed, 1);
+        assert_eq!(
+            l_node.last_refusal(),
+            Some(ConnectError::TooManyHandshakesFromSource {
+                from: addr.ip(),
+                limit: 3
+            })
+        );
         drop(held);
     })
     .await;

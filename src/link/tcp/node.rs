@@ -542,6 +542,8 @@ struct Refusals {
     refused: WarnGate,
     shed: WarnGate,
     accept_failed: WarnGate,
+    /// Our dials a peer declined as `Unavailable`.
+    unavailable: WarnGate,
 }
 
 /// The source a handshake's share is counted against: an IPv4 address
@@ -567,7 +569,7 @@ struct SourcePermit<E: EpochMaker> {
 
 impl<E: EpochMaker> SourcePermit<E> {
     fn take(inner: &Arc<NodeInner<E>>, source: IpAddr) -> Option<SourcePermit<E>> {
-        let limit = inner.config.max_pending_per_source.max(1);
+        let limit = inner.pending_limit(source);
         let mut pending = inner.pending_by_source.lock().expect("node state poisoned");
         let count = pending.entry(source).or_insert(0);
         if *count >= limit {
@@ -793,6 +795,20 @@ impl<E: EpochMaker> NodeInner<E> {
         }
     }
 
+    /// Handshakes `source` may have under way: `max_pending_per_source`, or
+    /// as many as peers registered there, so a host or subnet of registered
+    /// peers that all dial at once is not shed.
+    fn pending_limit(&self, source: IpAddr) -> usize {
+        let registered = self
+            .registered_sources
+            .lock()
+            .expect("node state poisoned")
+            .get(&source)
+            .copied()
+            .unwrap_or(0);
+        self.config.max_pending_per_source.max(1).max(registered)
+    }
+
     /// Handshakes kept for connections from registered peers' sources.
     fn handshakes_kept(&self) -> usize {
         self.config.max_pending_handshakes.max(1) / 4
@@ -830,11 +846,14 @@ impl<E: EpochMaker> NodeInner<E> {
         }
     }
 
-    /// One more failed attempt: the wait doubles, within the configured bounds.
+    /// One more failed attempt: the wait doubles, within the configured
+    /// bounds, and up to half of it more at random, so dialers shed or
+    /// refused together do not come back in step.
     fn back_off(&self, state: &mut PeerState<E::Link>) {
         let config = &self.config;
         state.backoff = (state.backoff * 2).clamp(config.backoff_min, config.backoff_max);
-        state.retry_at = Some(Instant::now() + state.backoff);
+        let jitter = state.backoff.mul_f64(rand::random::<f64>() / 2.0);
+        state.retry_at = Some(Instant::now() + state.backoff + jitter);
     }
 
     /// The mux wants a link to `peer`: marks a dial started and returns when
@@ -1267,15 +1286,35 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     match result {
         Ok(epoch) => tracing::debug!(?peer, %epoch, "dialed"),
         Err(err) if err.is_benign() => {
+            let mut warned = false;
             if let ConnectError::DeclinedByPeer(reason) = err {
                 bump(&inner.counters.declined);
                 if reason == DeclineReason::Unavailable {
                     // Not a fault, but asking again at once would spin
-                    // (shutting down, no mux, or no resources for us).
+                    // (shutting down, no mux, at one of its limits, or no
+                    // resources for us). Once the backoff has grown to its
+                    // bound the peer keeps refusing us, likely at a limit an
+                    // operator may need to see (one decline is often a race).
                     inner.back_off(state);
+                    let warn = (state.backoff >= inner.config.backoff_max).then(|| {
+                        let mut refusals = inner.refusals.lock().expect("node state poisoned");
+                        refusals.unavailable.admit(Instant::now())
+                    });
+                    if let Some(Some(suppressed)) = warn {
+                        warned = true;
+                        tracing::warn!(
+                            ?peer,
+                            suppressed,
+                            backoff = ?state.backoff,
+                            "the peer declined our dial as unavailable (shutting down, at a peer \
+                             or handshake limit, or out of resources); retrying"
+                        );
+                    }
                 }
             }
-            tracing::debug!(?peer, %err, "dial settled elsewhere");
+            if !warned {
+                tracing::debug!(?peer, %err, "dial settled elsewhere");
+            }
         }
         Err(err) => {
             bump(&inner.counters.dial_failures);
@@ -1459,13 +1498,14 @@ fn install<E: EpochMaker>(
     if let Side::Accepted { source, .. } = &side
         && peers
             .get(&peer)
-            .is_some_and(|s| NodeInner::<E>::live(s) && s.source != Some(*source))
+            .is_some_and(|s| s.addr.is_none() && s.source != Some(*source))
         && let Some(refusal) = inner.peer_limit(&peers, peer, Some(*source))
     {
-        // A live stranger moving to another source was checked at its
-        // hello, but moves under way at once were not counted against one
-        // another: checked again here, under the lock installs take in turn.
-        // Nothing was read from the link yet, and the peer hears its death.
+        // A stranger moving to another source (its hello left a live
+        // peer's count where it was) was checked at its hello, but moves
+        // under way at once were not counted against one another: checked
+        // again here, under the lock installs take in turn. Nothing was
+        // read from the link yet, and the peer hears its death.
         bump(&inner.counters.peer_limit_refusals);
         return Err(refusal);
     }
@@ -1604,7 +1644,7 @@ async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListe
             }
         };
         let Some(source) = SourcePermit::take(&inner, from) else {
-            let limit = inner.config.max_pending_per_source.max(1);
+            let limit = inner.pending_limit(from);
             inner.shed(
                 ConnectError::TooManyHandshakesFromSource { from, limit },
                 remote,
