@@ -191,6 +191,20 @@ pub enum RdmaError {
         /// The bound.
         max: usize,
     },
+    /// A link for a peer the node did not register would take the links
+    /// of such peers past half of `max_registered`.
+    #[error(
+        "peers this node did not register hold {in_use} of the {max} registered bytes they \
+         may; {needed} more refused"
+    )]
+    StrangersRegisteredLimit {
+        /// Bytes asked for (a receive ring).
+        needed: usize,
+        /// Bytes strangers' links already hold.
+        in_use: usize,
+        /// Their bound: half of `max_registered`.
+        max: usize,
+    },
     /// `RLIMIT_MEMLOCK` is below what the node may register.
     #[error(
         "ulimit -l (RLIMIT_MEMLOCK) is {limit} bytes but {needed} bytes may be registered: \

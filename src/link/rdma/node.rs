@@ -370,15 +370,24 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
         self.peer_address(peer).map(|_| ())
     }
 
-    fn prepare(&self) -> Result<(PreparedEnd<D>, Endpoint), ConnectError> {
+    fn prepare(&self, registered: bool) -> Result<(PreparedEnd<D>, Endpoint), ConnectError> {
+        let budget = if registered {
+            self.registered.clone()
+        } else {
+            self.registered.for_strangers()
+        };
         let end = self
             .pool()
-            .and_then(|pool| {
-                PreparedEnd::on_pool(&self.device, &pool, self.config, &self.registered)
-            })
+            .and_then(|pool| PreparedEnd::on_pool(&self.device, &pool, self.config, &budget))
             .map(|end| end.with_read_outs(self.read_outs.clone()))
             .map_err(|err| {
-                tracing::warn!(%err, "creating the link's QP, CQ and MRs failed");
+                if let RdmaError::StrangersRegisteredLimit { .. } = err {
+                    // A stranger at its share: the connector's refusal
+                    // says so, at most once a second.
+                    tracing::debug!(%err, "a stranger's link refused");
+                } else {
+                    tracing::warn!(%err, "creating the link's QP, CQ and MRs failed");
+                }
                 let err = self.explain(err, MemlockLimit::current());
                 *self.last_error.lock().expect("error slot poisoned") = Some(err);
                 ConnectError::Resources
@@ -645,6 +654,10 @@ impl<D: Device + 'static> RdmaTransport<D> {
             ("qpmux_peers_known", node.peers_known),
             ("qpmux_registered_bytes", as_u64(registered.in_use())),
             ("qpmux_registered_max_bytes", as_u64(registered.max())),
+            (
+                "qpmux_registered_strangers_bytes",
+                as_u64(registered.strangers_in_use()),
+            ),
         ]);
         let pool = self.pool_stats();
         out.extend([

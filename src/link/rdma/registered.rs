@@ -22,11 +22,18 @@ use super::RdmaError;
 const PROC_LIMITS: &str = "/proc/self/limits";
 
 /// The bytes of registered memory one node may hold at once, shared by every
-/// link end it creates. Cheap to clone.
+/// link end it creates. Cheap to clone. The links of peers the node did not
+/// register (they only dialled in) reserve through
+/// [`RegisteredBudget::for_strangers`] and hold at most half of it
+/// together, so strangers cannot leave the registered peers without room.
 #[derive(Clone, Debug)]
 pub struct RegisteredBudget {
     max: usize,
     in_use: Arc<AtomicUsize>,
+    /// Bytes held by strangers' links, shared by every clone.
+    strangers_in_use: Arc<AtomicUsize>,
+    /// This clone reserves for a stranger's link.
+    stranger: bool,
 }
 
 impl RegisteredBudget {
@@ -35,7 +42,28 @@ impl RegisteredBudget {
         RegisteredBudget {
             max,
             in_use: Arc::default(),
+            strangers_in_use: Arc::default(),
+            stranger: false,
         }
+    }
+
+    /// This budget, for the link of a peer the node did not register: its
+    /// bytes count against the strangers' half as well.
+    pub fn for_strangers(&self) -> RegisteredBudget {
+        RegisteredBudget {
+            stranger: true,
+            ..self.clone()
+        }
+    }
+
+    /// The most bytes strangers' links hold together: half of the bound.
+    pub fn strangers_max(&self) -> usize {
+        self.max / 2
+    }
+
+    /// Bytes held by strangers' live registrations.
+    pub fn strangers_in_use(&self) -> usize {
+        self.strangers_in_use.load(Ordering::Acquire)
     }
 
     /// A budget that never refuses (the in-process [`super::pair`]).
@@ -53,32 +81,52 @@ impl RegisteredBudget {
         self.in_use.load(Ordering::Acquire)
     }
 
-    /// Takes `needed` bytes, or says how far over the bound that would go.
+    /// Takes `needed` bytes, or says how far over the bound that would go
+    /// (for a stranger's link, first over the strangers' half).
     pub fn reserve(&self, needed: usize) -> Result<Registration, RdmaError> {
-        let mut current = self.in_use.load(Ordering::Acquire);
-        loop {
-            let next = current
-                .checked_add(needed)
-                .filter(|&next| next <= self.max)
-                .ok_or(RdmaError::RegisteredLimit {
+        let strangers = if self.stranger {
+            let max = self.strangers_max();
+            take(&self.strangers_in_use, needed, max).map_err(|in_use| {
+                RdmaError::StrangersRegisteredLimit {
                     needed,
-                    in_use: current,
-                    max: self.max,
-                })?;
-            match self.in_use.compare_exchange_weak(
-                current,
-                next,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => {
-                    return Ok(Registration {
-                        bytes: needed,
-                        in_use: self.in_use.clone(),
-                    });
+                    in_use,
+                    max,
                 }
-                Err(seen) => current = seen,
+            })?;
+            Some(self.strangers_in_use.clone())
+        } else {
+            None
+        };
+        if let Err(in_use) = take(&self.in_use, needed, self.max) {
+            if let Some(strangers) = strangers {
+                strangers.fetch_sub(needed, Ordering::AcqRel);
             }
+            return Err(RdmaError::RegisteredLimit {
+                needed,
+                in_use,
+                max: self.max,
+            });
+        }
+        Ok(Registration {
+            bytes: needed,
+            in_use: self.in_use.clone(),
+            strangers,
+        })
+    }
+}
+
+/// Adds `needed` to `in_use` if the sum stays within `max`; else the count
+/// seen.
+fn take(in_use: &AtomicUsize, needed: usize, max: usize) -> Result<(), usize> {
+    let mut current = in_use.load(Ordering::Acquire);
+    loop {
+        let next = current
+            .checked_add(needed)
+            .filter(|&next| next <= max)
+            .ok_or(current)?;
+        match in_use.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Ok(()),
+            Err(seen) => current = seen,
         }
     }
 }
@@ -88,6 +136,8 @@ impl RegisteredBudget {
 pub struct Registration {
     bytes: usize,
     in_use: Arc<AtomicUsize>,
+    /// The strangers' count, for a stranger's link.
+    strangers: Option<Arc<AtomicUsize>>,
 }
 
 impl Registration {
@@ -100,6 +150,9 @@ impl Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         self.in_use.fetch_sub(self.bytes, Ordering::AcqRel);
+        if let Some(strangers) = &self.strangers {
+            strangers.fetch_sub(self.bytes, Ordering::AcqRel);
+        }
     }
 }
 
@@ -157,6 +210,38 @@ Max cpu time              unlimited            unlimited            seconds
 Max locked memory         8388608              16777216             bytes
 Max address space         unlimited            unlimited            bytes
 ";
+
+    /// Strangers' links hold at most half of the bound together, and give
+    /// it back with their registrations; the registered peers' links may
+    /// use the rest, and the whole bound once strangers hold nothing.
+    #[test]
+    fn strangers_hold_at_most_half_of_the_registered_bound() {
+        let budget = RegisteredBudget::new(100);
+        let strangers = budget.for_strangers();
+        let first = strangers.reserve(30).expect("within half");
+        assert_eq!(
+            strangers.reserve(30).map(|_| ()),
+            Err(RdmaError::StrangersRegisteredLimit {
+                needed: 30,
+                in_use: 30,
+                max: 50
+            })
+        );
+        assert_eq!((budget.in_use(), budget.strangers_in_use()), (30, 30));
+        let chosen = budget
+            .reserve(70)
+            .expect("the rest is the registered peers'");
+        // The whole bound refuses a stranger inside its half too, and the
+        // strangers' count comes back.
+        assert!(matches!(
+            strangers.reserve(10),
+            Err(RdmaError::RegisteredLimit { .. })
+        ));
+        assert_eq!(budget.strangers_in_use(), 30);
+        drop((first, chosen));
+        assert_eq!((budget.in_use(), budget.strangers_in_use()), (0, 0));
+        assert!(budget.reserve(100).is_ok());
+    }
 
     #[test]
     fn the_soft_memlock_limit_is_read_from_proc_limits() {

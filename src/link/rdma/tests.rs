@@ -115,6 +115,53 @@ async fn a_node_whose_pool_and_one_link_exceed_max_registered_does_not_start() {
     );
 }
 
+/// Peers the node did not register (they only dialled in) hold at most
+/// half of `max_registered` with their links: past it a stranger's dial is
+/// declined, and a peer the node registered still gets a link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_links_leave_half_of_max_registered_to_the_registered() {
+    let pool = node_config(A, 0).pool_bytes();
+    let ring = small().ring_bytes();
+    assert!(pool < ring, "the arithmetic below");
+    // Room for the pool and four rings; strangers' half: two rings.
+    let max = pool + 4 * ring + ring / 2;
+    let a = node(A, max).await;
+    let mut strangers = Vec::new();
+    for id in 2..5 {
+        let peer = node(PeerId(id), usize::MAX).await;
+        assert_eq!(peer.register(&a.address()), Ok(A));
+        strangers.push(peer);
+    }
+    for peer in &strangers[..2] {
+        peer.node()
+            .connect(A)
+            .await
+            .expect("within the strangers' half");
+    }
+    assert!(strangers[2].node().connect(A).await.is_err(), "past it");
+    assert_eq!(
+        a.last_resource_error(),
+        Some(RdmaError::StrangersRegisteredLimit {
+            needed: ring,
+            in_use: 2 * ring,
+            max: max / 2,
+        })
+    );
+    // A registered peer still gets a link, by its dial or by ours.
+    let chosen = node(PeerId(9), usize::MAX).await;
+    assert_eq!(a.register(&chosen.address()), Ok(PeerId(9)));
+    assert_eq!(chosen.register(&a.address()), Ok(A));
+    chosen
+        .node()
+        .connect(A)
+        .await
+        .expect("a registered peer's dial");
+    assert_eq!(
+        metric(&a, "qpmux_registered_bytes"),
+        Some((pool + 3 * ring) as u64)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pool_is_counted_once_and_a_link_past_max_registered_is_refused() {
     let pool = node_config(A, 0).pool_bytes();

@@ -343,8 +343,11 @@ pub trait EpochMaker: Send + Sync + 'static {
     /// dialer costs no resources; `arm` must check it again.
     fn accepts(&self, peer: &Endpoint) -> Result<(), ConnectError>;
 
-    /// Creates this side's resources; returns them and the endpoint for our hello.
-    fn prepare(&self) -> Result<(Self::Prepared, Endpoint), ConnectError>;
+    /// Creates this side's resources; returns them and the endpoint for our
+    /// hello. `registered`: the peer is one this node registered (a dial is
+    /// always to one), not a stranger that dialled in, whose links may hold
+    /// only their share of what the node keeps for links.
+    fn prepare(&self, registered: bool) -> Result<(Self::Prepared, Endpoint), ConnectError>;
 
     /// Connects `prepared` toward the peer's `endpoint` for `epoch`. After
     /// this returns the peer may send to us.
@@ -402,7 +405,7 @@ impl EpochMaker for TcpEpochs {
         }
     }
 
-    fn prepare(&self) -> Result<((), Endpoint), ConnectError> {
+    fn prepare(&self, _registered: bool) -> Result<((), Endpoint), ConnectError> {
         let max_batch = u32::try_from(self.link.max_batch).unwrap_or(TcpEndpoint::MAX_BATCH);
         Ok(((), Endpoint::Tcp(TcpEndpoint { max_batch })))
     }
@@ -1350,7 +1353,7 @@ async fn dial_once<E: EpochMaker>(
         let mut stream = TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
         // The dialer's hello carries its endpoint, so its resources come first.
-        let (prepared, endpoint) = inner.epochs.prepare()?;
+        let (prepared, endpoint) = inner.epochs.prepare(true)?;
         let hello = inner.hello(peer, proposed, endpoint);
         granted = hello.peer_credit;
         let mut hs = Handshake::dialer(inner.config.key.clone(), hello, Some(peer), fresh_nonce());
@@ -1724,8 +1727,8 @@ async fn accept_once<E: EpochMaker>(
         &mut stream,
         &mut hs,
         |hello| {
-            let proposed = match decide(inner, hello, source) {
-                Ok(proposed) => proposed,
+            let (proposed, registered) = match decide(inner, hello, source) {
+                Ok(decided) => decided,
                 Err((reason, refusal)) => {
                     local_failure = refusal;
                     return Some(Err(reason));
@@ -1737,7 +1740,7 @@ async fn accept_once<E: EpochMaker>(
             // made, and connected (RDMA: RTR) before we answer.
             let made = inner.epochs.accepts(&hello.endpoint).and_then(|()| {
                 let epoch = agreed_epoch(hello.proposed, proposed)?;
-                let (prepared, endpoint) = inner.epochs.prepare()?;
+                let (prepared, endpoint) = inner.epochs.prepare(registered)?;
                 let a = inner.epochs.arm(prepared, &hello.endpoint, epoch)?;
                 Ok((a, endpoint))
             });
@@ -1792,12 +1795,13 @@ async fn accept_once<E: EpochMaker>(
 }
 
 /// The listener's answer to an authenticated dialer's hello: the epoch we
-/// propose, or why we decline (with the error to log when it is a refusal).
+/// propose and whether we registered the peer, or why we decline (with the
+/// error to log when it is a refusal).
 fn decide<E: EpochMaker>(
     inner: &NodeInner<E>,
     hello: &HelloFields,
     source: IpAddr,
-) -> Result<Epoch, (DeclineReason, Option<ConnectError>)> {
+) -> Result<(Epoch, bool), (DeclineReason, Option<ConnectError>)> {
     if inner.shutdown.load(Ordering::Acquire) || inner.mux.get().is_none() {
         return Err((DeclineReason::Unavailable, None));
     }
@@ -1841,7 +1845,7 @@ fn decide<E: EpochMaker>(
         // live peer's moves only when this link installs.
         state.source = Some(source);
     }
-    Ok(state.last_epoch)
+    Ok((state.last_epoch, state.addr.is_some()))
 }
 
 #[cfg(test)]
