@@ -50,9 +50,10 @@ pub struct Dialing<'a, E: EpochMaker> {
 }
 
 impl<E: EpochMaker> Dialing<'_, E> {
-    /// One wait plus one attempt: the longest a relink may take.
+    /// One wait (up to half of it more as jitter) plus one attempt: the
+    /// longest a relink may take.
     fn relink_bound(&self) -> Duration {
-        self.backoff_max + self.handshake_timeout
+        self.backoff_max * 3 / 2 + self.handshake_timeout
     }
 
     async fn live_link(&self, peer: PeerId, what: &str) -> E::Link {

@@ -63,7 +63,9 @@ pub struct RdmaNodeConfig {
     /// Bytes of registered memory the node may hold at once: the send pool
     /// ([`RdmaNodeConfig::pool_bytes`]) plus each link end's receive ring
     /// ([`RdmaConfig::ring_bytes`]); a link past it is refused with
-    /// [`RdmaError::RegisteredLimit`]. Default 1 GiB.
+    /// [`RdmaError::RegisteredLimit`]. The links of peers the node did not
+    /// register hold at most half of what the pool leaves
+    /// ([`RdmaError::StrangersRegisteredLimit`]). Default 1 GiB.
     pub max_registered: usize,
     /// Send buffers of `rdma.max_batch` bytes in the device's send pool,
     /// one MR shared by every link; each link holds at most
@@ -208,6 +210,10 @@ impl<D: Device + 'static> RdmaEpochs<D> {
             self.pool_buffers,
             &self.registered,
         )?;
+        // The pool is the node's for its life: strangers' links share half
+        // of what it leaves.
+        self.registered
+            .keep_for_the_node(self.config.max_batch.saturating_mul(self.pool_buffers));
         *slot = Some(pool.clone());
         Ok(pool)
     }
@@ -611,6 +617,15 @@ impl<D: Device + 'static> RdmaTransport<D> {
         if let Err(err) = epochs.pool() {
             let err = epochs.explain(err, MemlockLimit::current());
             return Err(io::Error::other(err));
+        }
+        let strangers = epochs.registered().strangers_max();
+        if strangers < config.rdma.ring_bytes() {
+            tracing::warn!(
+                strangers,
+                ring = config.rdma.ring_bytes(),
+                "half of max_registered after the send pool holds no receive ring: peers this \
+                 node does not register cannot link; raise max_registered"
+            );
         }
         let node = Connector::bind_with(config.connector, epochs, config.bind).await?;
         let mux = Mux::new(config.mux, node.dialer());

@@ -24,7 +24,8 @@ const PROC_LIMITS: &str = "/proc/self/limits";
 /// The bytes of registered memory one node may hold at once, shared by every
 /// link end it creates. Cheap to clone. The links of peers the node did not
 /// register (they only dialled in) reserve through
-/// [`RegisteredBudget::for_strangers`] and hold at most half of it
+/// [`RegisteredBudget::for_strangers`] and hold at most half of what the
+/// node's own registrations leave ([`RegisteredBudget::keep_for_the_node`])
 /// together, so strangers cannot leave the registered peers without room.
 #[derive(Clone, Debug)]
 pub struct RegisteredBudget {
@@ -32,6 +33,8 @@ pub struct RegisteredBudget {
     in_use: Arc<AtomicUsize>,
     /// Bytes held by strangers' links, shared by every clone.
     strangers_in_use: Arc<AtomicUsize>,
+    /// Their bound, shared by every clone.
+    strangers_max: Arc<AtomicUsize>,
     /// This clone reserves for a stranger's link.
     stranger: bool,
 }
@@ -43,8 +46,16 @@ impl RegisteredBudget {
             max,
             in_use: Arc::default(),
             strangers_in_use: Arc::default(),
+            strangers_max: Arc::new(AtomicUsize::new(max / 2)),
             stranger: false,
         }
+    }
+
+    /// `bytes` of the bound go to the node itself for its life (its send
+    /// pool): strangers' links hold at most half of the rest.
+    pub fn keep_for_the_node(&self, bytes: usize) {
+        let rest = self.max.saturating_sub(bytes);
+        self.strangers_max.store(rest / 2, Ordering::Release);
     }
 
     /// This budget, for the link of a peer the node did not register: its
@@ -56,9 +67,10 @@ impl RegisteredBudget {
         }
     }
 
-    /// The most bytes strangers' links hold together: half of the bound.
+    /// The most bytes strangers' links hold together: half of the bound,
+    /// less what is kept for the node.
     pub fn strangers_max(&self) -> usize {
-        self.max / 2
+        self.strangers_max.load(Ordering::Acquire)
     }
 
     /// Bytes held by strangers' live registrations.
@@ -231,6 +243,10 @@ Max address space         unlimited            unlimited            bytes
         let chosen = budget
             .reserve(70)
             .expect("the rest is the registered peers'");
+        // Kept for the node's pool, the strangers' half shrinks with it.
+        budget.keep_for_the_node(20);
+        assert_eq!(budget.strangers_max(), 40);
+        budget.keep_for_the_node(0);
         // The whole bound refuses a stranger inside its half too, and the
         // strangers' count comes back.
         assert!(matches!(

@@ -123,7 +123,8 @@ async fn strangers_links_leave_half_of_max_registered_to_the_registered() {
     let pool = node_config(A, 0).pool_bytes();
     let ring = small().ring_bytes();
     assert!(pool < ring, "the arithmetic below");
-    // Room for the pool and four rings; strangers' half: two rings.
+    // Room for the pool and four rings and a half; strangers' half of
+    // what the pool leaves: two rings and a quarter.
     let max = pool + 4 * ring + ring / 2;
     let a = node(A, max).await;
     let mut strangers = Vec::new();
@@ -144,10 +145,14 @@ async fn strangers_links_leave_half_of_max_registered_to_the_registered() {
         Some(RdmaError::StrangersRegisteredLimit {
             needed: ring,
             in_use: 2 * ring,
-            max: max / 2,
+            max: (max - pool) / 2,
         })
     );
-    // A registered peer still gets a link, by its dial or by ours.
+    assert_eq!(
+        metric(&a, "qpmux_registered_strangers_bytes"),
+        Some(2 * ring as u64)
+    );
+    // Registered peers still get links, by their dial or by ours.
     let chosen = node(PeerId(9), usize::MAX).await;
     assert_eq!(a.register(&chosen.address()), Ok(PeerId(9)));
     assert_eq!(chosen.register(&a.address()), Ok(A));
@@ -156,9 +161,16 @@ async fn strangers_links_leave_half_of_max_registered_to_the_registered() {
         .connect(A)
         .await
         .expect("a registered peer's dial");
+    let dialled = node(PeerId(10), usize::MAX).await;
+    assert_eq!(a.register(&dialled.address()), Ok(PeerId(10)));
+    a.node().connect(PeerId(10)).await.expect("our dial");
     assert_eq!(
         metric(&a, "qpmux_registered_bytes"),
-        Some((pool + 3 * ring) as u64)
+        Some((pool + 4 * ring) as u64)
+    );
+    assert_eq!(
+        metric(&a, "qpmux_registered_strangers_bytes"),
+        Some(2 * ring as u64)
     );
 }
 

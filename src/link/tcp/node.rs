@@ -62,7 +62,8 @@ pub struct TcpNodeConfig {
     pub handshake_timeout: Duration,
     /// First backoff after a failed dial. Default 50 ms.
     pub backoff_min: Duration,
-    /// Largest backoff. Default 5 s.
+    /// Largest backoff (each wait adds up to half of it at random).
+    /// Default 5 s.
     pub backoff_max: Duration,
     /// Handshakes accepted concurrently; more connections are closed at
     /// once. A quarter of them is kept for sources that are registered
@@ -70,7 +71,9 @@ pub struct TcpNodeConfig {
     pub max_pending_handshakes: usize,
     /// Of those, handshakes from one source (an IPv4 address, or an IPv6
     /// /64); its further connections are closed at once, so one host's
-    /// silent dialers cannot fill the pool. Default 16.
+    /// silent dialers cannot fill the pool. A source where more peers are
+    /// registered may have one under way for each (at most half the pool).
+    /// Default 16.
     pub max_pending_per_source: usize,
     /// Peers with a live link or a dial or handshake under way, and peers
     /// gone whose bytes are still held here unread; a new peer beyond this
@@ -153,6 +156,10 @@ impl TcpNodeConfig {
     }
 }
 
+/// Our dials a peer declines `Unavailable` in a row before the dialer
+/// warns (at most once a second per node): one is often a race.
+const DECLINES_WORTH_A_WARNING: u32 = 5;
+
 /// Handshakes one peer may have under way here at once: one, and a
 /// restarted process's while its old one times out. An accepted hello makes
 /// the epoch's resources before it is answered, so without a cap one peer
@@ -230,13 +237,14 @@ pub enum ConnectError {
         /// [`MAX_ACCEPTS_PER_PEER`].
         limit: usize,
     },
-    /// An incoming connection's source IP already had
-    /// `max_pending_per_source` handshakes under way; closed without a word.
+    /// An incoming connection's source IP already had its limit of
+    /// handshakes under way; closed without a word.
     #[error("{limit} handshakes already pending from {from}")]
     TooManyHandshakesFromSource {
         /// The connection's source: its IPv4 address, or its IPv6 /64.
         from: IpAddr,
-        /// The configured `max_pending_per_source`.
+        /// `max_pending_per_source`, or the number of peers registered at
+        /// that source if larger (at most half of `max_pending_handshakes`).
         limit: usize,
     },
 }
@@ -482,6 +490,8 @@ struct PeerState<L> {
     current: Option<L>,
     backoff: Duration,
     retry_at: Option<Instant>,
+    /// Our dials the peer declined `Unavailable` in a row.
+    declines: u32,
 }
 
 impl<L> Default for PeerState<L> {
@@ -499,6 +509,7 @@ impl<L> Default for PeerState<L> {
             current: None,
             backoff: Duration::ZERO,
             retry_at: None,
+            declines: 0,
         }
     }
 }
@@ -799,8 +810,9 @@ impl<E: EpochMaker> NodeInner<E> {
     }
 
     /// Handshakes `source` may have under way: `max_pending_per_source`, or
-    /// as many as peers registered there, so a host or subnet of registered
-    /// peers that all dial at once is not shed.
+    /// as many as peers registered there (up to half the pool, so one
+    /// source cannot take every handshake), so a host or subnet of
+    /// registered peers that all dial at once is not shed.
     fn pending_limit(&self, source: IpAddr) -> usize {
         let registered = self
             .registered_sources
@@ -809,7 +821,8 @@ impl<E: EpochMaker> NodeInner<E> {
             .get(&source)
             .copied()
             .unwrap_or(0);
-        self.config.max_pending_per_source.max(1).max(registered)
+        let per_source = self.config.max_pending_per_source.max(1);
+        per_source.max(registered.min(self.config.max_pending_handshakes.max(1) / 2))
     }
 
     /// Handshakes kept for connections from registered peers' sources.
@@ -1151,7 +1164,8 @@ impl<E: EpochMaker> Connector<E> {
 
     /// How long the next dial to `peer` waits after a failure: zero until an
     /// attempt fails, doubled by each failed dial and each epoch that ended
-    /// without carrying a batch, zero again once an epoch carried one.
+    /// without carrying a batch, zero again once an epoch carried one (the
+    /// wait itself adds up to half of it at random).
     pub fn backoff(&self, peer: PeerId) -> Duration {
         self.inner
             .peers()
@@ -1286,6 +1300,12 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
         inner.release(peers, peer);
         return;
     }
+    if !matches!(
+        result,
+        Err(ConnectError::DeclinedByPeer(DeclineReason::Unavailable))
+    ) {
+        state.declines = 0;
+    }
     match result {
         Ok(epoch) => tracing::debug!(?peer, %epoch, "dialed"),
         Err(err) if err.is_benign() => {
@@ -1295,11 +1315,12 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
                 if reason == DeclineReason::Unavailable {
                     // Not a fault, but asking again at once would spin
                     // (shutting down, no mux, at one of its limits, or no
-                    // resources for us). Once the backoff has grown to its
-                    // bound the peer keeps refusing us, likely at a limit an
-                    // operator may need to see (one decline is often a race).
+                    // resources for us). A peer that keeps refusing us is
+                    // likely at a limit an operator may need to see (one
+                    // decline is often a race).
                     inner.back_off(state);
-                    let warn = (state.backoff >= inner.config.backoff_max).then(|| {
+                    state.declines = state.declines.saturating_add(1);
+                    let warn = (state.declines >= DECLINES_WORTH_A_WARNING).then(|| {
                         let mut refusals = inner.refusals.lock().expect("node state poisoned");
                         refusals.unavailable.admit(Instant::now())
                     });
@@ -1309,8 +1330,9 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
                             ?peer,
                             suppressed,
                             backoff = ?state.backoff,
-                            "the peer declined our dial as unavailable (shutting down, at a peer \
-                             or handshake limit, or out of resources); retrying"
+                            declines = state.declines,
+                            "the peer keeps declining our dials as unavailable (shutting down, at \
+                             a peer limit, or out of resources for us); retrying"
                         );
                     }
                 }
