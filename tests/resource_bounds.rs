@@ -4,7 +4,7 @@
 
 mod hostile;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use hostile::{HostileDialer, bounded, read_to_close, until};
@@ -18,6 +18,7 @@ use qpmux::mux::{
     SlotSender, StreamKey, Terminal,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 const L: PeerId = PeerId(1);
 const A: PeerId = PeerId(2);
@@ -252,6 +253,77 @@ async fn a_node_at_max_peers_refuses_a_new_peer_by_name_both_ways() {
     .await;
 }
 
+/// Loopback sources for the per-source tests (any of 127/8 works on
+/// loopback; real nodes dial from `HOME`).
+const HOME: &str = "127.0.0.1";
+const X: &str = "127.0.0.2";
+const Y: &str = "127.0.0.3";
+
+fn ip(text: &str) -> IpAddr {
+    text.parse().expect("an address")
+}
+
+/// L, shaped by the test, and strangers' handshakes with it.
+struct Listener {
+    node: TcpNode,
+    mux: Mux<TcpLink>,
+    addr: SocketAddr,
+}
+
+impl Listener {
+    async fn new(shape: impl FnOnce(TcpNodeConfig) -> TcpNodeConfig) -> Listener {
+        let (node, mux) = tcp_node(L, shape).await;
+        let addr = node.local_addr();
+        Listener { node, mux, addr }
+    }
+
+    /// L with at most `limit` strangers' places a source.
+    async fn per_source(limit: usize) -> Listener {
+        Listener::new(|c| TcpNodeConfig {
+            max_peers_per_source: limit,
+            ..c
+        })
+        .await
+    }
+
+    /// Stranger `id` links from `from`, proposing `proposed`: the link's
+    /// connection, once L has installed it (L's mux may still be reading
+    /// out a link it replaced).
+    async fn link(&self, from: &str, id: u64, proposed: Epoch) -> TcpStream {
+        let dialer = HostileDialer::connect_from(ip(from), self.addr).await;
+        let (epoch, stream) = dialer
+            .establish(None, PeerId(id), L, proposed)
+            .await
+            .expect("a place");
+        until(|| {
+            self.node
+                .link(PeerId(id))
+                .is_some_and(|k| k.epoch() == epoch)
+        })
+        .await;
+        stream
+    }
+
+    /// Stranger `id`'s handshake from `from` is refused, and L records why.
+    async fn refuses(&self, from: &str, id: u64, proposed: Epoch, why: ConnectError) {
+        let before = self.node.stats().refused;
+        let dialer = HostileDialer::connect_from(ip(from), self.addr).await;
+        let refused = dialer.establish(None, PeerId(id), L, proposed).await;
+        assert!(refused.is_err(), "{refused:?}");
+        // (Recorded when L's side of the handshake ends, after the dialer heard.)
+        until(|| self.node.stats().refused > before).await;
+        assert_eq!(self.node.last_refusal(), Some(why));
+    }
+}
+
+/// Why a stranger from `from` is refused when its source is full.
+fn source_full(from: &str, limit: usize) -> ConnectError {
+    ConnectError::TooManyPeersFromSource {
+        from: ip(from),
+        limit,
+    }
+}
+
 /// Peers that dialled in unasked (strangers) count against everyone, but a
 /// registered peer counts against registered peers only: strangers holding
 /// every place cannot keep the node from the peers it chose, dialled or
@@ -260,44 +332,29 @@ async fn a_node_at_max_peers_refuses_a_new_peer_by_name_both_ways() {
 async fn strangers_cannot_lock_a_node_out_of_its_registered_peers() {
     bounded(async {
         let room = 2;
-        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
+        let l = Listener::new(|c| TcpNodeConfig {
             max_peers: room,
             ..c
         })
         .await;
-        let addr = l_node.local_addr();
         // Strangers take every place, with live links.
         let mut strangers = Vec::new();
         for id in 10..10 + room as u64 {
-            let dialer = HostileDialer::connect(addr).await;
-            let (epoch, stream) = dialer
-                .establish(None, PeerId(id), L, Default::default())
-                .await
-                .expect("a place left");
-            until(|| l.epoch(PeerId(id)) == Some(epoch)).await;
-            strangers.push(stream);
+            strangers.push(l.link(HOME, id, Epoch::default()).await);
         }
         // L dials C, registered, past them.
         let (b_node, _b) = tcp_node(B, |c| c).await;
         let (c_node, _c) = tcp_node(C, |c| c).await;
-        l_node.register(C, c_node.local_addr());
-        assert!(l_node.connect(C).await.is_ok());
+        l.node.register(C, c_node.local_addr());
+        assert!(l.node.connect(C).await.is_ok());
         // And B, registered, dials in.
-        l_node.register(B, b_node.local_addr());
-        b_node.register(L, addr);
+        l.node.register(B, b_node.local_addr());
+        b_node.register(L, l.addr);
         assert!(b_node.connect(L).await.is_ok());
-        assert_eq!(l_node.stats().peer_limit_refusals, 0);
+        assert_eq!(l.node.stats().peer_limit_refusals, 0);
         // Another stranger is refused: the table holds twice `max_peers`.
-        let one_more = HostileDialer::connect(addr).await;
-        let refused = one_more
-            .establish(None, PeerId(20), L, Default::default())
-            .await;
-        assert!(refused.is_err(), "{refused:?}");
-        until(|| l_node.last_refusal().is_some()).await;
-        assert_eq!(
-            l_node.last_refusal(),
-            Some(ConnectError::TooManyPeers { limit: room })
-        );
+        let full = ConnectError::TooManyPeers { limit: room };
+        l.refuses(HOME, 20, Epoch::default(), full).await;
         drop(strangers);
     })
     .await;
@@ -311,49 +368,23 @@ async fn strangers_cannot_lock_a_node_out_of_its_registered_peers() {
 async fn one_source_cannot_take_every_peer_place() {
     bounded(async {
         let per_source = 2;
-        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
-            max_peers_per_source: per_source,
-            ..c
-        })
-        .await;
-        let addr = l_node.local_addr();
-        let loud: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
+        let l = Listener::per_source(per_source).await;
         let mut links = Vec::new();
         for id in 10..10 + per_source as u64 {
-            let dialer = HostileDialer::connect_from(loud, addr).await;
-            let (epoch, stream) = dialer
-                .establish(None, PeerId(id), L, Default::default())
-                .await
-                .expect("within the source's share");
-            until(|| l.epoch(PeerId(id)) == Some(epoch)).await;
-            links.push(stream);
+            links.push(l.link(X, id, Epoch::default()).await);
         }
-        let one_more = HostileDialer::connect_from(loud, addr).await;
-        let refused = one_more
-            .establish(None, PeerId(20), L, Default::default())
-            .await;
-        assert!(refused.is_err(), "{refused:?}");
-        until(|| l_node.last_refusal().is_some()).await;
-        assert_eq!(
-            l_node.last_refusal(),
-            Some(ConnectError::TooManyPeersFromSource {
-                from: loud,
-                limit: per_source
-            })
-        );
-        // Another source (the honest node dials from 127.0.0.1) gets in.
+        let full = source_full(X, per_source);
+        l.refuses(X, 20, Epoch::default(), full).await;
+        // Another source (the honest node dials from HOME) gets in.
         let (a_node, _a) = tcp_node(A, |c| c).await;
-        a_node.register(L, addr);
+        a_node.register(L, l.addr);
         assert!(a_node.connect(L).await.is_ok());
         // One of the source's links goes, and its place comes back.
         drop(links.pop());
-        until(|| l.epoch(PeerId(10 + per_source as u64 - 1)).is_none()).await;
-        let again = HostileDialer::connect_from(loud, addr).await;
-        again
-            .establish(None, PeerId(20), L, Default::default())
-            .await
-            .expect("the place came back");
-        assert_eq!(l_node.stats().peer_limit_refusals, 1);
+        let gone = PeerId(10 + per_source as u64 - 1);
+        until(|| l.node.link(gone).is_none_or(|k| k.end_reason().is_some())).await;
+        l.link(X, 20, Epoch::default()).await;
+        assert_eq!(l.node.stats().peer_limit_refusals, 1);
     })
     .await;
 }
@@ -364,23 +395,11 @@ async fn one_source_cannot_take_every_peer_place() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hello_under_a_live_id_does_not_move_its_source() {
     bounded(async {
-        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
-            max_peers_per_source: 1,
-            ..c
-        })
-        .await;
-        let addr = l_node.local_addr();
-        let x: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
-        let y: std::net::IpAddr = "127.0.0.3".parse().expect("literal");
-        let dialer = HostileDialer::connect_from(x, addr).await;
-        let (epoch, _live) = dialer
-            .establish(None, PeerId(10), L, Default::default())
-            .await
-            .expect("x's one place");
-        until(|| l.epoch(PeerId(10)) == Some(epoch)).await;
-        // From y, a hello as that peer (a new incarnation), answered, then
+        let l = Listener::per_source(1).await;
+        let _live = l.link(X, 10, Epoch::default()).await;
+        // From Y, a hello as that peer (a new incarnation), answered, then
         // abandoned before the ready.
-        let mut claim = HostileDialer::connect_from(y, addr).await;
+        let mut claim = HostileDialer::connect_from(ip(Y), l.addr).await;
         let hello = claim.hello_of(None, PeerId(10), L, 99);
         claim.say(&hello).await;
         // The listener's hello, read whole, so our close is a FIN.
@@ -393,25 +412,13 @@ async fn a_hello_under_a_live_id_does_not_move_its_source() {
             .await
             .expect("answered");
         drop(claim);
-        until(|| l_node.stats().withdrawn == 1).await;
-        // x's place is still taken, and y's is free.
-        let refusals = l_node.stats().refused;
-        let from_x = HostileDialer::connect_from(x, addr).await;
-        let refused = from_x
-            .establish(None, PeerId(11), L, Default::default())
-            .await;
-        assert!(refused.is_err(), "{refused:?}");
-        until(|| l_node.stats().refused > refusals).await;
-        assert_eq!(
-            l_node.last_refusal(),
-            Some(ConnectError::TooManyPeersFromSource { from: x, limit: 1 })
-        );
-        let from_y = HostileDialer::connect_from(y, addr).await;
-        from_y
-            .establish(None, PeerId(12), L, Default::default())
-            .await
-            .expect("y's place is free");
-        assert_eq!(l.epoch(PeerId(10)), Some(epoch), "the live link stands");
+        until(|| l.node.stats().withdrawn == 1).await;
+        // X's place is still taken, and Y's is free.
+        l.refuses(X, 11, Epoch::default(), source_full(X, 1)).await;
+        l.link(Y, 12, Epoch::default()).await;
+        let live = l.node.link(PeerId(10)).expect("its entry");
+        assert_eq!(live.epoch(), Epoch(1));
+        assert!(live.end_reason().is_none(), "the live link stands");
     })
     .await;
 }
@@ -422,41 +429,13 @@ async fn a_hello_under_a_live_id_does_not_move_its_source() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_stranger_cannot_move_into_a_full_source() {
     bounded(async {
-        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
-            max_peers_per_source: 1,
-            ..c
-        })
-        .await;
-        let addr = l_node.local_addr();
-        let x: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
-        let y: std::net::IpAddr = "127.0.0.3".parse().expect("literal");
-        let mut live = Vec::new();
-        for (from, id) in [(x, 10), (y, 11)] {
-            let dialer = HostileDialer::connect_from(from, addr).await;
-            let (epoch, stream) = dialer
-                .establish(None, PeerId(id), L, Default::default())
-                .await
-                .expect("each source's one place");
-            until(|| l.epoch(PeerId(id)) == Some(epoch)).await;
-            live.push(stream);
-        }
-        // x's peer, from y (proposing its running epoch, so not stale).
-        let moving = HostileDialer::connect_from(y, addr).await;
-        let refused = moving.establish(None, PeerId(10), L, Epoch(1)).await;
-        assert!(refused.is_err(), "{refused:?}");
-        until(|| l_node.last_refusal().is_some()).await;
-        assert_eq!(
-            l_node.last_refusal(),
-            Some(ConnectError::TooManyPeersFromSource { from: y, limit: 1 })
-        );
-        // From x itself the same peer may reconnect.
-        let again = HostileDialer::connect_from(x, addr).await;
-        let (epoch, _stream) = again
-            .establish(None, PeerId(10), L, Epoch(1))
-            .await
-            .expect("a reconnect from its own source");
-        until(|| l.epoch(PeerId(10)) == Some(epoch)).await;
-        drop(live);
+        let l = Listener::per_source(1).await;
+        let _x = l.link(X, 10, Epoch::default()).await;
+        let _y = l.link(Y, 11, Epoch::default()).await;
+        // X's peer, from Y (proposing its running epoch, so not stale).
+        l.refuses(Y, 10, Epoch(1), source_full(Y, 1)).await;
+        // From X itself the same peer may reconnect.
+        l.link(X, 10, Epoch(1)).await;
     })
     .await;
 }
@@ -466,43 +445,15 @@ async fn a_live_stranger_cannot_move_into_a_full_source() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stranger_moving_to_another_source_takes_its_place_there() {
     bounded(async {
-        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
-            max_peers_per_source: 1,
-            ..c
-        })
-        .await;
-        let addr = l_node.local_addr();
-        let x: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
-        let y: std::net::IpAddr = "127.0.0.3".parse().expect("literal");
-        let first = HostileDialer::connect_from(x, addr).await;
-        let (_, old) = first
-            .establish(None, PeerId(10), L, Default::default())
-            .await
-            .expect("x's one place");
-        let moving = HostileDialer::connect_from(y, addr).await;
-        let (epoch, _moved) = moving
-            .establish(None, PeerId(10), L, Epoch(1))
-            .await
-            .expect("y has room");
+        let l = Listener::per_source(1).await;
+        let old = l.link(X, 10, Epoch::default()).await;
+        let _moved = l.link(Y, 10, Epoch(1)).await;
         // (The replaced link is read out to its EOF before the new one.)
         drop(old);
-        until(|| l.epoch(PeerId(10)) == Some(epoch)).await;
-        // x has its place back; y's is taken.
-        let from_x = HostileDialer::connect_from(x, addr).await;
-        from_x
-            .establish(None, PeerId(11), L, Default::default())
-            .await
-            .expect("x's place came back");
-        let from_y = HostileDialer::connect_from(y, addr).await;
-        let refused = from_y
-            .establish(None, PeerId(12), L, Default::default())
-            .await;
-        assert!(refused.is_err(), "{refused:?}");
-        until(|| l_node.last_refusal().is_some()).await;
-        assert_eq!(
-            l_node.last_refusal(),
-            Some(ConnectError::TooManyPeersFromSource { from: y, limit: 1 })
-        );
+        until(|| l.mux.epoch(PeerId(10)) == Some(Epoch(2))).await;
+        // X has its place back; Y's is taken.
+        l.link(X, 11, Epoch::default()).await;
+        l.refuses(Y, 12, Epoch::default(), source_full(Y, 1)).await;
     })
     .await;
 }
@@ -515,72 +466,57 @@ async fn moves_into_a_source_at_once_install_within_its_share() {
     moves_at_once(false).await;
 }
 
-/// As above, with the old links from x gone before the readies: the moves
-/// are installs of peers no longer live, still checked against y.
+/// As above, with the old links from X gone before the readies: the moves
+/// are installs of peers no longer live, still checked against Y.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn moves_whose_old_links_went_meanwhile_install_within_the_share() {
     moves_at_once(true).await;
 }
 
-/// x holds peers 10 and 11, y holds 12 of its 2 places; both of x's
-/// peers re-link from y at once (answered, then readied), x's old links
+/// X holds peers 10 and 11, Y holds 12 of its 2 places; both of X's
+/// peers re-link from Y at once (answered, then readied), X's old links
 /// closed before the readies if `old_gone_first`. One move installs.
 async fn moves_at_once(old_gone_first: bool) {
     bounded(async {
-        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
-            max_peers_per_source: 2,
-            ..c
-        })
-        .await;
-        let addr = l_node.local_addr();
-        let x: std::net::IpAddr = "127.0.0.2".parse().expect("literal");
-        let y: std::net::IpAddr = "127.0.0.3".parse().expect("literal");
-        let mut live = Vec::new();
-        for (from, id) in [(x, 10), (x, 11), (y, 12)] {
-            let dialer = HostileDialer::connect_from(from, addr).await;
-            let (epoch, stream) = dialer
-                .establish(None, PeerId(id), L, Default::default())
-                .await
-                .expect("within each source's share");
-            until(|| l.epoch(PeerId(id)) == Some(epoch)).await;
-            live.push(stream);
+        let l = Listener::per_source(2).await;
+        let mut from_x = Vec::new();
+        for id in [10, 11] {
+            from_x.push(Some(l.link(X, id, Epoch::default()).await));
         }
-        // Both of x's peers, from y, answered while y has one place left.
+        let _y = l.link(Y, 12, Epoch::default()).await;
+        // Both of X's peers, from Y, answered while Y has one place left.
         let mut answered = Vec::new();
         for id in [10, 11] {
-            let dialer = HostileDialer::connect_from(y, addr).await;
+            let dialer = HostileDialer::connect_from(ip(Y), l.addr).await;
             let (dialer, hs, epoch) = dialer
                 .answered(None, PeerId(id), L, Epoch(1))
                 .await
-                .expect("y had room at the hello");
+                .expect("Y had room at the hello");
             assert_eq!(epoch, Epoch(2));
             answered.push((dialer, hs));
         }
-        let mut from_x: Vec<_> = live.drain(..2).map(Some).collect();
         if old_gone_first {
             from_x.clear();
             for id in [10, 11] {
                 until(|| {
-                    l_node
+                    l.node
                         .link(PeerId(id))
                         .is_some_and(|k| k.end_reason().is_some())
                 })
                 .await;
             }
         }
+        let mut moves = Vec::new();
         for (dialer, hs) in answered {
-            live.push(dialer.send_ready(hs).await);
+            moves.push(dialer.send_ready(hs).await);
         }
-        until(|| l_node.stats().peer_limit_refusals == 1).await;
-        until(|| l_node.last_refusal().is_some()).await;
-        assert_eq!(
-            l_node.last_refusal(),
-            Some(ConnectError::TooManyPeersFromSource { from: y, limit: 2 })
-        );
+        until(|| l.node.stats().peer_limit_refusals == 1).await;
+        until(|| l.node.last_refusal().is_some()).await;
+        assert_eq!(l.node.last_refusal(), Some(source_full(Y, 2)));
         // One moved.
         let moved: Vec<usize> = (0..2)
             .filter(|at| {
-                let link = l_node.link(PeerId(10 + *at as u64));
+                let link = l.node.link(PeerId(10 + *at as u64));
                 link.is_some_and(|link| link.epoch() == Epoch(2))
             })
             .collect();
@@ -590,12 +526,11 @@ async fn moves_at_once(old_gone_first: bool) {
         if let Some(old) = from_x.get_mut(moved) {
             drop(old.take());
         }
-        until(|| l.epoch(PeerId(10 + moved as u64)) == Some(Epoch(2))).await;
+        until(|| l.mux.epoch(PeerId(10 + moved as u64)) == Some(Epoch(2))).await;
         if !old_gone_first {
-            // The other keeps its link from x.
-            assert_eq!(l.epoch(PeerId(10 + stayed as u64)), Some(Epoch(1)));
+            // The other keeps its link from X.
+            assert_eq!(l.mux.epoch(PeerId(10 + stayed as u64)), Some(Epoch(1)));
         }
-        drop(live);
     })
     .await;
 }
@@ -607,56 +542,28 @@ async fn moves_at_once(old_gone_first: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_departed_strangers_left_counts_against_their_source() {
     bounded(async {
-        let (l_node, l) = tcp_node(L, |c| TcpNodeConfig {
-            max_peers_per_source: 1,
-            ..c
-        })
-        .await;
+        let l = Listener::per_source(1).await;
         let (a_node, a) = tcp_node(A, |c| c).await;
         let (b_node, _b) = tcp_node(B, |c| c).await;
         for dialer in [&a_node, &b_node] {
-            dialer.register(L, l_node.local_addr());
+            dialer.register(L, l.addr);
         }
         assert!(a_node.connect(L).await.is_ok());
-        until(|| l.epoch(A).is_some()).await;
-        // A (from 127.0.0.1) leaves an unbound stream and goes; B, from
-        // the same source, is refused by it.
-        a_leaves_an_unbound_stream(&l_node, &l, &a_node, &a, &b_node).await;
-        // (Recorded when L's side of the handshake ends, after B heard.)
-        until(|| l_node.last_refusal().is_some()).await;
-        assert_eq!(
-            l_node.last_refusal(),
-            Some(ConnectError::TooManyPeersFromSource {
-                from: "127.0.0.1".parse().expect("literal"),
-                limit: 1
-            })
-        );
+        until(|| l.mux.epoch(A).is_some()).await;
+        // A (from HOME) leaves an unbound stream and goes; B, from the same
+        // source, is refused by it.
+        a_leaves_an_unbound_stream(&l.node, &l.mux, &a_node, &a, &b_node).await;
+        until(|| l.node.last_refusal().is_some()).await;
+        assert_eq!(l.node.last_refusal(), Some(source_full(HOME, 1)));
         // A hello under A's id from a full source is refused, and does not
         // wipe the record: a fresh id from A's source is still refused.
-        let full: std::net::IpAddr = "127.0.0.3".parse().expect("literal");
-        let holder = HostileDialer::connect_from(full, l_node.local_addr()).await;
-        let (_, _held) = holder
-            .establish(None, PeerId(30), L, Default::default())
-            .await
-            .expect("the full source's one place");
-        let as_a = HostileDialer::connect_from(full, l_node.local_addr()).await;
-        let refused = as_a.establish(None, A, L, Default::default()).await;
-        assert!(refused.is_err(), "{refused:?}");
-        let fresh = HostileDialer::connect(l_node.local_addr()).await;
-        let refused = fresh
-            .establish(None, PeerId(31), L, Default::default())
+        let _held = l.link(Y, 30, Epoch::default()).await;
+        l.refuses(Y, A.0, Epoch::default(), source_full(Y, 1)).await;
+        l.refuses(HOME, 31, Epoch::default(), source_full(HOME, 1))
             .await;
-        assert!(refused.is_err(), "{refused:?}");
-        let refusals = l_node.stats().peer_limit_refusals;
-        assert_eq!(refusals, 3, "B, the hello as A, the fresh id");
+        assert_eq!(l.node.stats().peer_limit_refusals, 3);
         // Another source gets in.
-        let other =
-            HostileDialer::connect_from("127.0.0.2".parse().expect("literal"), l_node.local_addr())
-                .await;
-        other
-            .establish(None, PeerId(20), L, Default::default())
-            .await
-            .expect("another source");
+        l.link(X, 20, Epoch::default()).await;
     })
     .await;
 }
