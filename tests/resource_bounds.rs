@@ -304,7 +304,8 @@ impl Listener {
         stream
     }
 
-    /// Stranger `id`'s handshake from `from` is refused, and L records why.
+    /// Stranger `id`'s handshake from `from` is refused, and L records why:
+    /// this refusal, the only one meanwhile.
     async fn refuses(&self, from: &str, id: u64, proposed: Epoch, why: ConnectError) {
         let before = self.node.stats().refused;
         let dialer = HostileDialer::connect_from(ip(from), self.addr).await;
@@ -313,6 +314,7 @@ impl Listener {
         // (Recorded when L's side of the handshake ends, after the dialer heard.)
         until(|| self.node.stats().refused > before).await;
         assert_eq!(self.node.last_refusal(), Some(why));
+        assert_eq!(self.node.stats().refused, before + 1);
     }
 }
 
@@ -529,7 +531,10 @@ async fn moves_at_once(old_gone_first: bool) {
         until(|| l.mux.epoch(PeerId(10 + moved as u64)) == Some(Epoch(2))).await;
         if !old_gone_first {
             // The other keeps its link from X.
-            assert_eq!(l.mux.epoch(PeerId(10 + stayed as u64)), Some(Epoch(1)));
+            let stayed = PeerId(10 + stayed as u64);
+            until(|| l.mux.epoch(stayed) == Some(Epoch(1))).await;
+            let link = l.node.link(stayed).expect("its entry");
+            assert!(link.epoch() == Epoch(1) && link.end_reason().is_none());
         }
     })
     .await;
@@ -867,13 +872,22 @@ async fn silent_strangers_leave_handshakes_for_registered_peers() {
 async fn a_source_of_registered_peers_may_handshake_for_each_of_them() {
     bounded(async {
         let (l_node, _l) = tcp_node(L, |c| TcpNodeConfig {
-            max_pending_handshakes: 8,
+            max_pending_handshakes: 12,
             max_pending_per_source: 2,
             handshake_timeout: Duration::from_secs(5),
             ..c
         })
         .await;
         let addr = l_node.local_addr();
+        let shed_past = |l_node: &TcpNode, limit: usize| {
+            assert_eq!(
+                l_node.last_refusal(),
+                Some(ConnectError::TooManyHandshakesFromSource {
+                    from: addr.ip(),
+                    limit
+                })
+            );
+        };
         for id in 100..103 {
             l_node.register(PeerId(id), SocketAddr::new(addr.ip(), 1));
         }
@@ -884,13 +898,23 @@ async fn a_source_of_registered_peers_may_handshake_for_each_of_them() {
         let mut shed = HostileDialer::silent(addr).await;
         assert_eq!(read_to_close(&mut shed).await, 0, "closed without a word");
         assert_eq!(l_node.stats().handshakes_shed, 1);
-        assert_eq!(
-            l_node.last_refusal(),
-            Some(ConnectError::TooManyHandshakesFromSource {
-                from: addr.ip(),
-                limit: 3
-            })
-        );
+        shed_past(&l_node, 3);
+        // More registered there: the raise stops at half the pool (6).
+        for id in 103..110 {
+            l_node.register(PeerId(id), SocketAddr::new(addr.ip(), 1));
+        }
+        for _ in 0..3 {
+            held.push(HostileDialer::connect(addr).await);
+        }
+        let mut shed = HostileDialer::silent(addr).await;
+        assert_eq!(read_to_close(&mut shed).await, 0, "closed without a word");
+        assert_eq!(l_node.stats().handshakes_shed, 2);
+        shed_past(&l_node, 6);
+        // Another registered source still gets one.
+        let other = ip(X);
+        l_node.register(PeerId(200), SocketAddr::new(other, 1));
+        held.push(HostileDialer::connect_from(other, addr).await);
+        assert_eq!(l_node.stats().handshakes_shed, 2);
         drop(held);
     })
     .await;

@@ -860,7 +860,8 @@ async fn a_node_waiting_out_its_backoff_accepts_the_peers_dial() {
     let long_wait = Duration::from_secs(60);
     let (a_node, a) = node_backing_off(A, long_wait).await;
     let b_config = config(B, None);
-    let b_bound = b_config.backoff_max + b_config.handshake_timeout;
+    // One wait, up to half of it more as jitter, and one handshake.
+    let b_bound = b_config.backoff_max * 3 / 2 + b_config.handshake_timeout;
     let (b_node, b) = TcpNode::start(b_config, any_port(), MuxConfig::default())
         .await
         .expect("bind");
@@ -1047,7 +1048,7 @@ async fn a_listener_giving_up_after_the_dialers_ready_costs_one_relink() {
         handshake_timeout: Duration::from_secs(2),
         ..config(A, None)
     };
-    let relink_bound = a_config.backoff_max + a_config.handshake_timeout;
+    let relink_bound = a_config.backoff_max * 3 / 2 + a_config.handshake_timeout;
     let (a_node, a) = TcpNode::start(a_config, any_port(), held_back())
         .await
         .expect("bind");

@@ -71,7 +71,7 @@ impl<E: EpochMaker> Dialing<'_, E> {
 }
 
 /// Kills `rounds` of A's links to B before any batch: each relink comes
-/// within `backoff_max + handshake_timeout`, the backoff doubles per epoch
+/// within 1.5 × `backoff_max` (the wait's jitter) + `handshake_timeout`, the backoff doubles per epoch
 /// from `backoff_min` to `backoff_max`, and A's slot, carried through every
 /// dead epoch, arrives whole once flushed. Then an epoch that carried
 /// traffic dies, and the backoff starts over at zero.

@@ -192,7 +192,8 @@ pub enum RdmaError {
         max: usize,
     },
     /// A link for a peer the node did not register would take the links
-    /// of such peers past half of `max_registered`.
+    /// of such peers past half of what the send pool leaves of
+    /// `max_registered`.
     #[error(
         "peers this node did not register hold {in_use} of the {max} registered bytes they \
          may; {needed} more refused"
@@ -202,7 +203,7 @@ pub enum RdmaError {
         needed: usize,
         /// Bytes strangers' links already hold.
         in_use: usize,
-        /// Their bound: half of `max_registered`.
+        /// Their bound: half of `max_registered` less the send pool.
         max: usize,
     },
     /// `RLIMIT_MEMLOCK` is below what the node may register.

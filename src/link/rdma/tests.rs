@@ -116,8 +116,9 @@ async fn a_node_whose_pool_and_one_link_exceed_max_registered_does_not_start() {
 }
 
 /// Peers the node did not register (they only dialled in) hold at most
-/// half of `max_registered` with their links: past it a stranger's dial is
-/// declined, and a peer the node registered still gets a link.
+/// half of what the send pool leaves of `max_registered` with their links:
+/// past it a stranger's dial is declined, and peers the node registered
+/// still get links.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strangers_links_leave_half_of_max_registered_to_the_registered() {
     let pool = node_config(A, 0).pool_bytes();

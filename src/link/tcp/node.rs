@@ -97,12 +97,14 @@ pub struct ConnectorConfig {
     pub handshake_timeout: Duration,
     /// First backoff after a failed dial.
     pub backoff_min: Duration,
-    /// Largest backoff.
+    /// Largest backoff (each wait adds up to half of it at random).
     pub backoff_max: Duration,
     /// Handshakes accepted concurrently; more connections are closed at
     /// once (a quarter kept for registered peers' sources).
     pub max_pending_handshakes: usize,
-    /// Handshakes from one source IP at once; more are closed at once.
+    /// Handshakes from one source IP at once (a source where more peers
+    /// are registered: one for each, up to half the pool); more are closed
+    /// at once.
     pub max_pending_per_source: usize,
     /// Peers with a live link or a dial or handshake under way, and peers
     /// gone whose bytes are held here; a new peer beyond this is refused
@@ -1115,6 +1117,7 @@ impl<E: EpochMaker> Connector<E> {
                 state.backoff = Duration::ZERO;
                 state.retry_at = None;
                 state.wanted = false;
+                state.declines = 0;
                 state.current.take()
             });
             (link, self.inner.let_go_told(&mut peers, peer))
@@ -1609,6 +1612,7 @@ fn install<E: EpochMaker>(
         });
     }
     state.wanted = false;
+    state.declines = 0;
     if let Side::Accepted { counted, .. } = side {
         // Settled with the install: a mux asking for a link once this one
         // dies must not find the handshake still under way and be ignored.
