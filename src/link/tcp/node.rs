@@ -485,8 +485,9 @@ struct PeerState<L> {
     /// values are partly the peer's choice; their count is not.
     floor_claim: Epoch,
     incarnation: Option<u64>,
-    /// The source (see [`source_of`]) of the last hello accepted from the
-    /// peer: while it is not registered, it counts against that source's
+    /// The source (see [`source_of`]) of the peer's last link accepted, or
+    /// of its hello under way while it has no live link; `None` once
+    /// registered. A stranger counts against that source's
     /// `max_peers_per_source`.
     source: Option<IpAddr>,
     current: Option<L>,
@@ -536,9 +537,9 @@ struct NodeInner<E: EpochMaker> {
     handshakes: Arc<Semaphore>,
     /// Handshakes under way per source IP (an entry only while one is).
     pending_by_source: Mutex<HashMap<IpAddr, usize>>,
-    /// Where peers let go of had last dialled in from, kept while the mux
-    /// may still hold what they left (pruned at each hello); locked under
-    /// the `peers` lock only.
+    /// Where strangers let go of had last dialled in from, kept while the
+    /// mux keeps a task or streams of theirs (pruned at each stranger's
+    /// hello); locked under the `peers` lock only.
     departed: Mutex<HashMap<PeerId, IpAddr>>,
     /// The sources of registered peers' addresses, with how many peers
     /// each; changed only under the `peers` lock. Connections from them may
