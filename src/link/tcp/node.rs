@@ -651,6 +651,17 @@ impl<E: EpochMaker> NodeInner<E> {
         }
     }
 
+    /// Whether an event counted by `gate` is logged at WARN now (`Some`:
+    /// how many went to DEBUG since the last).
+    fn admit(&self, gate: impl FnOnce(&mut Refusals) -> &mut WarnGate) -> Option<u64> {
+        let mut refusals = self.refusals.lock().expect("node state poisoned");
+        gate(&mut refusals).admit(Instant::now())
+    }
+
+    fn registered_sources(&self) -> MutexGuard<'_, HashMap<IpAddr, usize>> {
+        self.registered_sources.lock().expect("node state poisoned")
+    }
+
     fn peers(&self) -> MutexGuard<'_, Peers<E>> {
         self.peers.lock().expect("node state poisoned")
     }
@@ -801,12 +812,10 @@ impl<E: EpochMaker> NodeInner<E> {
                 limit: config.max_peers,
             });
         }
+        let limit = config.max_peers_per_source.max(1);
         match source {
-            Some(from) if !registered && from_source >= config.max_peers_per_source.max(1) => {
-                Some(ConnectError::TooManyPeersFromSource {
-                    from,
-                    limit: config.max_peers_per_source.max(1),
-                })
+            Some(from) if !registered && from_source >= limit => {
+                Some(ConnectError::TooManyPeersFromSource { from, limit })
             }
             _ => None,
         }
@@ -817,13 +826,7 @@ impl<E: EpochMaker> NodeInner<E> {
     /// source cannot take every handshake), so a host or subnet of
     /// registered peers that all dial at once is not shed.
     fn pending_limit(&self, source: IpAddr) -> usize {
-        let registered = self
-            .registered_sources
-            .lock()
-            .expect("node state poisoned")
-            .get(&source)
-            .copied()
-            .unwrap_or(0);
+        let registered = self.registered_sources().get(&source).copied().unwrap_or(0);
         let per_source = self.config.max_pending_per_source.max(1);
         per_source.max(registered.min(self.config.max_pending_handshakes.max(1) / 2))
     }
@@ -835,10 +838,7 @@ impl<E: EpochMaker> NodeInner<E> {
 
     /// True if `source` is the source of a registered peer's address.
     fn is_registered_source(&self, source: IpAddr) -> bool {
-        self.registered_sources
-            .lock()
-            .expect("node state poisoned")
-            .contains_key(&source)
+        self.registered_sources().contains_key(&source)
     }
 
     /// Moves `state`'s address to `addr`, keeping `registered_sources`
@@ -849,7 +849,7 @@ impl<E: EpochMaker> NodeInner<E> {
             // A registered peer counts against no source.
             state.source = None;
         }
-        let mut sources = self.registered_sources.lock().expect("node state poisoned");
+        let mut sources = self.registered_sources();
         if let Some(old) = old {
             let from = source_of(old.ip());
             debug_assert!(sources.contains_key(&from), "a registered source uncounted");
@@ -1324,10 +1324,8 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
                     // decline is often a race).
                     inner.back_off(state);
                     state.declines = state.declines.saturating_add(1);
-                    let warn = (state.declines >= DECLINES_WORTH_A_WARNING).then(|| {
-                        let mut refusals = inner.refusals.lock().expect("node state poisoned");
-                        refusals.unavailable.admit(Instant::now())
-                    });
+                    let warn = (state.declines >= DECLINES_WORTH_A_WARNING)
+                        .then(|| inner.admit(|gates| &mut gates.unavailable));
                     if let Some(Some(suppressed)) = warn {
                         warned = true;
                         tracing::warn!(
@@ -1643,11 +1641,7 @@ async fn accept_loop<E: EpochMaker>(inner: Arc<NodeInner<E>>, listener: TcpListe
             Err(err) => {
                 // Per-connection failures (aborted, fd limits): keep serving,
                 // and warn at most once per gate period.
-                let warn = {
-                    let mut refusals = inner.refusals.lock().expect("node state poisoned");
-                    refusals.accept_failed.admit(Instant::now())
-                };
-                match warn {
+                match inner.admit(|gates| &mut gates.accept_failed) {
                     Some(suppressed) => tracing::warn!(%err, suppressed, "accept failed"),
                     None => tracing::debug!(%err, "accept failed"),
                 }
