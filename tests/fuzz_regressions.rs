@@ -247,6 +247,12 @@ struct HandDriven {
 }
 
 fn hand_driven() -> HandDriven {
+    hand_driven_with_peer_on(4791)
+}
+
+/// A device at 10.0.0.1:4791 whose QP is connected to 10.0.0.2 on
+/// `peer_port`.
+fn hand_driven_with_peer_on(peer_port: u16) -> HandDriven {
     let dev = fuzzing::device(gid(1), 4791, Mtu::Mtu256, 7);
     let pd = dev.alloc_pd().expect("pd");
     let mr = dev.reg_mr(&pd, 4096, AccessFlags::LOCAL_WRITE).expect("mr");
@@ -265,7 +271,7 @@ fn hand_driven() -> HandDriven {
         dest_qpn: Qpn::new(0x200),
         rq_psn: peer_psn,
         remote_gid: gid(2),
-        remote_udp_port: 4791,
+        remote_udp_port: peer_port,
         min_rnr_timer: 1,
     })
     .expect("rtr");
@@ -283,6 +289,76 @@ fn hand_driven() -> HandDriven {
         mr,
         peer_psn,
     }
+}
+
+/// Posts one 64-byte receive on `h`'s QP.
+fn post_one_recv(h: &HandDriven) {
+    let sg = [Sge {
+        mr: &h.mr,
+        offset: 0,
+        len: 64,
+    }];
+    h.qp.post_recv(&[RecvWr {
+        wr_id: 9,
+        sg_list: &sg,
+    }])
+    .expect("post");
+}
+
+/// A SEND_ONLY at the QP's expected PSN from 10.0.0.2 on `port`, sealed for
+/// that port (so the ICRC holds).
+fn send_from_port(h: &HandDriven, port: u16, payload: &[u8]) -> Vec<u8> {
+    let mut from = ctx(2, 1);
+    from.src_port = port;
+    sealed(
+        &from,
+        request(Opcode::SendOnly, h.qp.qp_num(), h.peer_psn, None),
+        payload,
+        |_| {},
+    )
+}
+
+fn received(h: &HandDriven) -> Option<Vec<u8>> {
+    let mut wc = [WorkCompletion {
+        wr_id: 0,
+        status: WcStatus::WrFlushErr,
+        opcode: qpmux::verbs::WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        qp_num: Qpn::new(0),
+    }];
+    match h.recv_cq.poll(&mut wc).expect("poll") {
+        0 => None,
+        _ => {
+            assert_eq!(wc[0].status, WcStatus::Success);
+            Some(h.mr.read(0, wc[0].byte_len as usize).expect("read"))
+        }
+    }
+}
+
+/// A soft peer off RoCEv2's port sends from the port it named: another
+/// socket on its address (loopback, a shared host) cannot inject into the
+/// QP with a packet sealed for its own port. A peer on RoCEv2's port (rxe,
+/// a NIC) picks its source port per flow, and is heard from any.
+#[test]
+fn a_soft_peer_is_heard_only_from_the_port_it_named() {
+    let h = hand_driven_with_peer_on(4792);
+    post_one_recv(&h);
+    let now = Instant::ZERO;
+    let injected = send_from_port(&h, 4793, b"evil");
+    fuzzing::handle_datagram(&h.dev, now, gid(2), 4793, &injected);
+    assert_eq!(h.dev.stats().rx_wrong_source, 1);
+    assert_eq!(received(&h), None);
+    let peer = send_from_port(&h, 4792, b"peer");
+    fuzzing::handle_datagram(&h.dev, now, gid(2), 4792, &peer);
+    assert_eq!(received(&h).as_deref(), Some(&b"peer"[..]));
+
+    let h = hand_driven_with_peer_on(4791);
+    post_one_recv(&h);
+    let entropy = send_from_port(&h, 50_123, b"rxe");
+    fuzzing::handle_datagram(&h.dev, now, gid(2), 50_123, &entropy);
+    assert_eq!(h.dev.stats().rx_wrong_source, 0);
+    assert_eq!(received(&h).as_deref(), Some(&b"rxe"[..]));
 }
 
 #[test]

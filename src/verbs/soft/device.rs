@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 use super::Instant;
 use super::cq::CqShared;
 use super::engine::{CqSide, QpCounters, QpEngine};
-use super::wire::{Bth, DEFAULT_PKEY, IcrcContext, Packet};
+use super::wire::{Bth, DEFAULT_PKEY, IcrcContext, Packet, ROCE_V2_PORT};
 use crate::verbs::{Gid, Mtu, QpCaps, Qpn};
 
 /// Datagram counters of one device.
@@ -276,11 +276,13 @@ impl DeviceCore {
             return;
         };
         // An RC QP hears only the peer it was connected to, on our partition.
-        if entry
-            .engine
-            .path()
-            .is_some_and(|path| path.tx_ctx.dst != src)
-        {
+        // A soft peer off RoCEv2's port sends from the port it named, which
+        // tells it from other sockets on its address (loopback, a shared
+        // host); a peer on that port picks its source port per flow.
+        if entry.engine.path().is_some_and(|path| {
+            let peer = &path.tx_ctx;
+            peer.dst != src || (peer.dst_port != ROCE_V2_PORT && peer.dst_port != src_port)
+        }) {
             self.stats.rx_wrong_source += 1;
             return;
         }

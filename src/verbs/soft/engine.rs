@@ -712,7 +712,9 @@ impl QpEngine {
             }
             AethKind::Nak(code) => {
                 self.ack_through(now, psn.sub(1));
-                if self.state != QpState::Rts {
+                // A fatal NAK names the request that failed: one outstanding,
+                // not the last one acknowledged (the range's `una - 1`).
+                if self.state != QpState::Rts || self.una != psn {
                     return;
                 }
                 let status = match code {

@@ -586,6 +586,79 @@ fn stale_and_bogus_acks_are_ignored() {
     assert_eq!(Pair::completions(&mut p.a.qp).len(), 1);
 }
 
+/// A response from B to A with `kind`, naming `psn`.
+fn response(psn: Psn, kind: AethKind) -> Vec<u8> {
+    let repr = PacketRepr {
+        bth: BthRepr {
+            opcode: Opcode::Ack,
+            solicited: false,
+            mig_req: false,
+            pad_count: 0,
+            pkey: DEFAULT_PKEY,
+            dest_qp: Qpn::new(0x100),
+            ack_req: false,
+            psn,
+        },
+        aeth: Some(AethRepr { kind, msn: 0 }),
+        imm: None,
+    };
+    let mut buf = vec![0u8; 64];
+    let n = repr.emit(&ctx(2, 1), &[], &mut buf);
+    buf.truncate(n);
+    buf
+}
+
+/// A fatal NAK names a request outstanding. One naming the PSN last
+/// acknowledged (inside the range a duplicate ACK may name) neither kills
+/// an idle QP nor fails a WR the responder never refused.
+#[test]
+fn a_fatal_nak_for_an_acknowledged_psn_is_ignored() {
+    let fatal = [
+        NakCode::InvalidRequest,
+        NakCode::RemoteAccessError,
+        NakCode::RemoteOperationalError,
+    ];
+    for code in fatal {
+        let mut p = Pair::new(rts(14, 7, 7), 12);
+        p.recv(1, 64);
+        p.send(1, 8);
+        let pkts = p.transmit_a();
+        p.deliver_b(&pkts);
+        let acks = p.transmit_b();
+        p.deliver_a(&acks);
+        assert_eq!(Pair::completions(&mut p.a.qp).len(), 1);
+        // A is idle; its one PSN sent, 0xff_fff0, is acknowledged.
+        let acknowledged = Psn::new(0xff_fff0);
+        p.deliver_a(&[response(acknowledged, AethKind::Nak(code))]);
+        assert_eq!(p.a.qp.state(), QpState::Rts, "{code:?} on an idle QP");
+
+        // Busy: the next send is outstanding; a NAK for the one before it
+        // fails nothing, and the send still completes.
+        p.recv(2, 64);
+        p.send(2, 8);
+        let pkts = p.transmit_a();
+        p.deliver_a(&[response(acknowledged, AethKind::Nak(code))]);
+        assert_eq!(p.a.qp.state(), QpState::Rts, "{code:?} on a busy QP");
+        assert!(Pair::completions(&mut p.a.qp).is_empty());
+        p.deliver_b(&pkts);
+        let acks = p.transmit_b();
+        p.deliver_a(&acks);
+        let done = Pair::completions(&mut p.a.qp);
+        assert_eq!(done.len(), 1);
+        assert_eq!((done[0].1.wr_id, done[0].1.status), (2, WcStatus::Success));
+
+        // The one outstanding is the one a NAK may fail.
+        p.send(3, 8);
+        let _ = p.transmit_a();
+        p.deliver_a(&[response(acknowledged.add(2), AethKind::Nak(code))]);
+        assert_eq!(
+            p.a.qp.state(),
+            QpState::Err,
+            "{code:?} for the outstanding PSN"
+        );
+    }
+}
+
 fn forged(
     psn: u32,
     opcode: u8,

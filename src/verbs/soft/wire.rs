@@ -167,6 +167,10 @@ pub const ICRC_LEN: usize = field::ICRC_LEN;
 pub const MAX_OVERHEAD: usize = BTH_LEN + 4 + ICRC_LEN + 3;
 /// Default P_Key.
 pub const DEFAULT_PKEY: u16 = 0xffff;
+/// RoCEv2's UDP destination port (IANA). A peer listening on it (rxe, a
+/// NIC) picks its source port per flow; a soft device elsewhere sends from
+/// the port it listens on.
+pub const ROCE_V2_PORT: u16 = 4791;
 
 /// A view of a BTH over bytes.
 #[derive(Debug, Clone)]
