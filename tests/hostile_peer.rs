@@ -1225,6 +1225,7 @@ enum AnyRecord {
     Goodbye,
     Message(u32, usize, bool),
     Ping(u64),
+    Pong(u64),
 }
 
 fn any_record() -> impl proptest::strategy::Strategy<Value = AnyRecord> {
@@ -1246,6 +1247,7 @@ fn any_record() -> impl proptest::strategy::Strategy<Value = AnyRecord> {
         1 => Just(AnyRecord::Goodbye),
         1 => (seq, 0..600usize, any::<bool>()).prop_map(|(q, l, m)| AnyRecord::Message(q, l, m)),
         1 => any::<u64>().prop_map(AnyRecord::Ping),
+        1 => prop_oneof![Just(0), Just(1), Just(u64::MAX)].prop_map(AnyRecord::Pong),
     ]
 }
 
@@ -1267,6 +1269,7 @@ fn push_any(enc: &mut qpmux::mux::protocol::BatchEncoder<'_>, record: &AnyRecord
         AnyRecord::Goodbye => enc.push_goodbye(),
         AnyRecord::Message(q, len, more) => enc.push_message(FrameSeq(q), &body(len), more),
         AnyRecord::Ping(nonce) => enc.push_ping(nonce),
+        AnyRecord::Pong(nonce) => enc.push_pong(nonce),
     };
 }
 

@@ -178,6 +178,9 @@ pub(crate) struct PeerCore {
     closes_owed: BTreeMap<u32, (SlotId, CloseReason)>,
     pong_owed: Option<u64>,
     ping_owed: Option<u64>,
+    /// The highest nonce this epoch wrote in a Ping: a Pong may answer no
+    /// other (0: none written).
+    ping_written: u64,
 
     messages_out: VecDeque<OutboundMessage>,
     /// The unsent rest of the message being written, and its sender's hook.
@@ -277,6 +280,7 @@ impl PeerCore {
             closes_owed: BTreeMap::new(),
             pong_owed: None,
             ping_owed: None,
+            ping_written: 0,
             messages_out: VecDeque::new(),
             message_partial: None,
             messages_in_batch: Vec::new(),
@@ -876,6 +880,7 @@ impl PeerCore {
                 return false;
             }
             self.ping_owed = None;
+            self.ping_written = self.ping_written.max(nonce);
         }
         while let Some((&index, &(slot, reason))) = self.closes_owed.first_key_value() {
             if enc.push_close(slot, FrameSeq(0), reason).is_err() {
@@ -1246,6 +1251,14 @@ impl PeerCore {
                 Ok(())
             }
             RecordBody::Pong(nonce) => {
+                // An answer to a Ping never written would answer pings yet
+                // to come: a health check would hear a peer long gone.
+                if nonce > self.ping_written {
+                    return Err(ProtocolError::UnaskedPong {
+                        nonce,
+                        asked: self.ping_written,
+                    });
+                }
                 self.control
                     .pong_seen
                     .send_if_modified(|seen| std::mem::replace(seen, (*seen).max(nonce)) < nonce);
@@ -2578,5 +2591,41 @@ mod tests {
         core.fail_all(DropReason::EpochEnded { epoch: Epoch(1) });
         drop(core);
         assert_eq!(reports.load(Ordering::SeqCst), 0);
+    }
+
+    /// A Pong answers a Ping this epoch wrote, none other: one for a nonce
+    /// never sent would answer every ping up to it before it is asked, so a
+    /// health check would hear a peer long gone.
+    #[tokio::test]
+    async fn a_pong_for_a_ping_never_written_is_a_violation() {
+        let mut core = credited_core();
+        let unasked = feed(&mut core, |enc| enc.push_pong(u64::MAX));
+        assert!(
+            matches!(unasked, Err(ProtocolError::UnaskedPong { nonce: u64::MAX, asked: 0 })),
+            "{unasked:?}"
+        );
+
+        let mut core = credited_core();
+        let control = core.control.clone();
+        let ping = tokio::spawn(async move { control.ping().await });
+        tokio::task::yield_now().await;
+        core.handle_control(Instant::now());
+        assert_eq!(next_batch(&mut core), vec!["Ping(1)".to_string()]);
+        // The next nonce is not asked yet: answering it ahead is a lie too.
+        let ahead = feed(&mut core, |enc| enc.push_pong(2));
+        assert!(matches!(ahead, Err(ProtocolError::UnaskedPong { nonce: 2, asked: 1 })), "{ahead:?}");
+
+        drop(ping);
+        let mut core = credited_core();
+        let control = core.control.clone();
+        let ping = tokio::spawn(async move { control.ping().await });
+        tokio::task::yield_now().await;
+        core.handle_control(Instant::now());
+        assert_eq!(next_batch(&mut core), vec!["Ping(1)".to_string()]);
+        feed(&mut core, |enc| enc.push_pong(1)).expect("the answer to our ping");
+        tokio::time::timeout(std::time::Duration::from_secs(5), ping)
+            .await
+            .expect("the ping is answered")
+            .expect("the ping task");
     }
 }

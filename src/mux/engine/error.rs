@@ -104,6 +104,14 @@ pub enum ProtocolError {
     /// Records after a Goodbye.
     #[error("records after goodbye")]
     AfterGoodbye,
+    /// A Pong for a nonce no Ping of this epoch carried.
+    #[error("pong {nonce} answers no ping (the highest sent was {asked})")]
+    UnaskedPong {
+        /// The nonce the Pong carried.
+        nonce: u64,
+        /// The highest nonce this epoch sent in a Ping (0: none).
+        asked: u64,
+    },
     /// The peer opened more slots than allowed.
     #[error("peer exceeded {limit} slots")]
     TooManySlots {
