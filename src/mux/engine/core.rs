@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, OnceLock};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::ProtocolError;
@@ -98,7 +98,8 @@ struct IngressSlot {
     expected: FrameSeq,
     /// Bytes received and not yet granted back.
     outstanding: u64,
-    reassembly: Option<BytesMut>,
+    /// A record's fragments so far ([`append_fragment`]).
+    reassembly: Option<Vec<u8>>,
 }
 
 /// The slot table's per-index entry: the generation outlives the slot.
@@ -195,7 +196,7 @@ pub(crate) struct PeerCore {
     message_seq_in: FrameSeq,
     /// A message fragment was written or taken in this epoch.
     carried_messages: bool,
-    message_reassembly: Option<BytesMut>,
+    message_reassembly: Option<Vec<u8>>,
     /// Where inbound messages go: the mux's slot, read at each message, so
     /// a sink installed while this epoch runs gets the rest of it.
     sink: SinkSlot,
@@ -1288,7 +1289,7 @@ impl PeerCore {
         }
         let message = match self.message_reassembly.take() {
             None if more => {
-                self.message_reassembly = Some(BytesMut::from(body));
+                self.message_reassembly = Some(body.to_vec());
                 return Ok(());
             }
             None => Bytes::copy_from_slice(body),
@@ -1300,7 +1301,7 @@ impl PeerCore {
                         max,
                     });
                 }
-                partial.extend_from_slice(body);
+                append_fragment(&mut partial, body);
                 if more {
                     self.message_reassembly = Some(partial);
                     return Ok(());
@@ -1422,7 +1423,7 @@ impl PeerCore {
                 }
                 slot.outstanding += len;
                 if more {
-                    slot.reassembly = Some(BytesMut::from(body));
+                    slot.reassembly = Some(body.to_vec());
                     return Ok(());
                 }
                 Bytes::copy_from_slice(body)
@@ -1435,7 +1436,7 @@ impl PeerCore {
                     return Err(ProtocolError::RecordTooLarge { slot: id, len, max });
                 }
                 slot.outstanding += len;
-                partial.extend_from_slice(body);
+                append_fragment(&mut partial, body);
                 if more {
                     slot.reassembly = Some(partial);
                     return Ok(());
@@ -1594,15 +1595,25 @@ impl PeerCore {
     }
 }
 
-/// A record whose fragments grew its buffer, as it will be held: the
-/// buffer doubled as fragments came, and a frozen `BytesMut` keeps all of
-/// it, so one with much room to spare is copied to its length. Credit counts
-/// a record's length; what it pins in memory must not be up to twice that.
-fn reassembled(partial: BytesMut) -> Bytes {
+/// Appends a fragment to a record reassembling, growing its buffer to at
+/// most an eighth past its length. Credit counts a record's length while it
+/// reassembles, for as long as the peer leaves its last fragment unsent;
+/// doubling (`Vec` or `BytesMut` growth) pinned up to twice that.
+fn append_fragment(partial: &mut Vec<u8>, body: &[u8]) {
+    let needed = partial.len() + body.len();
+    if needed > partial.capacity() {
+        partial.reserve_exact(needed + needed / 8 - partial.len());
+    }
+    partial.extend_from_slice(body);
+}
+
+/// A reassembled record as it will be held: one whose buffer has much room
+/// to spare is copied to its length, since `Bytes` keeps the whole buffer.
+fn reassembled(partial: Vec<u8>) -> Bytes {
     if partial.capacity() - partial.len() > partial.len() / 8 {
         Bytes::copy_from_slice(&partial)
     } else {
-        partial.freeze()
+        Bytes::from(partial)
     }
 }
 
@@ -1887,17 +1898,48 @@ mod tests {
     /// A reassembled record with much room to spare is held at its length.
     #[test]
     fn a_reassembled_record_is_held_at_its_length() {
-        let mut grown = BytesMut::from(&[1u8; 1000][..]);
+        let mut grown = vec![1u8; 1000];
+        grown.reserve_exact(1000);
         grown.extend_from_slice(&[2u8; 100]);
-        assert!(grown.capacity() >= 2000, "the buffer doubled");
         let at = grown.as_ptr();
         let record = reassembled(grown);
         assert_eq!(record.len(), 1100);
         assert_ne!(record.as_ptr(), at, "copied to its length");
-        let mut snug = BytesMut::with_capacity(1100);
+        let mut snug = Vec::with_capacity(1100);
         snug.extend_from_slice(&[3u8; 1050]);
         let at = snug.as_ptr();
         assert_eq!(reassembled(snug).as_ptr(), at, "kept: little to spare");
+    }
+
+    /// A record the peer leaves reassembling, its last fragment never sent,
+    /// pins at most an eighth more than its length, which is what its
+    /// stream's and the peer's credit count; a message likewise.
+    #[test]
+    fn a_record_left_reassembling_pins_about_its_length() {
+        let mut core = credited_core();
+        let slot = SlotId::new(1, 0).expect("a valid index");
+        let fragment = vec![5u8; 1500];
+        feed(&mut core, |enc| {
+            enc.push_open(slot, FrameSeq(0), 7, 1)?;
+            enc.push_data(slot, FrameSeq(1), &fragment, true)
+        })
+        .expect("a first fragment");
+        for message_seq in 0..98 {
+            feed(&mut core, |enc| {
+                enc.push_data(slot, FrameSeq(message_seq + 2), &fragment, true)?;
+                enc.push_message(FrameSeq(message_seq), &fragment, true)
+            })
+            .expect("fragments within the window");
+            let partial = core.ingress[&1].reassembly.as_ref().expect("reassembling");
+            assert!(
+                partial.capacity() <= partial.len() + partial.len() / 8,
+                "{} pinned for {}",
+                partial.capacity(),
+                partial.len()
+            );
+            let message = core.message_reassembly.as_ref().expect("reassembling");
+            assert!(message.capacity() <= message.len() + message.len() / 8);
+        }
     }
 
     #[tokio::test]
@@ -2601,7 +2643,13 @@ mod tests {
         let mut core = credited_core();
         let unasked = feed(&mut core, |enc| enc.push_pong(u64::MAX));
         assert!(
-            matches!(unasked, Err(ProtocolError::UnaskedPong { nonce: u64::MAX, asked: 0 })),
+            matches!(
+                unasked,
+                Err(ProtocolError::UnaskedPong {
+                    nonce: u64::MAX,
+                    asked: 0
+                })
+            ),
             "{unasked:?}"
         );
 
@@ -2613,7 +2661,13 @@ mod tests {
         assert_eq!(next_batch(&mut core), vec!["Ping(1)".to_string()]);
         // The next nonce is not asked yet: answering it ahead is a lie too.
         let ahead = feed(&mut core, |enc| enc.push_pong(2));
-        assert!(matches!(ahead, Err(ProtocolError::UnaskedPong { nonce: 2, asked: 1 })), "{ahead:?}");
+        assert!(
+            matches!(
+                ahead,
+                Err(ProtocolError::UnaskedPong { nonce: 2, asked: 1 })
+            ),
+            "{ahead:?}"
+        );
 
         drop(ping);
         let mut core = credited_core();
