@@ -841,6 +841,14 @@ impl PeerCore {
             entry.generation = entry.generation.wrapping_add(1);
             self.free.push_back(index);
             self.live_egress -= 1;
+            if self.live_egress == 0 {
+                // Only freed slots are left on the lists: nothing would pop
+                // them under a manual flush until the next, and the peer
+                // would not read as idle meanwhile.
+                self.ready.clear();
+                self.opens_owed.clear();
+                self.peer_blocked.clear();
+            }
         }
     }
 
@@ -912,7 +920,10 @@ impl PeerCore {
             self.opening_grant_owed = false;
         }
         while let Some(&index) = self.opens_owed.front() {
-            if let Some(slot) = self.table[index as usize].slot.as_mut() {
+            // A slot the peer closed before its Open went leaves its index
+            // here; reused, the index is owed twice, and its Open goes once.
+            let slot = self.table[index as usize].slot.as_mut();
+            if let Some(slot) = slot.filter(|slot| !slot.open_sent) {
                 let key = slot.inlet.key;
                 if enc
                     .push_open(slot.id, slot.seq, key.anchor.0, key.session.0)
@@ -939,11 +950,11 @@ impl PeerCore {
             let Some(index) = self.ready.pop_front() else {
                 break;
             };
-            let owes = self.table[index as usize]
-                .slot
-                .as_ref()
-                .is_some_and(|slot| slot.flush_owed);
-            if only_owed && !owes {
+            let Some(slot) = self.table[index as usize].slot.as_ref() else {
+                // The peer closed it: nothing of it is left to write.
+                continue;
+            };
+            if only_owed && !slot.flush_owed {
                 // Waits, ready, for the next flush.
                 self.ready.push_back(index);
                 continue;
@@ -2681,5 +2692,104 @@ mod tests {
             .await
             .expect("the ping is answered")
             .expect("the ping task");
+    }
+
+    /// A slot the peer closes while it waits, ready, for a manual flush
+    /// leaves nothing behind that keeps the peer from reading as quiet.
+    #[tokio::test]
+    async fn a_slot_the_peer_closes_while_it_waits_for_a_flush_leaves_the_core_quiet() {
+        let mut core = manual_core();
+        let window = core.config.peer_window;
+        core.set_peer_terms(
+            PeerTerms::announced_by(&core.config),
+            window,
+            Instant::now(),
+        );
+        let mut tx = open(&core, 1);
+        tx.send(Bytes::from_static(b"first")).await.expect("queued");
+        core.control.request_flush();
+        core.handle_control(Instant::now());
+        assert_eq!(next_batch(&mut core).len(), 2, "the Open and the record");
+        core.batch_posted();
+        tx.send(Bytes::from_static(b"waits")).await.expect("queued");
+        core.handle_control(Instant::now());
+        assert!(next_batch(&mut core).is_empty(), "it waits for a flush");
+        assert!(!core.is_quiet());
+        let slot = SlotId::new(0, 0).expect("the first slot");
+        feed(&mut core, |enc| {
+            enc.push_close(slot, FrameSeq(0), CloseReason::ReceiverGone)
+        })
+        .expect("the peer's consumer left");
+        // A write that takes only what a flush is owed looks at the ready
+        // list once, as the driver's next turn does.
+        assert!(next_batch(&mut core).is_empty());
+        assert!(core.is_quiet(), "nothing left to write");
+    }
+
+    /// The peer may close a slot before its Open went; a slot reusing the
+    /// index then has it owed twice, and its Open still goes once.
+    #[tokio::test]
+    async fn an_open_owed_twice_under_a_reused_index_goes_once() {
+        let mut core = credited_core();
+        // A live slot keeps the lists from being cleared as empty of any.
+        let mut keeper = open(&core, 1);
+        keeper.send(Bytes::from_static(b"k")).await.expect("queued");
+        let _first = open(&core, 2);
+        core.handle_control(Instant::now());
+        let slot = SlotId::new(1, 0).expect("the second slot");
+        feed(&mut core, |enc| {
+            enc.push_close(slot, FrameSeq(0), CloseReason::Refused)
+        })
+        .expect("a close for a slot whose Open has not gone");
+        // The index comes back first, with enough free ones behind it that
+        // the table reuses one rather than growing.
+        assert_eq!(core.free.iter().collect::<Vec<_>>(), [&1]);
+        for _ in 0..REUSE_AFTER {
+            core.free.push_back(core.table.len() as u32);
+            core.table.push(IndexEntry::default());
+        }
+        let mut second = open(&core, 3);
+        second.send(Bytes::from_static(b"x")).await.expect("queued");
+        core.handle_control(Instant::now());
+        let batch = next_batch(&mut core);
+        let opens: Vec<&String> = batch.iter().filter(|r| r.starts_with("open")).collect();
+        assert_eq!(opens.len(), 2, "the keeper's and the second's: {batch:?}");
+        assert!(opens[1].starts_with("open 3"), "{batch:?}");
+    }
+
+    /// A flush a grant carries on (under a manual flush) drops a slot the
+    /// peer closed meanwhile from the ready list, instead of keeping it
+    /// there until the next flush the application asks for.
+    #[tokio::test]
+    async fn a_carried_flush_drops_a_slot_the_peer_closed() {
+        let mut core = manual_core();
+        let terms = PeerTerms {
+            slot_window: 1024,
+            ..PeerTerms::announced_by(&core.config)
+        };
+        core.set_peer_terms(terms, core.config.peer_window, Instant::now());
+        let mut tx = open(&core, 1);
+        for byte in [1u8, 2, 3] {
+            tx.send(Bytes::from(vec![byte; 600])).await.expect("queued");
+        }
+        core.control.request_flush();
+        core.handle_control(Instant::now());
+        assert_eq!(next_batch(&mut core).len(), 3, "the Open and two records");
+        core.batch_posted();
+        let mut gone = open(&core, 2);
+        gone.send(Bytes::from_static(b"gone"))
+            .await
+            .expect("queued");
+        core.handle_control(Instant::now());
+        let closed = SlotId::new(1, 0).expect("the second slot");
+        feed(&mut core, |enc| {
+            enc.push_close(closed, FrameSeq(0), CloseReason::Refused)
+        })
+        .expect("the peer refuses it");
+        let first = SlotId::new(0, 0).expect("the first slot");
+        feed(&mut core, |enc| enc.push_credit(first, 1024)).expect("within the window");
+        let carried = next_batch(&mut core);
+        assert_eq!(carried.len(), 1, "the third record: {carried:?}");
+        assert!(!core.ready.contains(&1), "{:?}", core.ready);
     }
 }
