@@ -93,6 +93,14 @@ pub enum LinkFault {
     /// while our sends hold their share of the node's send pool.
     #[error("sends stalled: the peer acknowledges too little to complete them")]
     SendsStalled,
+    /// A send completion for a work request this link never posted (a
+    /// provider's bug): retiring up to it would give back buffers the
+    /// device may still be gathering.
+    #[error("a send completion for work request {wr_id}, never posted")]
+    UnknownCompletion {
+        /// The completion's work request id.
+        wr_id: u64,
+    },
 }
 
 impl LinkFault {

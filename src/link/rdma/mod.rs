@@ -679,7 +679,9 @@ impl<D: Device + 'static> Shared<D> {
     /// Posts an empty signaled SEND behind an ended link's unsignaled tail,
     /// so its completion retires the tail (RC completes in order) and the
     /// close need not wait out its bound for SENDs nobody reports. Needs a
-    /// credit and an SQ slot; without them the bound is waited out.
+    /// credit and an SQ slot: a graceful end that finds none tries again as
+    /// one comes back ([`Shared::maybe_credit_only`]); with none the bound
+    /// is waited out.
     fn fence_locked(&self, st: &mut State<D>) {
         if st.unsignaled == 0 || st.sq_free == 0 || st.torn_down {
             return;
@@ -854,9 +856,19 @@ impl<D: Device + 'static> Shared<D> {
         Ok(())
     }
 
-    /// Sends a credit-only message if one is due and an SQ slot is free.
+    /// Sends a credit-only message if one is due and an SQ slot is free;
+    /// after a graceful end, the closing fence if it is still owed.
     fn maybe_credit_only(&self, st: &mut State<D>) -> Result<(), EpochEnd> {
-        if st.ended.is_some() || st.sq_free == 0 {
+        if st.ended.is_some() {
+            // A credit or SQ slot back while a graceful close waits (a
+            // reserved buffer given back, a completion, the peer's credit):
+            // the fence that found none may go now.
+            if !st.tearing_down && !st.cut {
+                self.fence_locked(st);
+            }
+            return Ok(());
+        }
+        if st.sq_free == 0 {
             return Ok(());
         }
         match st.credit.try_credit_only(st.reserve_waiters > 0) {
@@ -984,6 +996,7 @@ impl<D: Device + 'static> RdmaLink<D> {
             drop(chunk);
             st.sq_free += 1;
             st.credit.unreserve();
+            shared.maybe_credit_only(&mut st).ok();
             return Err(shared.ended_error(reason));
         }
         let starved = st.reserve_waiters > 0;
@@ -1040,15 +1053,22 @@ impl<D: Device + 'static> RdmaLink<D> {
         &self.shared().span
     }
 
-    /// Calls `hook` once with the reason when the epoch ends (at once if it
-    /// already has), after any hooks added before it. The bootstrap
+    /// Calls `hook` once with the reason when the epoch ends and its QP is
+    /// torn down (at once if it already is; a graceful close keeps the QP
+    /// up a while after the end), after any hooks added before it. The bootstrap
     /// connection uses it to close its liveness channel; the in-process
     /// [`pair`] uses it to end the other side.
     pub fn on_end(&self, hook: impl FnOnce(EpochEnd) + Send + 'static) {
         let shared = self.shared();
         let mut hooks = shared.on_end.lock().unwrap_or_else(PoisonError::into_inner);
         // Read apart from the match: a hook run at once may use this link.
-        let ended = shared.lock().ended;
+        // At once only after the teardown, which sets `torn_down` before it
+        // takes the hooks: during a graceful close the QP is still up, and
+        // the hooks wait for it like those added before.
+        let ended = {
+            let st = shared.lock();
+            st.ended.filter(|_| st.torn_down)
+        };
         match ended {
             Some(reason) => {
                 drop(hooks);

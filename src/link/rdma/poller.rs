@@ -65,13 +65,14 @@ impl<D: Device + 'static> Shared<D> {
     /// buffer is never reused. Not before the teardown: during a graceful
     /// close the peer may use up every receive while our last SENDs still
     /// wait for their completions, and the chunks left posted go back only
-    /// once the QP is in ERR ([`Shared::release_posted`]).
+    /// once the QP is in ERR ([`Shared::release_posted`]). Detached (every
+    /// handle dropped), nobody waits on `recv`, but a graceful close still
+    /// waits on its SENDs' completions, which only the poller sees where the
+    /// provider has no completion handler (libibverbs): done at the teardown.
     fn finished(&self) -> bool {
-        if self.detached.load(Ordering::Acquire) {
-            return true;
-        }
+        let detached = self.detached.load(Ordering::Acquire);
         let st = self.lock();
-        st.ended.is_some() && st.torn_down && st.recv_posted == 0
+        st.ended.is_some() && st.torn_down && (detached || st.recv_posted == 0)
     }
 
     /// [`Shared::poll_once`] under the `polling` lock (the poller's way in).
@@ -128,7 +129,7 @@ impl<D: Device + 'static> Shared<D> {
                 }
             }
         }
-        if st.ended.is_none() && end.is_none() {
+        if end.is_none() {
             end = self.maybe_credit_only(&mut st).err();
         }
         debug_assert!(st.credit.invariant_holds());
@@ -208,7 +209,13 @@ impl<D: Device + 'static> Shared<D> {
 
 /// One send completion: it and every WR before it are done (RC completes in
 /// order), so their chunks go back to the pool and their SQ slots come back.
-fn on_send_completion<D: Device>(st: &mut State<D>, wc: &WorkCompletion) -> Option<LinkFault> {
+pub(super) fn on_send_completion<D: Device>(
+    st: &mut State<D>,
+    wc: &WorkCompletion,
+) -> Option<LinkFault> {
+    if wc.wr_id >= st.next_wr {
+        return Some(LinkFault::UnknownCompletion { wr_id: wc.wr_id });
+    }
     while st
         .posted
         .front()

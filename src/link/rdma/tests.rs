@@ -502,6 +502,142 @@ async fn a_graceful_close_with_an_unsignaled_tail_gives_its_chunks_back() {
     assert_eq!(&recv_bytes(&b).await[..], b"two");
 }
 
+/// A graceful close decided while a reserved buffer holds the last credit
+/// finds none for its fence; the fence goes when the buffer comes back,
+/// dropped or refused at its post, so the close does not wait out its
+/// bound for an unsignaled tail.
+#[tokio::test]
+async fn a_closing_fence_that_found_no_credit_goes_when_a_reserved_buffer_comes_back() {
+    for posted in [false, true] {
+        let (da, db) = (device().await, device().await);
+        // A close bound of about 2 s, four credits, and more buffers than
+        // credits, so no send is signaled for the pool's sake.
+        let config = RdmaConfig {
+            timeout: 16,
+            recv_depth: 4,
+            send_buffers: 16,
+            ..small()
+        };
+        let (a, b) = pair(&da, &db, Epoch(1), config).expect("pair");
+        a.shared().cq.shared.disable_handler();
+        // b takes none of them, so no credit comes back.
+        for payload in [&b"one"[..], b"two", b"three"] {
+            send_bytes(&a, payload).await;
+        }
+        assert_eq!(a.stats().signaled_sends, 0, "an unsignaled tail");
+        // The last credit goes only to a post that returns credit: a owes
+        // one (fewer than a credit-only message waits for).
+        send_bytes(&b, b"owed").await;
+        assert_eq!(&recv_bytes(&a).await[..], b"owed");
+        let mut last_credit = tokio::time::timeout(Duration::from_secs(10), a.reserve())
+            .await
+            .expect("the last credit is free")
+            .expect("reserve");
+        a.fail(EpochEnd::Closed);
+        assert_eq!(a.stats().closing_fences, 0, "no credit for it yet");
+        if posted {
+            last_credit[..4].copy_from_slice(b"late");
+            assert!(a.post(last_credit, 4).is_err(), "refused: the link ended");
+        } else {
+            drop(last_credit);
+        }
+        until(|| a.send_pool().stats().in_use == 0).await;
+        assert_eq!(a.ended().await, EpochEnd::Closed);
+        let stats = a.stats();
+        assert_eq!(
+            (stats.closing_fences, stats.close_waits_expired),
+            (1, 0),
+            "posted: {posted}"
+        );
+        for payload in [&b"one"[..], b"two", b"three"] {
+            assert_eq!(&recv_bytes(&b).await[..], payload);
+        }
+    }
+}
+
+/// A link whose every handle is dropped during its graceful close still
+/// has its completions polled until the teardown, where the provider has
+/// no completion handler (libibverbs): the close ends on its SENDs'
+/// completion, not its bound.
+#[tokio::test]
+async fn a_detached_links_close_is_polled_until_its_teardown() {
+    let (da, db) = (device().await, device().await);
+    let config = RdmaConfig {
+        timeout: 16,
+        ..small()
+    };
+    let (a, b) = pair(&da, &db, Epoch(1), config).expect("pair");
+    a.shared().cq.shared.disable_handler();
+    let mut buf = a.reserve().await.expect("reserve");
+    buf[..4].copy_from_slice(b"last");
+    a.post_last(buf, 4).expect("post");
+    let (shared, pool) = (a.shared().clone(), a.send_pool().clone());
+    a.fail(EpochEnd::Closed);
+    drop(a);
+    until(|| pool.stats().in_use == 0).await;
+    until(|| shared.lock().torn_down).await;
+    assert_eq!(shared.lock().stats.close_waits_expired, 0);
+    assert_eq!(&recv_bytes(&b).await[..], b"last");
+}
+
+/// A hook added while a graceful close keeps the QP up waits for the
+/// teardown, as the hooks added before it do; it used to run at once,
+/// and the node's closed the liveness connection with a reset mid-close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_end_hook_added_during_a_graceful_close_waits_for_the_teardown() {
+    let (da, db) = (device().await, device().await);
+    let config = RdmaConfig {
+        timeout: 12,
+        retry_cnt: 1,
+        ..small()
+    };
+    let (a, _b) = pair(&da, &db, Epoch(1), config).expect("pair");
+    // Nothing reaches b: the close waits for a SEND nobody acknowledges.
+    da.set_partitioned(true);
+    let mut buf = a.reserve().await.expect("reserve");
+    buf[..4].copy_from_slice(b"lost");
+    a.post_last(buf, 4).expect("post");
+    a.fail(EpochEnd::Closed);
+    let seen = Arc::new(Mutex::new(None));
+    let (record, shared) = (seen.clone(), a.shared().clone());
+    a.on_end(move |reason| {
+        *record.lock().expect("not poisoned") = Some((reason, shared.lock().torn_down));
+    });
+    assert_eq!(*seen.lock().expect("not poisoned"), None, "the QP is up");
+    until(|| seen.lock().expect("not poisoned").is_some()).await;
+    assert_eq!(
+        *seen.lock().expect("not poisoned"),
+        Some((EpochEnd::Closed, true))
+    );
+}
+
+/// A send completion for a work request never posted (a provider's bug)
+/// is a fault, and retires nothing: the buffers posted before it may still
+/// be on the wire.
+#[tokio::test]
+async fn a_completion_for_a_send_never_posted_retires_nothing() {
+    let (da, db) = (device().await, device().await);
+    let (a, _b) = pair(&da, &db, Epoch(1), small()).expect("pair");
+    a.shared().cq.shared.disable_handler();
+    da.set_partitioned(true);
+    send_bytes(&a, b"out").await;
+    let mut st = a.shared().lock();
+    let (posted, next) = (st.posted.len(), st.next_wr);
+    let never = crate::verbs::WorkCompletion {
+        wr_id: next + 5,
+        status: crate::verbs::WcStatus::Success,
+        opcode: crate::verbs::WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        qp_num: a.address().qpn,
+    };
+    assert_eq!(
+        poller::on_send_completion(&mut st, &never),
+        Some(LinkFault::UnknownCompletion { wr_id: next + 5 })
+    );
+    assert_eq!(st.posted.len(), posted, "nothing retired");
+}
+
 /// Sends from `from` while it has credit for another batch, each batch
 /// seen by `to` before the next; returns `to`'s batches received in all.
 /// (While `to` is up, its credit returns may come after this stops.)
