@@ -277,16 +277,41 @@ fn by_shape(grid: &[(&'static str, Shape)]) -> Vec<(Shape, Vec<&'static str>)> {
 
 /// One round's cells: a shape's paths back to back, so the two cells of a
 /// same-round ratio run seconds apart, not a round apart; their order
-/// rotated by one each round, so no path always runs first, or always right
-/// after the heaviest cell of the shape before.
+/// [`balanced_order`], so over n rounds (2n for an odd n) each path runs
+/// first once and right before each other path once. A rotation by one
+/// kept the cyclic order: of four paths, one ran right before another in 3
+/// of 4 rounds, and a few percent of order effect leaned on the ratio.
 fn round_order(shapes: &[(Shape, Vec<&'static str>)], round: u32) -> Vec<(&'static str, Shape)> {
     shapes
         .iter()
         .flat_map(|(shape, paths)| {
-            let n = paths.len();
-            (0..n).map(move |i| (paths[(i + round as usize) % n], *shape))
+            balanced_order(paths.len(), round as usize)
+                .into_iter()
+                .map(move |i| (paths[i], *shape))
         })
         .collect()
+}
+
+/// Round `round`'s order of `n` items, a Williams design: the first row
+/// 0, 1, n−1, 2, n−2, …, each next row the one before plus one (mod n), and
+/// for an odd n the n rows after those reversed. Over a cycle each item
+/// runs in each place once, and right before each other item once (twice
+/// for an odd n).
+fn balanced_order(n: usize, round: usize) -> Vec<usize> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let first = (0..n).map(|j| match j {
+        0 => 0,
+        j if j % 2 == 1 => j.div_ceil(2),
+        j => n - j / 2,
+    });
+    let row = round % n;
+    let mut order: Vec<usize> = first.map(|i| (i + row) % n).collect();
+    if n % 2 == 1 && (round / n) % 2 == 1 {
+        order.reverse();
+    }
+    order
 }
 
 /// What one cell runs.
@@ -307,11 +332,16 @@ pub struct Verdict {
     pub path: &'static str,
     /// The measured ratio: over several rounds, the median of `rounds`.
     pub ratio: f64,
-    /// The ratio in each round that measured both of its cells.
+    /// The ratio in each round that measured both of its cells, or whose
+    /// judged cell failed (`failed_rounds`); a round whose baseline cell
+    /// failed or that ran neither is left out.
     pub rounds: Vec<f64>,
     /// How many of `rounds` would hold on their own: a verdict carried by
     /// 6 of 10 rounds is at the edge, one carried by 10 is not.
     pub rounds_holding: usize,
+    /// Rounds whose cell of the path judged failed: each is in `rounds` as
+    /// the worst ratio (infinite, or 0 where more is better), and holds not.
+    pub failed_rounds: usize,
     /// What the ratio is.
     pub measure: String,
     /// Whether the criterion holds (the design survives / the target is
@@ -844,16 +874,20 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
             Some(false) => "DOES NOT HOLD",
             None => "unknown",
         };
+        let failed = match v.failed_rounds {
+            0 => String::new(),
+            n => format!(", {n} failed"),
+        };
         let spread = if v.rounds.len() > 1 {
             let each: Vec<String> = v.rounds.iter().map(|r| format!("{r:.2}")).collect();
             format!(
-                ", median of rounds {}; {} of {} hold",
+                ", median of rounds {}; {} of {} hold{failed}",
                 each.join(" "),
                 v.rounds_holding,
                 v.rounds.len()
             )
         } else {
-            String::new()
+            failed
         };
         println!(
             "{holds:<13} {:<15} {:.2} ({}{spread}): {}",
@@ -880,9 +914,57 @@ fn find<'a>(
     })
 }
 
+/// Why a round gives a verdict no ratio.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NoRatio {
+    /// A cell of the path judged ran and failed (a stall past the
+    /// patience, an error): the round counts against it.
+    Failed,
+    /// A cell was not run, or only the baseline's failed: the round is left out.
+    Missing,
+}
+
+/// The judged path's cell of a round: `Failed` if it ran and failed.
+fn judged<'a>(
+    cells: &'a [Cell],
+    round: u32,
+    path: &str,
+    mode: &str,
+    x: u64,
+    y: u64,
+) -> Result<&'a Cell, NoRatio> {
+    let ran =
+        |c: &&Cell| c.round == round && c.path == path && c.mode == mode && c.x == x && c.y == y;
+    match find(cells, round, path, mode, x, y) {
+        Some(cell) => Ok(cell),
+        None if cells.iter().any(|c| ran(&c)) => Err(NoRatio::Failed),
+        None => Err(NoRatio::Missing),
+    }
+}
+
+/// The baseline's cell of a round (another path's): one that failed only
+/// leaves the round out.
+fn baseline<'a>(
+    cells: &'a [Cell],
+    round: u32,
+    path: &str,
+    mode: &str,
+    x: u64,
+    y: u64,
+) -> Result<&'a Cell, NoRatio> {
+    find(cells, round, path, mode, x, y).ok_or(NoRatio::Missing)
+}
+
 /// The median of the finite values; NaN when there are none.
 fn median(mut values: Vec<f64>) -> f64 {
     values.retain(|v| v.is_finite());
+    median_keeping_infinities(values)
+}
+
+/// The median of the values, infinities included (a failed round's worst
+/// ratio); NaN when there are none.
+fn median_keeping_infinities(mut values: Vec<f64>) -> f64 {
+    values.retain(|v| !v.is_nan());
     if values.is_empty() {
         return f64::NAN;
     }
@@ -934,26 +1016,45 @@ fn verdicts(cells: &[Cell], rounds: u32) -> Vec<Verdict> {
     let mut judge = |criterion,
                      path,
                      measure: String,
-                     pair: &dyn Fn(u32) -> Option<(f64, f64)>,
+                     pair: &dyn Fn(u32) -> Result<(f64, f64), NoRatio>,
                      holds: fn(f64) -> bool| {
-        let ratios: Vec<f64> = (0..rounds).filter_map(pair).map(|(a, b)| a / b).collect();
-        let ratio = median(ratios.clone());
+        // A round whose judged cell failed counts as the worst ratio, so a
+        // path that stalls is not judged on its rounds that did not.
+        let worst = if holds(f64::INFINITY) {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        let mut failed_rounds = 0;
+        let ratios: Vec<f64> = (0..rounds)
+            .filter_map(|round| match pair(round) {
+                Ok((a, b)) => Some(a / b),
+                Err(NoRatio::Failed) => {
+                    failed_rounds += 1;
+                    Some(worst)
+                }
+                Err(NoRatio::Missing) => None,
+            })
+            .collect();
+        let measured: Vec<f64> = ratios.iter().copied().filter(|r| !r.is_nan()).collect();
+        let ratio = median_keeping_infinities(measured);
         out.push(Verdict {
             criterion,
             path,
             ratio,
             measure,
-            holds: (!ratios.is_empty()).then(|| holds(ratio)),
+            holds: (!ratio.is_nan()).then(|| holds(ratio)),
             rounds_holding: ratios.iter().filter(|&&r| holds(r)).count(),
+            failed_rounds,
             rounds: ratios,
         });
     };
     for path in QPMUX_PATHS {
         for y in [1, 8] {
             let pair = |round, metric: fn(&Cell) -> f64| {
-                let at64 = find(cells, round, path, "grid", 64, y)?;
-                let at1 = find(cells, round, path, "grid", 1, y)?;
-                Some((metric(at64), metric(at1)))
+                let at64 = judged(cells, round, path, "grid", 64, y)?;
+                let at1 = judged(cells, round, path, "grid", 1, y)?;
+                Ok((metric(at64), metric(at1)))
             };
             judge(
                 "batching improves at X/Y = 64",
@@ -974,7 +1075,7 @@ fn verdicts(cells: &[Cell], rounds: u32) -> Vec<Verdict> {
                 path,
                 format!("records per batch ÷ 64, X = 64, Y = {y}, {FLUSHED}"),
                 &|round| {
-                    find(cells, round, path, FLUSHED, 64, y).map(|c| (c.records_per_batch, 64.0))
+                    judged(cells, round, path, FLUSHED, 64, y).map(|c| (c.records_per_batch, 64.0))
                 },
                 |r| r >= 0.99,
             );
@@ -983,18 +1084,18 @@ fn verdicts(cells: &[Cell], rounds: u32) -> Vec<Verdict> {
                 path,
                 format!("CPU per record ÷ {VELO_MUX}'s, X = 64, Y = {y}"),
                 &|round| {
-                    let ours = find(cells, round, path, "grid", 64, y)?;
-                    let mux = find(cells, round, VELO_MUX, "grid", 64, y)?;
-                    Some((ours.cpu_us_per_record, mux.cpu_us_per_record))
+                    let ours = judged(cells, round, path, "grid", 64, y)?;
+                    let mux = baseline(cells, round, VELO_MUX, "grid", 64, y)?;
+                    Ok((ours.cpu_us_per_record, mux.cpu_us_per_record))
                 },
                 |r| r <= 0.5,
             );
         }
     }
     let against_per_stream = |round, path: &str, mode: &str, metric: fn(&Cell) -> f64| {
-        let ours = find(cells, round, path, mode, 1, 1)?;
-        let theirs = find(cells, round, PER_STREAM, mode, 1, 1)?;
-        Some((metric(ours), metric(theirs)))
+        let ours = judged(cells, round, path, mode, 1, 1)?;
+        let theirs = baseline(cells, round, PER_STREAM, mode, 1, 1)?;
+        Ok((metric(ours), metric(theirs)))
     };
     for path in QPMUX_PATHS {
         judge(
@@ -1032,14 +1133,14 @@ fn verdicts(cells: &[Cell], rounds: u32) -> Vec<Verdict> {
             path,
             "56 timed streams' p99 beside 8 backlogged ones whose consumers take one record per 20 ms ÷ beside 8 idle ones".into(),
             &|round| {
-                let slow = find(cells, round, path, "hol-slow", 64, 1)?;
-                let base = find(cells, round, path, "hol-baseline", 64, 1)?;
+                let slow = judged(cells, round, path, "hol-slow", 64, 1)?;
+                let base = judged(cells, round, path, "hol-baseline", 64, 1)?;
                 // A qpmux round whose slow streams never ran out of credit
                 // tested nothing.
                 if slow.credit_stalls == Some(0) {
-                    return None;
+                    return Err(NoRatio::Missing);
                 }
-                Some((slow.p99_us, base.p99_us))
+                Ok((slow.p99_us, base.p99_us))
             },
             |r| r <= 2.0,
         );
@@ -1135,7 +1236,7 @@ mod tests {
     }
 
     #[test]
-    fn a_rounds_cells_run_by_shape_with_the_paths_rotated() {
+    fn a_rounds_cells_run_by_shape_in_a_balanced_order() {
         let grid = [
             ("a", shape("grid", 1, 1)),
             ("a", shape("grid", 64, 1)),
@@ -1176,12 +1277,53 @@ mod tests {
                 ("saturate", 1, "a"),
             ]
         );
-        // Every cell once a round, and each path first once in three rounds.
-        for round in 0..3 {
+        // Every cell once a round, and each path first twice in six rounds
+        // (three paths: the second three rounds run reversed).
+        for round in 0..6 {
             assert_eq!(order(round).len(), grid.len());
         }
-        let firsts: Vec<&str> = (0..3).map(|r| order(r)[0].2).collect();
-        assert_eq!(firsts, ["a", "b", "c"]);
+        let firsts: Vec<&str> = (0..6).map(|r| order(r)[0].2).collect();
+        assert_eq!(firsts, ["a", "b", "c", "c", "a", "b"]);
+    }
+
+    /// Over a cycle (n rounds, 2n for an odd n) each item runs in each place
+    /// equally often and right before each other item equally often; a
+    /// rotation by one had one of four paths right before another in 3 of
+    /// 4 rounds.
+    #[test]
+    fn the_balanced_order_puts_each_path_before_each_other_equally_often() {
+        for n in 1..=6 {
+            let cycle = if n % 2 == 0 { n } else { 2 * n };
+            let mut places = vec![vec![0; n]; n];
+            let mut before = vec![vec![0; n]; n];
+            for round in 0..cycle {
+                let order = balanced_order(n, round);
+                let mut sorted = order.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "n {n} round {round}");
+                for (place, &item) in order.iter().enumerate() {
+                    places[item][place] += 1;
+                }
+                for pair in order.windows(2) {
+                    before[pair[0]][pair[1]] += 1;
+                }
+            }
+            let each_place = cycle / n;
+            assert!(
+                places.iter().flatten().all(|&k| k == each_place),
+                "n {n}: {places:?}"
+            );
+            let each_pair = if n % 2 == 0 { 1 } else { 2 };
+            for (a, row) in before.iter().enumerate() {
+                for (b, &k) in row.iter().enumerate() {
+                    assert_eq!(
+                        k,
+                        if a == b { 0 } else { each_pair },
+                        "n {n}: {a} before {b}"
+                    );
+                }
+            }
+        }
     }
 
     fn cell(round: u32, path: &'static str, x: u64, cpu: f64) -> Cell {
@@ -1232,6 +1374,61 @@ mod tests {
             .find(|v| v.path == "qpmux-rdma" && v.measure.contains("back to back"))
             .expect("judged");
         assert_eq!((saturate.holds, saturate.rounds.len()), (None, 0));
+    }
+
+    /// A round whose judged cell failed counts against the path, as its
+    /// worst ratio; one whose baseline cell failed is left out. A path that
+    /// stalls in every round does not hold; it used to read "unknown", and
+    /// one that stalled in some rounds was judged on the rest alone.
+    #[test]
+    fn a_failed_cell_of_the_path_judged_counts_against_it() {
+        let failed = |round, path| {
+            Cell::failed(
+                round,
+                path,
+                shape("grid", 64, 1),
+                &anyhow::anyhow!("no progress"),
+            )
+        };
+        let mut cells = Vec::new();
+        // Ours ÷ velo's mux: 0.4 and 0.45 measured, round 2 ours failed,
+        // round 3 velo's failed.
+        for (round, ours, theirs) in [(0, 2.0, 5.0), (1, 1.8, 4.0)] {
+            cells.push(cell(round, "qpmux-rdma", 64, ours));
+            cells.push(cell(round, VELO_MUX, 64, theirs));
+        }
+        cells.push(failed(2, "qpmux-rdma"));
+        cells.push(cell(2, VELO_MUX, 64, 5.0));
+        cells.push(cell(3, "qpmux-rdma", 64, 2.0));
+        cells.push(failed(3, VELO_MUX));
+        // The other path failed in every round it ran.
+        for round in 0..2 {
+            cells.push(failed(round, "qpmux-tcp"));
+        }
+        let verdicts = verdicts(&cells, 4);
+        let cpu = |path| {
+            verdicts
+                .iter()
+                .find(|v| {
+                    v.path == path
+                        && v.measure.contains("X = 64, Y = 1")
+                        && v.criterion.contains("0.5×")
+                })
+                .expect("the CPU target is judged")
+        };
+        let rdma = cpu("qpmux-rdma");
+        assert_eq!((rdma.rounds.len(), rdma.failed_rounds), (3, 1), "{rdma:?}");
+        assert_eq!(rdma.rounds_holding, 2);
+        assert!((rdma.ratio - 0.45).abs() < 1e-9, "{rdma:?}");
+        let tcp = cpu("qpmux-tcp");
+        assert_eq!((tcp.failed_rounds, tcp.holds), (2, Some(false)), "{tcp:?}");
+        // Where more is better, a failed round counts as 0.
+        let batching = verdicts
+            .iter()
+            .find(|v| v.path == "qpmux-tcp" && v.criterion.starts_with("batching"))
+            .expect("judged");
+        assert_eq!((batching.failed_rounds, batching.holds), (2, Some(false)));
+        assert_eq!(batching.rounds, [0.0, 0.0]);
     }
 
     #[test]

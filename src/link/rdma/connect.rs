@@ -201,6 +201,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             reserve_waiters: 0,
             ended: None,
             last_sent: false,
+            fence_owed: false,
             torn_down: false,
             violated: false,
             cut: false,

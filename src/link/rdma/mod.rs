@@ -285,6 +285,9 @@ struct State<D: Device> {
     /// A graceful end saw its posted SENDs complete (or gave up on them)
     /// and ran the last-sent hooks.
     last_sent: bool,
+    /// A graceful end's closing fence found no credit or SQ slot: it goes
+    /// when one comes back, unless the close has moved on meanwhile.
+    fence_owed: bool,
     /// The end's teardown ran (the QP moved to ERR, or found gone): only
     /// then do the flushes come that end the poller's watch. A graceful
     /// close keeps the QP up a while after `ended` is set.
@@ -683,10 +686,16 @@ impl<D: Device + 'static> Shared<D> {
     /// one comes back ([`Shared::maybe_credit_only`]); with none the bound
     /// is waited out.
     fn fence_locked(&self, st: &mut State<D>) {
-        if st.unsignaled == 0 || st.sq_free == 0 || st.torn_down {
+        st.fence_owed = false;
+        if st.unsignaled == 0 || st.torn_down {
             return;
         }
-        let Some(imm) = st.credit.try_fence() else {
+        let imm = match st.sq_free {
+            0 => None,
+            _ => st.credit.try_fence(),
+        };
+        let Some(imm) = imm else {
+            st.fence_owed = true;
             return;
         };
         st.sq_free -= 1;
@@ -860,10 +869,10 @@ impl<D: Device + 'static> Shared<D> {
     /// after a graceful end, the closing fence if it is still owed.
     fn maybe_credit_only(&self, st: &mut State<D>) -> Result<(), EpochEnd> {
         if st.ended.is_some() {
-            // A credit or SQ slot back while a graceful close waits (a
-            // reserved buffer given back, a completion, the peer's credit):
-            // the fence that found none may go now.
-            if !st.tearing_down && !st.cut {
+            // A credit or SQ slot back while a graceful close waits for its
+            // SENDs (a reserved buffer given back, a completion, the peer's
+            // credit): the fence that found none may go now.
+            if st.fence_owed && !st.tearing_down && !st.cut && !st.last_sent {
                 self.fence_locked(st);
             }
             return Ok(());

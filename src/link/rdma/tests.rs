@@ -568,12 +568,17 @@ async fn a_detached_links_close_is_polled_until_its_teardown() {
     };
     let (a, b) = pair(&da, &db, Epoch(1), config).expect("pair");
     a.shared().cq.shared.disable_handler();
+    // Nothing completes until every handle is gone: a poller that left at
+    // the drop would never see it.
+    da.set_partitioned(true);
     let mut buf = a.reserve().await.expect("reserve");
     buf[..4].copy_from_slice(b"last");
     a.post_last(buf, 4).expect("post");
     let (shared, pool) = (a.shared().clone(), a.send_pool().clone());
     a.fail(EpochEnd::Closed);
     drop(a);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    da.set_partitioned(false);
     until(|| pool.stats().in_use == 0).await;
     until(|| shared.lock().torn_down).await;
     assert_eq!(shared.lock().stats.close_waits_expired, 0);
@@ -586,8 +591,9 @@ async fn a_detached_links_close_is_polled_until_its_teardown() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_end_hook_added_during_a_graceful_close_waits_for_the_teardown() {
     let (da, db) = (device().await, device().await);
+    // Retries run out in about 0.5 s (4.096 µs × 2^16, twice).
     let config = RdmaConfig {
-        timeout: 12,
+        timeout: 16,
         retry_cnt: 1,
         ..small()
     };

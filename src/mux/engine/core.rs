@@ -848,6 +848,14 @@ impl PeerCore {
                 self.ready.clear();
                 self.opens_owed.clear();
                 self.peer_blocked.clear();
+                // Their waits end with them, or the next record or control
+                // owed would inherit an old start and skip its linger.
+                if !self.has_messages() {
+                    self.data_since = None;
+                }
+                if !self.has_control_owed() {
+                    self.control_since = None;
+                }
             }
         }
     }
@@ -868,11 +876,19 @@ impl PeerCore {
             || !self.opens_owed.is_empty()
     }
 
+    /// When the flush gate opens by itself; `None` with nothing it waits
+    /// for (a deadline past with nothing to write would fire again at once).
     fn gate_deadline(&self) -> Option<Instant> {
         match self.config.flush {
-            FlushPolicy::Auto => None,
-            FlushPolicy::AutoLinger { max_linger } => self.data_since.map(|t| t + max_linger),
-            FlushPolicy::Manual { reply_linger } => self.control_since.map(|t| t + reply_linger),
+            FlushPolicy::AutoLinger { max_linger }
+                if !self.ready.is_empty() || self.has_messages() =>
+            {
+                self.data_since.map(|t| t + max_linger)
+            }
+            FlushPolicy::Manual { reply_linger } if self.has_control_owed() => {
+                self.control_since.map(|t| t + reply_linger)
+            }
+            _ => None,
         }
     }
 
@@ -1258,7 +1274,9 @@ impl PeerCore {
                 self.on_message(record.seq, body, record.more)
             }
             RecordBody::Ping(nonce) => {
-                self.pong_owed = Some(nonce);
+                // One Pong answers every ping up to its nonce, and pings
+                // can come out of order: the highest is owed.
+                self.pong_owed = Some(self.pong_owed.map_or(nonce, |owed| owed.max(nonce)));
                 self.control_since.get_or_insert(now);
                 Ok(())
             }
@@ -2791,5 +2809,55 @@ mod tests {
         let carried = next_batch(&mut core);
         assert_eq!(carried.len(), 1, "the third record: {carried:?}");
         assert!(!core.ready.contains(&1), "{:?}", core.ready);
+    }
+
+    /// A stream the peer refuses while its record waits out the flush gate
+    /// leaves no gate deadline behind: one past with nothing to write fired
+    /// the peer task's timer again and again, a busy loop.
+    #[tokio::test]
+    async fn a_slot_the_peer_closes_while_the_gate_waits_leaves_no_deadline() {
+        let wait = std::time::Duration::from_millis(5);
+        for flush in [
+            FlushPolicy::AutoLinger { max_linger: wait },
+            FlushPolicy::Manual { reply_linger: wait },
+        ] {
+            let mut core = next_core(Epoch(1), &peer_control());
+            core.config = Arc::new(MuxConfig {
+                flush,
+                ..(*core.config).clone()
+            });
+            let window = core.config.peer_window;
+            core.set_peer_terms(
+                PeerTerms::announced_by(&core.config),
+                window,
+                Instant::now(),
+            );
+            let mut tx = open(&core, 1);
+            tx.send(Bytes::from_static(b"waits")).await.expect("queued");
+            core.handle_control(Instant::now());
+            assert!(core.gate_deadline().is_some(), "{flush:?}: the gate waits");
+            let slot = SlotId::new(0, 0).expect("the first slot");
+            feed(&mut core, |enc| {
+                enc.push_close(slot, FrameSeq(0), CloseReason::Refused)
+            })
+            .expect("the peer refuses it");
+            assert_eq!(core.gate_deadline(), None, "{flush:?}");
+            let later = Instant::now() + std::time::Duration::from_secs(1);
+            assert!(!core.wants_write(later), "{flush:?}");
+            assert!(core.poll_timeout() > Instant::now() + wait, "{flush:?}");
+        }
+    }
+
+    /// Pings can arrive out of order (two callers' nonces taken apart from
+    /// their writes); the Pong owed answers the highest, which answers both.
+    #[test]
+    fn the_pong_owed_answers_the_highest_ping() {
+        let mut core = credited_core();
+        feed(&mut core, |enc| {
+            enc.push_ping(3)?;
+            enc.push_ping(2)
+        })
+        .expect("pings");
+        assert_eq!(next_batch(&mut core), vec!["Pong(3)".to_string()]);
     }
 }

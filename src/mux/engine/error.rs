@@ -104,7 +104,8 @@ pub enum ProtocolError {
     /// Records after a Goodbye.
     #[error("records after goodbye")]
     AfterGoodbye,
-    /// A Pong for a nonce no Ping of this epoch carried.
+    /// A Pong for a nonce above any this epoch wrote in a Ping (nonces
+    /// count up, so one above answers pings not yet asked).
     #[error("pong {nonce} answers no ping (the highest sent was {asked})")]
     UnaskedPong {
         /// The nonce the Pong carried.
