@@ -281,3 +281,42 @@ async fn an_abandoned_bind_frees_its_pump_and_its_key() {
     })
     .await;
 }
+
+/// velo abandons a bind before its sender's OpenSlot arrives (the attach
+/// raced a link outage longer than velo's consumer timeout): the late
+/// sender is refused and hears, and the receiving node keeps nothing of
+/// it. The pump's cleanup used to forget the key, so the late open made a
+/// fresh entry nobody would bind, and the sender blocked on its window for
+/// good, its bytes counted against its peer window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_late_for_an_abandoned_bind_is_refused() {
+    let kind = velo_nodes::Mem::new(Shape::Default);
+    let a = worker(&kind, 1).await;
+    let b = worker(&kind, 2).await;
+    join(&a, &b);
+    let frames_a = a.transport.frame_transport(VeloConfig {
+        stream_watch: Duration::from_millis(5),
+        ..VeloConfig::default()
+    });
+    let mux_a = a.transport.node().mux();
+    let rx = frames_a.bind(9, 1).await.expect("bind");
+    drop(rx);
+    // The idle pump looks every 5 ms and lets the key go.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let worker_a = a.messenger.instance_id().worker_id();
+    let tx = b.frames.connect(worker_a, 9, 1).await.expect("connect");
+    let item = rmp_serde::to_vec(&StreamFrame::Item(vec![0u8; 1024])).expect("encodes");
+    for _ in 0..4 {
+        if tx.send_async(item.clone()).await.is_err() {
+            break;
+        }
+    }
+    until("the late sender hears its stream refused", || {
+        tx.is_disconnected()
+    })
+    .await;
+    until("the receiving node keeps nothing of the sender", || {
+        mux_a.peers_holding().is_empty()
+    })
+    .await;
+}

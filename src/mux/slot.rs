@@ -649,9 +649,43 @@ pub(crate) struct Registry {
     /// Per peer, the entries its OpenSlots created that nobody has bound
     /// yet (across epochs): capped, so no one peer fills `max_entries`.
     unbound: Mutex<HashMap<PeerId, usize>>,
+    /// Keys whose binding was dropped before any peer fed it, newest last
+    /// (at most [`ABANDONED_KEPT`]): a late OpenSlot for one is refused,
+    /// so its sender hears, rather than filling an entry nobody will bind.
+    abandoned: Mutex<Abandoned>,
     window: u32,
     max_entries: usize,
     max_unbound_per_peer: usize,
+}
+
+/// Abandoned bindings remembered: a late sender's OpenSlot usually comes
+/// within a link outage of the bind it was meant for.
+const ABANDONED_KEPT: usize = 16_384;
+
+/// Keys whose binding was abandoned, oldest first.
+#[derive(Debug, Default)]
+struct Abandoned {
+    keys: std::collections::HashSet<StreamKey>,
+    order: VecDeque<StreamKey>,
+}
+
+impl Abandoned {
+    fn insert(&mut self, key: StreamKey) {
+        if self.keys.insert(key) {
+            self.order.push_back(key);
+        }
+        while self.order.len() > ABANDONED_KEPT {
+            if let Some(oldest) = self.order.pop_front() {
+                self.keys.remove(&oldest);
+            }
+        }
+    }
+
+    /// A bind claims the key again: forgotten (its place in `order` goes
+    /// when it comes up).
+    fn forget(&mut self, key: &StreamKey) {
+        self.keys.remove(key);
+    }
 }
 
 /// What an OpenSlot found in the registry.
@@ -666,6 +700,7 @@ impl Registry {
         Arc::new(Registry {
             slots: Mutex::new(HashMap::new()),
             unbound: Mutex::new(HashMap::new()),
+            abandoned: Mutex::new(Abandoned::default()),
             window,
             max_entries,
             max_unbound_per_peer,
@@ -706,6 +741,7 @@ impl Registry {
         state.receiver_taken = true;
         let opened_by = state.opened_by.take();
         drop(state);
+        lock(&self.abandoned).forget(&key);
         if let Some(peer) = opened_by {
             self.release_unbound(peer);
         }
@@ -721,7 +757,7 @@ impl Registry {
         let mut slots = lock(&self.slots);
         let fresh = !slots.contains_key(&key);
         if fresh {
-            if slots.len() >= self.max_entries {
+            if slots.len() >= self.max_entries || lock(&self.abandoned).keys.contains(&key) {
                 return OpenOutcome::Refused;
             }
             let mut unbound = lock(&self.unbound);
@@ -754,6 +790,16 @@ impl Registry {
         let slots: Vec<Arc<RxSlot>> = lock(&self.slots).values().cloned().collect();
         for rx in slots {
             rx.end_unless_fed(frame);
+        }
+    }
+
+    /// Forgets a binding dropped before any peer fed it, and remembers its
+    /// key as abandoned ([`Registry::open`] refuses it).
+    fn abandon(&self, rx: &Arc<RxSlot>) {
+        let mut slots = lock(&self.slots);
+        if slots.get(&rx.key).is_some_and(|cur| Arc::ptr_eq(cur, rx)) {
+            slots.remove(&rx.key);
+            lock(&self.abandoned).insert(rx.key);
         }
     }
 
@@ -1114,8 +1160,12 @@ impl Drop for SlotReceiver {
             // The feeder closes the slot, or returns what it held as peer credit.
             self.rx.mark_dirty(&mut state);
         }
+        // Bound, and no peer ever fed it: a sender may yet come for it.
+        let never_fed = !feeding && state.fed_by.is_none() && !state.ended;
         drop(state);
-        if !feeding {
+        if never_fed {
+            self.registry.abandon(&self.rx);
+        } else if !feeding {
             self.registry.remove(&self.rx);
         }
     }
@@ -1431,6 +1481,38 @@ mod tests {
             OpenOutcome::Attached(_)
         ));
         assert_eq!(registry.unbound_of(PeerId(2)), 2);
+    }
+
+    /// A binding dropped before any peer fed it (velo gave up on the
+    /// stream): a late OpenSlot for its key is refused, so its sender
+    /// hears, where it used to fill a fresh entry nobody would bind and
+    /// block on its window for good; binding the key again takes opens.
+    #[test]
+    fn a_late_open_for_an_abandoned_binding_is_refused_until_a_bind() {
+        let registry = Registry::new(64 * 1024, 16, 16);
+        let control = control(1 << 20);
+        let key = StreamKey::new(8, 1);
+        drop(registry.bind(key).unwrap());
+        assert!(matches!(registry.open(key, &control), OpenOutcome::Refused));
+        assert_eq!(registry.unbound_of(PeerId(2)), 0, "no entry left waiting");
+        // A binding fed, then ended, is not abandoned: a new open is a new stream.
+        let fed = StreamKey::new(8, 2);
+        let rx = registry.bind(fed).unwrap();
+        let OpenOutcome::Attached(slot) = registry.open(fed, &control) else {
+            panic!("the binding takes the peer's open");
+        };
+        slot.end(Frame::Finalized);
+        drop(rx);
+        assert!(matches!(
+            registry.open(fed, &control),
+            OpenOutcome::Attached(_)
+        ));
+        // Bound again, the abandoned key takes an open.
+        let _again = registry.bind(key).unwrap();
+        assert!(matches!(
+            registry.open(key, &control),
+            OpenOutcome::Attached(_)
+        ));
     }
 
     /// Found by the `mux_peer` fuzz target (its RSS grew without end): a slot
