@@ -29,8 +29,12 @@ struct Worker<N: Node> {
 }
 
 async fn worker<K: Kind>(kind: &K, id: u64) -> Worker<K::Node> {
+    worker_with(kind, id, velo_nodes::Options::default()).await
+}
+
+async fn worker_with<K: Kind>(kind: &K, id: u64, options: velo_nodes::Options) -> Worker<K::Node> {
     let transport = Arc::new(QpmuxTransport::new(
-        kind.node(id).await,
+        kind.node_with(id, options).await,
         VeloConfig::default(),
     ));
     let frames = Arc::new(transport.frame_transport(VeloConfig::default()));
@@ -319,4 +323,36 @@ async fn a_sender_late_for_an_abandoned_bind_is_refused() {
         mux_a.peers_holding().is_empty()
     })
     .await;
+}
+
+/// An item past the node's `max_record` (smaller than velo's own item
+/// limit): velo took it as sent, so the consumer hears a transport error
+/// that says why, not a bare `Dropped`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_past_the_record_limit_ends_its_stream_with_a_transport_error() {
+    let kind = velo_nodes::Mem::new(Shape::Default);
+    let options = velo_nodes::Options {
+        mux: qpmux::mux::MuxConfig {
+            max_record: 4096,
+            ..qpmux::mux::MuxConfig::default()
+        },
+        ..velo_nodes::Options::default()
+    };
+    let a = worker_with(&kind, 1, options.clone()).await;
+    let b = worker_with(&kind, 2, options).await;
+    join(&a, &b);
+    let worker_a = a.messenger.instance_id().worker_id();
+    let rx = a.frames.bind(7, 1).await.expect("bind");
+    let tx = b.frames.connect(worker_a, 7, 1).await.expect("connect");
+    let small = rmp_serde::to_vec(&StreamFrame::Item(vec![1u8; 16])).expect("encodes");
+    let large = rmp_serde::to_vec(&StreamFrame::Item(vec![2u8; 8192])).expect("encodes");
+    tx.send_async(small.clone()).await.expect("open");
+    tx.send_async(large).await.expect("velo takes it");
+    assert_eq!(rx.recv_async().await.expect("the small item"), small);
+    let last = rx.recv_async().await.expect("a frame says why");
+    let decoded: StreamFrame<Vec<u8>> = rmp_serde::from_slice(&last).expect("velo decodes it");
+    match decoded {
+        StreamFrame::TransportError(why) => assert!(why.contains("8"), "{why}"),
+        other => panic!("expected a transport error, got {other:?}"),
+    }
 }

@@ -27,7 +27,7 @@ use velo_ext::{FrameTransport, InstanceId, PeerInfo, TransportKey, WorkerAddress
 use super::{AdapterError, QpmuxTransport, VeloConfig, encode_address};
 use crate::link::Node;
 use crate::mux::{
-    AsMux, Frame, MuxTransport, RecvError, SlotReceiver, SlotSender, StreamKey, Terminal,
+    AsMux, Frame, MuxTransport, RecvError, SendError, SlotReceiver, SlotSender, StreamKey, Terminal,
 };
 
 /// velo's encodings of the frames the adapter writes or recognises: exactly
@@ -302,7 +302,24 @@ async fn egress_pump(mut slot: SlotSender, rx: flume::Receiver<Vec<u8>>) {
             Kind::Dropped => return,
             Kind::Data | Kind::TransportError => {
                 if let Err(error) = slot.send(Bytes::from(bytes)).await {
-                    tracing::debug!(%error, "qpmux stream send failed");
+                    if let SendError::TooLarge { len, max } = error {
+                        // velo took the item as sent: its consumer hears
+                        // why the stream ends, not a bare Dropped.
+                        tracing::warn!(
+                            len,
+                            max,
+                            "velo stream item past the mux's record limit; the stream ends"
+                        );
+                        let why = format!(
+                            "item of {len} bytes exceeds the transport's {max}-byte record limit"
+                        );
+                        let said = velo_frames::transport_error(why);
+                        if let Err(error) = slot.send(Bytes::from(said)).await {
+                            tracing::debug!(%error, "qpmux stream's transport error not sent");
+                        }
+                    } else {
+                        tracing::debug!(%error, "qpmux stream send failed");
+                    }
                     return;
                 }
                 if kind == Kind::TransportError {

@@ -311,6 +311,7 @@ impl<N: Node> Inner<N> {
         // Failing a gate resolves velo's tickets, and a dropped frame
         // reports itself; either may send: not under the lock.
         drop(lanes);
+        self.forget_unregistered();
         // A peer we only send to is seen connected here, so its health
         // checks after a loss say so instead of `NeverConnected`.
         if !up.is_empty() {
@@ -324,6 +325,17 @@ impl<N: Node> Inner<N> {
             lane.gate.fail_all(AdmissionError::ChannelClosed);
             drop(unserved);
         }
+    }
+
+    /// Drops what `connected` and `limits` keep of peers not registered:
+    /// a dial-in peer's messages, one that came after its unregister, a
+    /// Draining echo each add one, and a node that outlives many clients'
+    /// ids would keep one for each.
+    fn forget_unregistered(&self) {
+        let registered: std::collections::HashSet<PeerId> =
+            lock(&self.peers).values().copied().collect();
+        lock(&self.connected).retain(|peer, _| registered.contains(peer));
+        lock(&self.limits).retain(|peer, _| registered.contains(peer));
     }
 
     fn note_connected(&self, peer: PeerId) {
@@ -761,6 +773,28 @@ mod tests {
         // A peer task that retired and came back counts afresh; the time
         // still says the loss is new.
         assert!(untold_loss(ago(9), lost_at(ago(2), 1), now));
+    }
+
+    /// What `connected` and `limits` keep of a peer goes with its
+    /// registration at the next sweep, however it came back.
+    #[tokio::test]
+    async fn the_sweep_forgets_what_it_keeps_of_unregistered_peers() {
+        let fabric = crate::link::mem::MemFabric::new(crate::link::mem::MemConfig::default());
+        let node = Arc::new(fabric.node(PeerId(1), crate::mux::MuxConfig::default()));
+        let transport = QpmuxTransport::new(node, VeloConfig::default());
+        let inner = &transport.inner;
+        let registered = InstanceId::new_v4();
+        lock(&inner.peers).insert(registered, PeerId(2));
+        for peer in [PeerId(2), PeerId(3)] {
+            lock(&inner.connected).insert(peer, true);
+            lock(&inner.limits).insert(peer, 4096);
+        }
+        inner.sweep();
+        assert_eq!(
+            lock(&inner.connected).keys().collect::<Vec<_>>(),
+            [&PeerId(2)]
+        );
+        assert_eq!(lock(&inner.limits).keys().collect::<Vec<_>>(), [&PeerId(2)]);
     }
 
     #[test]
