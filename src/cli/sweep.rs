@@ -340,7 +340,8 @@ pub struct Verdict {
     /// 6 of 10 rounds is at the edge, one carried by 10 is not.
     pub rounds_holding: usize,
     /// Rounds whose cell of the path judged failed: each is in `rounds` as
-    /// the worst ratio (infinite, or 0 where more is better), and holds not.
+    /// the worst ratio (+∞, or −∞ where more is better; `null` in the
+    /// JSON), and holds not.
     pub failed_rounds: usize,
     /// What the ratio is.
     pub measure: String,
@@ -1019,9 +1020,10 @@ fn verdicts(cells: &[Cell], rounds: u32) -> Vec<Verdict> {
                      pair: &dyn Fn(u32) -> Result<(f64, f64), NoRatio>,
                      holds: fn(f64) -> bool| {
         // A round whose judged cell failed counts as the worst ratio, so a
-        // path that stalls is not judged on its rounds that did not.
+        // path that stalls is not judged on its rounds that did not (an
+        // infinity either way, so half the rounds failed fails the median).
         let worst = if holds(f64::INFINITY) {
-            0.0
+            f64::NEG_INFINITY
         } else {
             f64::INFINITY
         };
@@ -1052,8 +1054,9 @@ fn verdicts(cells: &[Cell], rounds: u32) -> Vec<Verdict> {
     for path in QPMUX_PATHS {
         for y in [1, 8] {
             let pair = |round, metric: fn(&Cell) -> f64| {
-                let at64 = judged(cells, round, path, "grid", 64, y)?;
+                // X = 1 first: a round that did not run it says nothing.
                 let at1 = judged(cells, round, path, "grid", 1, y)?;
+                let at64 = judged(cells, round, path, "grid", 64, y)?;
                 Ok((metric(at64), metric(at1)))
             };
             judge(
@@ -1084,8 +1087,9 @@ fn verdicts(cells: &[Cell], rounds: u32) -> Vec<Verdict> {
                 path,
                 format!("CPU per record ÷ {VELO_MUX}'s, X = 64, Y = {y}"),
                 &|round| {
-                    let ours = judged(cells, round, path, "grid", 64, y)?;
+                    // The baseline first: without it the round says nothing.
                     let mux = baseline(cells, round, VELO_MUX, "grid", 64, y)?;
+                    let ours = judged(cells, round, path, "grid", 64, y)?;
                     Ok((ours.cpu_us_per_record, mux.cpu_us_per_record))
                 },
                 |r| r <= 0.5,
@@ -1093,8 +1097,8 @@ fn verdicts(cells: &[Cell], rounds: u32) -> Vec<Verdict> {
         }
     }
     let against_per_stream = |round, path: &str, mode: &str, metric: fn(&Cell) -> f64| {
-        let ours = judged(cells, round, path, mode, 1, 1)?;
         let theirs = baseline(cells, round, PER_STREAM, mode, 1, 1)?;
+        let ours = judged(cells, round, path, mode, 1, 1)?;
         Ok((metric(ours), metric(theirs)))
     };
     for path in QPMUX_PATHS {
@@ -1382,11 +1386,11 @@ mod tests {
     /// one that stalled in some rounds was judged on the rest alone.
     #[test]
     fn a_failed_cell_of_the_path_judged_counts_against_it() {
-        let failed = |round, path| {
+        let failed = |round, path, mode| {
             Cell::failed(
                 round,
                 path,
-                shape("grid", 64, 1),
+                shape(mode, 64, 1),
                 &anyhow::anyhow!("no progress"),
             )
         };
@@ -1397,14 +1401,17 @@ mod tests {
             cells.push(cell(round, "qpmux-rdma", 64, ours));
             cells.push(cell(round, VELO_MUX, 64, theirs));
         }
-        cells.push(failed(2, "qpmux-rdma"));
+        cells.push(failed(2, "qpmux-rdma", "grid"));
         cells.push(cell(2, VELO_MUX, 64, 5.0));
         cells.push(cell(3, "qpmux-rdma", 64, 2.0));
-        cells.push(failed(3, VELO_MUX));
-        // The other path failed in every round it ran.
-        for round in 0..2 {
-            cells.push(failed(round, "qpmux-tcp"));
+        cells.push(failed(3, VELO_MUX, "grid"));
+        // The other path failed in every round it ran; in round 3, where
+        // velo's cell failed too, that says nothing.
+        for round in 0..4 {
+            cells.push(failed(round, "qpmux-tcp", "grid"));
         }
+        // A cell judged alone, where more is better.
+        cells.push(failed(0, "qpmux-tcp", FLUSHED));
         let verdicts = verdicts(&cells, 4);
         let cpu = |path| {
             verdicts
@@ -1421,14 +1428,22 @@ mod tests {
         assert_eq!(rdma.rounds_holding, 2);
         assert!((rdma.ratio - 0.45).abs() < 1e-9, "{rdma:?}");
         let tcp = cpu("qpmux-tcp");
-        assert_eq!((tcp.failed_rounds, tcp.holds), (2, Some(false)), "{tcp:?}");
-        // Where more is better, a failed round counts as 0.
+        assert_eq!((tcp.failed_rounds, tcp.holds), (3, Some(false)), "{tcp:?}");
+        // Where more is better, a failed round counts as −∞.
+        let flushed = verdicts
+            .iter()
+            .find(|v| {
+                v.path == "qpmux-tcp" && v.measure.contains(FLUSHED) && v.measure.contains("Y = 1")
+            })
+            .expect("judged");
+        assert_eq!((flushed.failed_rounds, flushed.holds), (1, Some(false)));
+        assert_eq!(flushed.rounds, [f64::NEG_INFINITY]);
+        // Batching compares X = 64 with X = 1, never run here: nothing said.
         let batching = verdicts
             .iter()
             .find(|v| v.path == "qpmux-tcp" && v.criterion.starts_with("batching"))
             .expect("judged");
-        assert_eq!((batching.failed_rounds, batching.holds), (2, Some(false)));
-        assert_eq!(batching.rounds, [0.0, 0.0]);
+        assert_eq!((batching.failed_rounds, batching.holds), (0, None));
     }
 
     #[test]

@@ -681,10 +681,12 @@ impl Abandoned {
         }
     }
 
-    /// A bind claims the key again: forgotten (its place in `order` goes
-    /// when it comes up).
+    /// A bind claims the key again: forgotten (a scan, for a key that was
+    /// given up and is bound again only).
     fn forget(&mut self, key: &StreamKey) {
-        self.keys.remove(key);
+        if self.keys.remove(key) {
+            self.order.retain(|kept| kept != key);
+        }
     }
 }
 
@@ -749,6 +751,7 @@ impl Registry {
             rx,
             registry: self.clone(),
             done: false,
+            abandoning: false,
         })
     }
 
@@ -1080,9 +1083,21 @@ pub struct SlotReceiver {
     rx: Arc<RxSlot>,
     registry: Arc<Registry>,
     done: bool,
+    /// [`SlotReceiver::abandon`]: a late open for the key is refused.
+    abandoning: bool,
 }
 
 impl SlotReceiver {
+    /// Gives the binding up for good: if no peer has fed it, a later
+    /// OpenSlot for its key is refused (until the key is bound again)
+    /// instead of waiting for a bind. For keys no sender reuses, as velo's
+    /// session ids: a sender late for the bind then hears, where its open
+    /// would fill an entry nobody binds and block on its window. Dropping
+    /// the receiver instead lets such an open wait for the next bind.
+    pub fn abandon(mut self) {
+        self.abandoning = true;
+    }
+
     /// The stream this receiver is bound to.
     pub fn key(&self) -> StreamKey {
         self.rx.key
@@ -1160,10 +1175,10 @@ impl Drop for SlotReceiver {
             // The feeder closes the slot, or returns what it held as peer credit.
             self.rx.mark_dirty(&mut state);
         }
-        // Bound, and no peer ever fed it: a sender may yet come for it.
+        // Given up, and no peer ever fed it: a sender may yet come for it.
         let never_fed = !feeding && state.fed_by.is_none() && !state.ended;
         drop(state);
-        if never_fed {
+        if never_fed && self.abandoning {
             self.registry.abandon(&self.rx);
         } else if !feeding {
             self.registry.remove(&self.rx);
@@ -1483,18 +1498,25 @@ mod tests {
         assert_eq!(registry.unbound_of(PeerId(2)), 2);
     }
 
-    /// A binding dropped before any peer fed it (velo gave up on the
+    /// A binding given up before any peer fed it (velo gave up on the
     /// stream): a late OpenSlot for its key is refused, so its sender
     /// hears, where it used to fill a fresh entry nobody would bind and
     /// block on its window for good; binding the key again takes opens.
+    /// A binding only dropped lets a late open wait for the next bind.
     #[test]
     fn a_late_open_for_an_abandoned_binding_is_refused_until_a_bind() {
         let registry = Registry::new(64 * 1024, 16, 16);
         let control = control(1 << 20);
         let key = StreamKey::new(8, 1);
-        drop(registry.bind(key).unwrap());
+        registry.bind(key).unwrap().abandon();
         assert!(matches!(registry.open(key, &control), OpenOutcome::Refused));
         assert_eq!(registry.unbound_of(PeerId(2)), 0, "no entry left waiting");
+        let dropped = StreamKey::new(8, 3);
+        drop(registry.bind(dropped).unwrap());
+        assert!(matches!(
+            registry.open(dropped, &control),
+            OpenOutcome::Attached(_)
+        ));
         // A binding fed, then ended, is not abandoned: a new open is a new stream.
         let fed = StreamKey::new(8, 2);
         let rx = registry.bind(fed).unwrap();
@@ -1502,7 +1524,7 @@ mod tests {
             panic!("the binding takes the peer's open");
         };
         slot.end(Frame::Finalized);
-        drop(rx);
+        rx.abandon();
         assert!(matches!(
             registry.open(fed, &control),
             OpenOutcome::Attached(_)

@@ -244,8 +244,11 @@ async fn ingress_pump(
                 },
                 _ = watch.tick() => {
                     if tx.is_disconnected() {
-                        // Dropping `slot` closes it and frees its registry entry.
+                        // Closes the slot and frees its registry entry; velo
+                        // mints session ids afresh, so a sender late for this
+                        // one is refused rather than left to fill an entry.
                         tracing::debug!(key = ?slot.key(), "velo abandoned a bound stream");
+                        slot.abandon();
                         return;
                     }
                     continue;

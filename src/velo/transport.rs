@@ -331,7 +331,13 @@ impl<N: Node> Inner<N> {
     /// a dial-in peer's messages, one that came after its unregister, a
     /// Draining echo each add one, and a node that outlives many clients'
     /// ids would keep one for each.
+    /// Each sweep looks at the sizes only: maps no larger than the
+    /// registrations are bounded by them, and are left for a later sweep.
     fn forget_unregistered(&self) {
+        let instances = lock(&self.peers).len();
+        if lock(&self.connected).len() <= instances && lock(&self.limits).len() <= instances {
+            return;
+        }
         let registered: std::collections::HashSet<PeerId> =
             lock(&self.peers).values().copied().collect();
         lock(&self.connected).retain(|peer, _| registered.contains(peer));
