@@ -365,16 +365,7 @@ fn a_soft_peer_is_heard_only_from_the_port_it_named() {
 fn hand_driven_device_receives_acks_and_drops_garbage() {
     let h = hand_driven();
     let now = Instant::ZERO;
-    let sg = [Sge {
-        mr: &h.mr,
-        offset: 0,
-        len: 64,
-    }];
-    h.qp.post_recv(&[RecvWr {
-        wr_id: 9,
-        sg_list: &sg,
-    }])
-    .expect("post");
+    post_one_recv(&h);
 
     // Garbage and a packet for another QP are counted and dropped.
     fuzzing::handle_datagram(&h.dev, now, gid(2), 4791, b"short");

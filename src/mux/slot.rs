@@ -649,9 +649,10 @@ pub(crate) struct Registry {
     /// Per peer, the entries its OpenSlots created that nobody has bound
     /// yet (across epochs): capped, so no one peer fills `max_entries`.
     unbound: Mutex<HashMap<PeerId, usize>>,
-    /// Keys whose binding was dropped before any peer fed it, newest last
-    /// (at most [`ABANDONED_KEPT`]): a late OpenSlot for one is refused,
-    /// so its sender hears, rather than filling an entry nobody will bind.
+    /// Keys whose binding was given up ([`SlotReceiver::abandon`]) before
+    /// any peer fed it, newest last (at most [`ABANDONED_KEPT`]): a late
+    /// OpenSlot for one is refused, so its sender hears, rather than
+    /// filling an entry nobody will bind.
     abandoned: Mutex<Abandoned>,
     window: u32,
     max_entries: usize,
@@ -796,8 +797,8 @@ impl Registry {
         }
     }
 
-    /// Forgets a binding dropped before any peer fed it, and remembers its
-    /// key as abandoned ([`Registry::open`] refuses it).
+    /// Forgets a binding given up before any peer fed it, and remembers
+    /// its key as abandoned ([`Registry::open`] refuses it).
     fn abandon(&self, rx: &Arc<RxSlot>) {
         let mut slots = lock(&self.slots);
         if slots.get(&rx.key).is_some_and(|cur| Arc::ptr_eq(cur, rx)) {

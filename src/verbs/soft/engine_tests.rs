@@ -558,26 +558,7 @@ fn stale_and_bogus_acks_are_ignored() {
     p.send(1, 8);
     let pkts = p.transmit_a();
     // An ACK for a PSN never sent changes nothing.
-    let mut bogus = vec![0u8; 64];
-    let repr = PacketRepr {
-        bth: BthRepr {
-            opcode: Opcode::Ack,
-            solicited: false,
-            mig_req: false,
-            pad_count: 0,
-            pkey: DEFAULT_PKEY,
-            dest_qp: Qpn::new(0x100),
-            ack_req: false,
-            psn: Psn::new(1000),
-        },
-        aeth: Some(AethRepr {
-            kind: AethKind::Ack { credit: 0x1f },
-            msn: 0,
-        }),
-        imm: None,
-    };
-    let n = repr.emit(&ctx(2, 1), &[], &mut bogus);
-    bogus.truncate(n);
+    let bogus = response(Psn::new(1000), AethKind::Ack { credit: 0x1f });
     p.deliver_a(&[bogus]);
     assert!(Pair::completions(&mut p.a.qp).is_empty());
     p.deliver_b(&pkts);
