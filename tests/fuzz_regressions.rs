@@ -318,15 +318,20 @@ fn send_from_port(h: &HandDriven, port: u16, payload: &[u8]) -> Vec<u8> {
     )
 }
 
-fn received(h: &HandDriven) -> Option<Vec<u8>> {
-    let mut wc = [WorkCompletion {
+/// A completion slot for `poll` to fill.
+fn blank_completion() -> WorkCompletion {
+    WorkCompletion {
         wr_id: 0,
         status: WcStatus::WrFlushErr,
         opcode: qpmux::verbs::WcOpcode::Send,
         byte_len: 0,
         imm: None,
         qp_num: Qpn::new(0),
-    }];
+    }
+}
+
+fn received(h: &HandDriven) -> Option<Vec<u8>> {
+    let mut wc = [blank_completion()];
     match h.recv_cq.poll(&mut wc).expect("poll") {
         0 => None,
         _ => {
@@ -405,14 +410,7 @@ fn hand_driven_device_receives_acks_and_drops_garbage() {
         |_| {},
     );
     fuzzing::handle_datagram(&h.dev, now, gid(2), 4791, &good);
-    let mut wc = [WorkCompletion {
-        wr_id: 0,
-        status: WcStatus::WrFlushErr,
-        opcode: qpmux::verbs::WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        qp_num: Qpn::new(0),
-    }];
+    let mut wc = [blank_completion()];
     assert_eq!(h.recv_cq.poll(&mut wc).expect("poll"), 1);
     assert_eq!(
         (wc[0].wr_id, wc[0].status, wc[0].byte_len),

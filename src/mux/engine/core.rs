@@ -1728,13 +1728,18 @@ mod tests {
     /// A core whose peer granted it its whole peer window.
     fn credited_core() -> PeerCore {
         let mut core = core();
+        credit_whole_window(&mut core);
+        core
+    }
+
+    /// The peer grants `core` its whole peer window, on terms like its own.
+    fn credit_whole_window(core: &mut PeerCore) {
         let window = core.config.peer_window;
         core.set_peer_terms(
             PeerTerms::announced_by(&core.config),
             window,
             Instant::now(),
         );
-        core
     }
 
     /// A core under `FlushPolicy::Manual` (owed control waits an hour).
@@ -2725,12 +2730,7 @@ mod tests {
     #[tokio::test]
     async fn a_slot_the_peer_closes_while_it_waits_for_a_flush_leaves_the_core_quiet() {
         let mut core = manual_core();
-        let window = core.config.peer_window;
-        core.set_peer_terms(
-            PeerTerms::announced_by(&core.config),
-            window,
-            Instant::now(),
-        );
+        credit_whole_window(&mut core);
         let mut tx = open(&core, 1);
         tx.send(Bytes::from_static(b"first")).await.expect("queued");
         core.control.request_flush();
@@ -2821,12 +2821,7 @@ mod tests {
                 flush,
                 ..(*core.config).clone()
             });
-            let window = core.config.peer_window;
-            core.set_peer_terms(
-                PeerTerms::announced_by(&core.config),
-                window,
-                Instant::now(),
-            );
+            credit_whole_window(&mut core);
             let mut tx = open(&core, 1);
             tx.send(Bytes::from_static(b"waits")).await.expect("queued");
             core.handle_control(Instant::now());
