@@ -1254,9 +1254,10 @@ async fn records_cut_short_by_departing_consumers_give_all_their_peer_credit_bac
     assert_eq!(muxes[1].stats().protocol_violations, 0);
 }
 
-/// A record larger than the receiver's whole peer window can never go: its
-/// slot ends for the producer with `TooLarge` naming that window, the
-/// consumer sees the sender drop the stream, and the epoch lives.
+/// A record larger than the receiver's whole peer window (though within
+/// its `max_record`) can never go: its slot ends for the producer with
+/// `TooLarge` naming what the window holds, the consumer sees the sender
+/// drop the stream, and the epoch lives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_larger_than_the_receivers_peer_window_ends_only_its_slot() {
     tokio::time::timeout(Duration::from_secs(20), a_record_past_the_peer_window())
@@ -1272,7 +1273,7 @@ async fn a_record_past_the_peer_window() {
     let b = Mux::new(
         MuxConfig {
             peer_window,
-            max_record: peer_window as usize,
+            max_record: 2 * peer_window as usize,
             ..MuxConfig::default()
         },
         fabric.dialer(B),
@@ -1287,7 +1288,7 @@ async fn a_record_past_the_peer_window() {
         tx.closed().await,
         SendError::TooLarge {
             len: 100 * 1024,
-            max: peer_window as usize
+            max: peer_window as usize - RECORD_OVERHEAD
         }
     );
     assert!(matches!(rx.recv().await, Some(Frame::Data(d)) if seq_of(&d) == 0));

@@ -330,31 +330,44 @@ async fn a_sender_late_for_an_abandoned_bind_is_refused() {
 /// that says why, not a bare `Dropped`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_item_past_the_record_limit_ends_its_stream_with_a_transport_error() {
+    an_item_past_a_record_limit_is_said(4096, 4096).await;
+}
+
+/// The same for an item within the sender's `max_record` but past the
+/// receiver's (its hello said so): the sender refuses it at `send`, while
+/// the stream can still say why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_past_the_receivers_record_limit_ends_its_stream_with_a_transport_error() {
+    an_item_past_a_record_limit_is_said(4096, 1 << 20).await;
+}
+
+async fn an_item_past_a_record_limit_is_said(receiver_max: usize, sender_max: usize) {
     let kind = velo_nodes::Mem::new(Shape::Default);
-    let options = velo_nodes::Options {
+    let options = |max_record| velo_nodes::Options {
         mux: qpmux::mux::MuxConfig {
-            max_record: 4096,
+            max_record,
             ..qpmux::mux::MuxConfig::default()
         },
         ..velo_nodes::Options::default()
     };
-    let a = worker_with(&kind, 1, options.clone()).await;
-    let b = worker_with(&kind, 2, options).await;
+    let a = worker_with(&kind, 1, options(receiver_max)).await;
+    let b = worker_with(&kind, 2, options(sender_max)).await;
     join(&a, &b);
     let worker_a = a.messenger.instance_id().worker_id();
     let rx = a.frames.bind(7, 1).await.expect("bind");
     let tx = b.frames.connect(worker_a, 7, 1).await.expect("connect");
     let small = rmp_serde::to_vec(&StreamFrame::Item(vec![1u8; 16])).expect("encodes");
     let large = rmp_serde::to_vec(&StreamFrame::Item(vec![2u8; 8192])).expect("encodes");
-    tx.send_async(small.clone()).await.expect("open");
-    tx.send_async(large).await.expect("velo takes it");
     let next = || async {
         tokio::time::timeout(Duration::from_secs(10), rx.recv_async())
             .await
             .expect("a frame within 10 s")
             .expect("a frame")
     };
+    tx.send_async(small.clone()).await.expect("open");
+    // Delivered: the epoch's hellos are in, the receiver's limit known.
     assert_eq!(next().await, small);
+    tx.send_async(large).await.expect("velo takes it");
     let last = next().await;
     let decoded: StreamFrame<Vec<u8>> = rmp_serde::from_slice(&last).expect("velo decodes it");
     match decoded {

@@ -38,8 +38,9 @@ pub enum SendError {
     /// The receiving side closed the slot (gone, refused, or unknown to it).
     #[error("peer closed the slot: {0:?}")]
     PeerClosed(CloseReason),
-    /// The record exceeds the largest one that may go: our `max_record` (at
-    /// `send`), the peer's, or its peer window less [`RECORD_OVERHEAD`].
+    /// The record exceeds the largest one that may go: our `max_record` or
+    /// the peer's as its latest hello said (at `send`), or, learned later,
+    /// the peer's limit or its peer window less [`RECORD_OVERHEAD`].
     #[error("record of {len} bytes exceeds the {max}-byte maximum")]
     TooLarge {
         /// The record length.
@@ -350,11 +351,15 @@ impl Inlet {
 
     async fn push(self: &Arc<Self>, data: Bytes) -> Result<(), SendError> {
         let len = data.len();
-        if len > self.max_record {
-            return Err(SendError::TooLarge {
-                len,
-                max: self.max_record,
-            });
+        // The peer's limit as its latest hello said (0: none heard yet):
+        // refused here, the stream stays open for its sender to say why;
+        // taken, the peer task could only end the slot.
+        let max = match self.control.peer_max_record.load(Ordering::Acquire) {
+            0 => self.max_record,
+            peer => self.max_record.min(peer),
+        };
+        if len > max {
+            return Err(SendError::TooLarge { len, max });
         }
         let mut data = Some(data);
         // With room, as almost always, no waiter is registered: that is four

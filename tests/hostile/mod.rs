@@ -196,11 +196,13 @@ impl HostileMem {
             .await;
     }
 
-    /// A Ping, then waits for its Pong: the target has handled every batch
-    /// posted before it.
+    /// A Ping, then waits for a Pong at or past its nonce (one Pong answers
+    /// every ping up to its own): the target has handled every batch posted
+    /// before it.
     pub async fn ping(&mut self, nonce: u64) {
         self.post(|enc| enc.push_ping(nonce).expect("fits")).await;
-        self.hear_until(|h| *h == Heard::Pong(nonce)).await;
+        self.hear_until(|h| matches!(h, Heard::Pong(n) if *n >= nonce))
+            .await;
     }
 
     // ---- the lies ----

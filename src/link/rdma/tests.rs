@@ -555,6 +555,45 @@ async fn a_closing_fence_that_found_no_credit_goes_when_a_reserved_buffer_comes_
     }
 }
 
+/// A fence still owed when the close has moved on (cut short by an abrupt
+/// end, or past its wait for the SENDs) is not posted when a credit comes
+/// back: the QP is going to ERR, or the tail was given up.
+#[tokio::test]
+async fn a_fence_owed_after_the_close_moved_on_is_not_posted() {
+    for cut in [true, false] {
+        let (da, db) = (device().await, device().await);
+        let config = RdmaConfig {
+            timeout: 16,
+            recv_depth: 4,
+            send_buffers: 16,
+            ..small()
+        };
+        let (a, b) = pair(&da, &db, Epoch(1), config).expect("pair");
+        a.shared().cq.shared.disable_handler();
+        for payload in [&b"one"[..], b"two", b"three"] {
+            send_bytes(&a, payload).await;
+        }
+        send_bytes(&b, b"owed").await;
+        assert_eq!(&recv_bytes(&a).await[..], b"owed");
+        let last_credit = tokio::time::timeout(Duration::from_secs(10), a.reserve())
+            .await
+            .expect("the last credit is free")
+            .expect("reserve");
+        a.fail(EpochEnd::Closed);
+        assert!(a.shared().lock().fence_owed, "no credit for the fence");
+        if cut {
+            a.fail(EpochEnd::PeerLost);
+            assert!(a.close_was_cut());
+        } else {
+            // b never completes the tail: the close waits out its bound.
+            until(|| a.shared().lock().last_sent).await;
+        }
+        drop(last_credit);
+        until(|| a.send_pool().stats().in_use == 0).await;
+        assert_eq!(a.stats().closing_fences, 0, "cut: {cut}");
+    }
+}
+
 /// A link whose every handle is dropped during its graceful close still
 /// has its completions polled until the teardown, where the provider has
 /// no completion handler (libibverbs): the close ends on its SENDs'

@@ -2524,20 +2524,21 @@ mod tests {
     }
 
     /// A record or message larger than the peer's `max_record` (the peer
-    /// would end the epoch on it) is refused here: the stream closes with
-    /// `TooLarge`, the message is reported to its sender, neither is written.
+    /// would end the epoch on it) is refused here: a record queued before
+    /// the peer's terms were heard closes its stream with `TooLarge`, the
+    /// message is reported to its sender, neither is written.
     #[tokio::test]
     async fn a_record_or_message_past_the_peers_max_record_is_refused_here() {
         let mut core = core();
+        let mut tx = open(&core, 1);
+        tx.send(Bytes::from(vec![1u8; 1001]))
+            .await
+            .expect("queued: no peer limit heard yet, our own is larger");
         let terms = PeerTerms {
             max_record: 1000,
             ..PeerTerms::announced_by(&core.config)
         };
         core.set_peer_terms(terms, core.config.peer_window, Instant::now());
-        let mut tx = open(&core, 1);
-        tx.send(Bytes::from(vec![1u8; 1001]))
-            .await
-            .expect("queued: our own max_record is larger");
         let reports = Arc::new(AtomicUsize::new(0));
         let mut big = counted(&reports);
         big.body = Bytes::from(vec![2u8; 1001]);
@@ -2573,22 +2574,54 @@ mod tests {
         assert_eq!(core.counters.snapshot().messages_too_large, 1);
     }
 
+    /// Once the peer's terms are heard, a record past its `max_record` is
+    /// refused at `send`, and the stream stays open: its sender can still
+    /// say why, or go on with records that fit.
+    #[tokio::test]
+    async fn a_record_past_the_peers_limit_heard_is_refused_at_send_and_the_stream_lives() {
+        let mut core = core();
+        let terms = PeerTerms {
+            max_record: 1000,
+            ..PeerTerms::announced_by(&core.config)
+        };
+        core.set_peer_terms(terms, core.config.peer_window, Instant::now());
+        let mut tx = open(&core, 1);
+        assert_eq!(
+            tx.send(Bytes::from(vec![1u8; 1001])).await,
+            Err(SendError::TooLarge {
+                len: 1001,
+                max: 1000
+            })
+        );
+        tx.send(Bytes::from(vec![2u8; 1000]))
+            .await
+            .expect("one that fits goes");
+        core.handle_control(Instant::now());
+        let batch = next_batch(&mut core);
+        assert_eq!(
+            batch.iter().filter(|r| r.starts_with("data")).count(),
+            1,
+            "{batch:?}"
+        );
+        assert!(!batch.iter().any(|r| r.starts_with("close")), "{batch:?}");
+    }
+
     /// A peer whose `max_record` is 0 takes records of 0 and 1 byte (0 acts
     /// as 1 on both ends), and nothing longer.
     #[tokio::test]
     async fn a_max_record_of_zero_acts_as_one() {
         let mut core = core();
-        let terms = PeerTerms {
-            max_record: 0,
-            ..PeerTerms::announced_by(&core.config)
-        };
-        core.set_peer_terms(terms, core.config.peer_window, Instant::now());
         let mut tx = open(&core, 1);
         for record in [&b""[..], b"x", b"xy"] {
             tx.send(Bytes::copy_from_slice(record))
                 .await
                 .expect("queued");
         }
+        let terms = PeerTerms {
+            max_record: 0,
+            ..PeerTerms::announced_by(&core.config)
+        };
+        core.set_peer_terms(terms, core.config.peer_window, Instant::now());
         core.handle_control(Instant::now());
         let batch = next_batch(&mut core);
         let data = batch.iter().filter(|r| r.starts_with("data")).count();
