@@ -306,7 +306,10 @@ async fn a_sender_late_for_an_abandoned_bind_is_refused() {
     let rx = frames_a.bind(9, 1).await.expect("bind");
     drop(rx);
     // The idle pump looks every 5 ms and lets the key go.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    until("the pump abandons the binding", || {
+        mux_a.stats().bindings_abandoned == 1
+    })
+    .await;
     let worker_a = a.messenger.instance_id().worker_id();
     let tx = b.frames.connect(worker_a, 9, 1).await.expect("connect");
     let item = rmp_serde::to_vec(&StreamFrame::Item(vec![0u8; 1024])).expect("encodes");
@@ -323,6 +326,10 @@ async fn a_sender_late_for_an_abandoned_bind_is_refused() {
         mux_a.peers_holding().is_empty()
     })
     .await;
+    assert!(
+        mux_a.stats().opens_refused >= 1,
+        "refused, not fed and dropped"
+    );
 }
 
 /// An item past the node's `max_record` (smaller than velo's own item

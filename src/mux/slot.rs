@@ -659,6 +659,8 @@ pub(crate) struct Registry {
     /// OpenSlot for one is refused, so its sender hears, rather than
     /// filling an entry nobody will bind.
     abandoned: Mutex<Abandoned>,
+    /// Bindings abandoned so far (for the stats).
+    abandoned_total: AtomicU64,
     window: u32,
     max_entries: usize,
     max_unbound_per_peer: usize,
@@ -709,6 +711,7 @@ impl Registry {
             slots: Mutex::new(HashMap::new()),
             unbound: Mutex::new(HashMap::new()),
             abandoned: Mutex::new(Abandoned::default()),
+            abandoned_total: AtomicU64::new(0),
             window,
             max_entries,
             max_unbound_per_peer,
@@ -809,7 +812,13 @@ impl Registry {
         if slots.get(&rx.key).is_some_and(|cur| Arc::ptr_eq(cur, rx)) {
             slots.remove(&rx.key);
             lock(&self.abandoned).insert(rx.key);
+            self.abandoned_total.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Bindings abandoned so far.
+    pub fn bindings_abandoned(&self) -> u64 {
+        self.abandoned_total.load(Ordering::Relaxed)
     }
 
     /// Forgets `rx` if it is still the registered slot for its key.

@@ -106,6 +106,10 @@ pub struct Stats {
     /// OpenSlot records refused: the peer's slot limit was reached, or the
     /// stream is already fed, ended, or the node's registry is full.
     pub opens_refused: u64,
+    /// Bindings given up before any peer fed them
+    /// ([`SlotReceiver::abandon`](crate::mux::SlotReceiver::abandon)): a
+    /// late OpenSlot for one of their keys is refused.
+    pub bindings_abandoned: u64,
     /// Records dropped, by reason.
     pub drops: DropCounts,
     /// Time from each epoch death to the next epoch with that peer.
@@ -148,6 +152,8 @@ impl Stats {
             ("qpmux_messages_too_large_total", self.messages_too_large),
             ("qpmux_peer_task_panics_total", self.peer_task_panics),
             ("qpmux_links_unread_total", self.links_unread),
+            ("qpmux_opens_refused_total", self.opens_refused),
+            ("qpmux_bindings_abandoned_total", self.bindings_abandoned),
             ("qpmux_drops_unknown_slot_total", self.drops.unknown_slot),
             (
                 "qpmux_drops_stale_generation_total",
@@ -262,6 +268,8 @@ impl Counters {
             peer_task_panics: get(&self.peer_task_panics),
             links_unread: get(&self.links_unread),
             opens_refused: get(&self.opens_refused),
+            // The registry's own count, filled in by `Mux::stats`.
+            bindings_abandoned: 0,
             drops: DropCounts {
                 unknown_slot: get(&self.unknown_slot),
                 stale_generation: get(&self.stale_generation),

@@ -630,10 +630,11 @@ async fn a_detached_links_close_is_polled_until_its_teardown() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_end_hook_added_during_a_graceful_close_waits_for_the_teardown() {
     let (da, db) = (device().await, device().await);
-    // Retries run out in about 0.5 s (4.096 µs × 2^16, twice).
+    // Retries run out in about 2.1 s (4.096 µs × 2^17, four times): a
+    // loaded runner may pause the test between the close and the hook.
     let config = RdmaConfig {
-        timeout: 16,
-        retry_cnt: 1,
+        timeout: 17,
+        retry_cnt: 3,
         ..small()
     };
     let (a, _b) = pair(&da, &db, Epoch(1), config).expect("pair");
@@ -786,13 +787,13 @@ async fn replaced_ends_past_the_read_out_budget_are_torn_down_at_once() {
     send_bytes(&b1, b"late").await;
     assert_eq!(recv_bytes(&a1).await, b"late");
     // The peer's word ends a1's wait on the event, not its 5 s bound: a
-    // close begun now with a 1 s bound (8 tries of 134 ms), whose peer never
+    // close begun now with a 2 s bound (8 tries of 268 ms), whose peer never
     // says it, is still waiting after.
-    let one_second = RdmaConfig {
-        timeout: 15,
+    let two_seconds = RdmaConfig {
+        timeout: 16,
         ..config
     };
-    let (witness, _witness_peer) = on_budget(&da, &db, &budget, one_second);
+    let (witness, _witness_peer) = on_budget(&da, &db, &budget, two_seconds);
     witness.fail(EpochEnd::Closed);
     a1.peer_finished();
     torn_down(&a1, EpochEnd::Replaced).await;

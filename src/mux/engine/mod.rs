@@ -683,7 +683,9 @@ impl<L: Link> MuxTransport for Mux<L> {
     }
 
     fn stats(&self) -> Stats {
-        self.shared.counters.snapshot()
+        let mut stats = self.shared.counters.snapshot();
+        stats.bindings_abandoned = self.shared.registry.bindings_abandoned();
+        stats
     }
 }
 
