@@ -1629,3 +1629,226 @@ async fn a_grant_to_a_link_not_yet_served_is_left_out_of_the_next() {
     .await;
     outcome.expect("the epochs never ended");
 }
+
+// ---- a lone record written by its producer ----
+
+/// A sender on A and a bound receiver on B, the epoch up and A's peer task
+/// waiting with nothing to write.
+async fn settled_stream(
+    config: MuxConfig,
+) -> (
+    Arc<MemFabric>,
+    Vec<Mux<MemLink>>,
+    qpmux::mux::SlotSender,
+    qpmux::mux::SlotReceiver,
+) {
+    let (fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+    let key = StreamKey::new(B.0, 1);
+    let mut rx = muxes[1].bind(key).expect("bind");
+    let mut tx = muxes[0].open(B, key).expect("open");
+    tx.send(record(1, 0, 64)).await.expect("send");
+    assert!(matches!(rx.recv().await, Some(Frame::Data(d)) if seq_of(&d) == 0));
+    // B's grants handled, any gap of the tests past.
+    tokio::time::sleep(Duration::from_millis(210)).await;
+    (fabric, muxes, tx, rx)
+}
+
+async fn next_seq(rx: &mut qpmux::mux::SlotReceiver) -> u32 {
+    match rx.recv().await {
+        Some(Frame::Data(d)) => seq_of(&d),
+        other => panic!("expected data, got {other:?}"),
+    }
+}
+
+/// A lone record finds A's peer task waiting with nothing to write: the
+/// producer's own `send` writes and posts its batch (on a current-thread
+/// runtime nothing else runs during a `send` that does not wait). A burst
+/// sends its first record so and the rest batched through the peer task,
+/// and the burst's batch keeps the next lone record on the task too, until
+/// a lone batch has gone that way; records arrive in order throughout.
+#[tokio::test]
+async fn a_lone_record_is_written_by_its_producer_and_a_burst_goes_batched() {
+    // Long enough that no stall of the runner between a burst's sends
+    // passes it.
+    let gap = Duration::from_millis(200);
+    let config = MuxConfig {
+        inline_write_gap: Some(gap),
+        ..MuxConfig::default()
+    };
+    let (_fabric, muxes, mut tx, mut rx) = settled_stream(config).await;
+    let a = &muxes[0];
+    let before = a.stats();
+    tx.send(record(1, 1, 64)).await.expect("send");
+    let after = a.stats();
+    assert_eq!(
+        after.batches_inline,
+        before.batches_inline + 1,
+        "in the send"
+    );
+    assert_eq!(after.batches_sent, before.batches_sent + 1);
+    assert_eq!(next_seq(&mut rx).await, 1);
+
+    tokio::time::sleep(gap + Duration::from_millis(10)).await;
+    let before = a.stats();
+    for n in 2..66 {
+        tx.send(record(1, n, 64)).await.expect("send");
+    }
+    assert_eq!(
+        a.stats().batches_inline,
+        before.batches_inline + 1,
+        "the first only"
+    );
+    for n in 2..66 {
+        assert_eq!(next_seq(&mut rx).await, n);
+    }
+    let burst = a.stats();
+    assert!(
+        burst.batches_sent - before.batches_sent <= 3,
+        "batched: {} batches",
+        burst.batches_sent - before.batches_sent
+    );
+
+    tokio::time::sleep(gap + Duration::from_millis(10)).await;
+    tx.send(record(1, 66, 64)).await.expect("send");
+    assert_eq!(
+        a.stats().batches_inline,
+        burst.batches_inline,
+        "after a burst"
+    );
+    assert_eq!(next_seq(&mut rx).await, 66);
+    tokio::time::sleep(gap + Duration::from_millis(10)).await;
+    tx.send(record(1, 67, 64)).await.expect("send");
+    assert_eq!(
+        a.stats().batches_inline,
+        burst.batches_inline + 1,
+        "lone again"
+    );
+    assert_eq!(next_seq(&mut rx).await, 67);
+    assert_eq!(
+        a.stats().protocol_violations + muxes[1].stats().protocol_violations,
+        0
+    );
+}
+
+/// With no gap configured every batch goes through the peer task.
+#[tokio::test]
+async fn no_inline_write_gap_keeps_every_batch_on_the_peer_task() {
+    let config = MuxConfig {
+        inline_write_gap: None,
+        ..MuxConfig::default()
+    };
+    let (_fabric, muxes, mut tx, mut rx) = settled_stream(config).await;
+    for n in 1..4 {
+        tx.send(record(1, n, 64)).await.expect("send");
+        assert_eq!(next_seq(&mut rx).await, n);
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(muxes[0].stats().batches_inline, 0);
+}
+
+/// Producers on several threads racing each other and the peer task for
+/// the core, each writing in its own turn whenever it finds the task
+/// waiting: every record arrives once, in order per stream, the batch
+/// numbers stay gapless (no violation), and the epoch lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn producers_racing_for_the_core_keep_every_stream_whole() {
+    let config = MuxConfig {
+        inline_write_gap: Some(Duration::ZERO),
+        ..MuxConfig::default()
+    };
+    let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+    let (a, b) = (&muxes[0], &muxes[1]);
+    let records = 300u32;
+    let mut consumers = Vec::new();
+    let mut producers = Vec::new();
+    for s in 0..8u64 {
+        let key = StreamKey::new(B.0, s);
+        let mut rx = b.bind(key).expect("bind");
+        consumers.push(tokio::spawn(async move {
+            in_order_to_finalized(&mut rx).await.0
+        }));
+        let mut tx = a.open(B, key).expect("open");
+        producers.push(tokio::spawn(async move {
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(s);
+            for n in 0..records {
+                tx.send(record(s, n, rng.random_range(12..300)))
+                    .await
+                    .expect("send");
+                match rng.random_range(0..4) {
+                    0 => tokio::time::sleep(Duration::from_micros(100)).await,
+                    1 => tokio::task::yield_now().await,
+                    _ => {}
+                }
+            }
+            tx.finish(Terminal::Finalized).expect("finish");
+        }));
+    }
+    let all = async {
+        for p in producers {
+            p.await.expect("producer");
+        }
+        for c in consumers {
+            assert_eq!(c.await.expect("consumer"), records);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), all)
+        .await
+        .expect("every stream ends within 60 s");
+    assert!(a.stats().batches_inline > 0, "some batches went inline");
+    assert_eq!(
+        a.stats().protocol_violations + b.stats().protocol_violations,
+        0
+    );
+    assert_eq!((a.epoch(B), b.epoch(A)), (Some(Epoch(1)), Some(Epoch(1))));
+}
+
+/// A producer's lone record finds the link ended: the peer closed it right
+/// after its last batch. That batch, which the peer task may take off the
+/// link in the same turn as it learns of the failed write (a coin flip in
+/// its `select!`, so sixteen rounds), is still delivered, the stream's end
+/// with it, never dropped for the write.
+#[tokio::test]
+async fn the_peers_last_batch_is_delivered_when_a_producers_write_finds_the_link_ended() {
+    for round in 0..16u64 {
+        let config = MuxConfig {
+            inline_write_gap: Some(Duration::ZERO),
+            ..MuxConfig::default()
+        };
+        let (mux, raw) = raw_peer(config).await;
+        // Our stream to the peer, its Open out: then the task waits with
+        // nothing to write.
+        let mut tx = mux.open(B, StreamKey::new(6, round)).expect("open");
+        tx.send(record(6, 0, 100)).await.expect("send");
+        drop(raw.recv().await.expect("the record's batch"));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        let key = StreamKey::new(7, round);
+        let mut rx = mux.bind(key).expect("bind");
+        let slot = SlotId::new(0, 0).expect("slot");
+        post_batch(&raw, 0, |enc| {
+            enc.push_open(slot, FrameSeq(0), 7, round).expect("fits");
+            enc.push_data(slot, FrameSeq(1), b"last", false)
+                .expect("fits");
+            enc.push_close(slot, FrameSeq(2), CloseReason::Finalized)
+                .expect("fits");
+        })
+        .await;
+        raw.fail(EpochEnd::PeerLost);
+        // Nothing else has run since: this send writes, and fails.
+        let before = mux.stats().batches_inline;
+        tx.send(record(6, 1, 100)).await.expect("taken");
+        assert_eq!(mux.stats().batches_inline, before, "round {round}");
+        let delivered = tokio::time::timeout(Duration::from_secs(10), async {
+            (rx.recv().await, rx.recv().await)
+        })
+        .await
+        .expect("the peer's last batch is delivered or dropped within 10 s");
+        assert_eq!(
+            delivered,
+            (
+                Some(Frame::Data(Bytes::from_static(b"last"))),
+                Some(Frame::Finalized)
+            ),
+            "round {round}"
+        );
+    }
+}

@@ -448,6 +448,9 @@ pub trait Link: Send + Sync + 'static {
     /// receive re-post) rather than a buffer going back to a free list: the
     /// mux then lets the consumers a batch woke run before it releases it.
     const RELEASE_POSTS: bool;
+    /// Whether [`Link::try_reserve`] can give a buffer: only then does the
+    /// mux let a producer write in its own turn.
+    const TRY_RESERVE: bool = false;
 
     /// The epoch this link is.
     fn epoch(&self) -> Epoch;
@@ -457,6 +460,14 @@ pub trait Link: Send + Sync + 'static {
 
     /// Waits for a link credit and a free send buffer.
     fn reserve(&self) -> impl Future<Output = Result<Self::SendBuf, LinkError>> + Send;
+
+    /// A link credit and a send buffer if both are free now, for a producer
+    /// writing in its own turn: never waits, registers no waiter and joins
+    /// no line. `None`: not now. Default: always `None` (such a link's
+    /// batches all go through its peer task).
+    fn try_reserve(&self) -> Option<Result<Self::SendBuf, LinkError>> {
+        None
+    }
 
     /// Sends the first `len` bytes of `buf`, in order after every earlier post.
     fn post(&self, buf: Self::SendBuf, len: usize) -> Result<(), LinkError>;

@@ -72,6 +72,14 @@ pub struct MuxConfig {
     /// On shutdown, how long a peer task keeps writing what producers had
     /// already queued before it says goodbye. Default 1 s.
     pub shutdown_linger: Duration,
+    /// Under [`FlushPolicy::Auto`], a producer writes its record itself, in
+    /// its own turn, when the peer task waits with nothing to write and the
+    /// peer's last batch with data carried one record and left at least
+    /// this long ago: a lone record skips the hop to the peer task, while a
+    /// burst still goes batched. `None`: every batch goes through the peer
+    /// task. Default 50 µs (docs/design.md § "A lone record is written by
+    /// its producer").
+    pub inline_write_gap: Option<Duration>,
 }
 
 /// Why a [`MuxConfig`] cannot carry data: every peer would refuse its
@@ -126,6 +134,7 @@ impl Default for MuxConfig {
             max_unbound_per_peer: 16_384,
             max_record: 16 * 1024 * 1024,
             shutdown_linger: Duration::from_secs(1),
+            inline_write_gap: Some(Duration::from_micros(50)),
         }
     }
 }

@@ -126,8 +126,20 @@ pub(crate) struct PeerControl {
     pub forgets: AtomicU64,
 }
 
+/// A peer task's offer, while it waits with nothing to write, to let a
+/// producer write its record in its own turn (docs/design.md § "A lone
+/// record is written by its producer").
+pub(crate) trait InlineWriter: Send + Sync + std::fmt::Debug {
+    /// Takes the peer's coalesced control and writes what it brought, if
+    /// the peer task is waiting and the link has room now. True: nothing is
+    /// left for the peer task, which need not wake.
+    fn try_write(&self) -> bool;
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct ControlState {
+    /// The serving epoch's inline writer, while one is offered.
+    pub inline: Option<Arc<dyn InlineWriter>>,
     pub dirty_inlets: Vec<Arc<Inlet>>,
     pub dirty_rx: Vec<Arc<RxSlot>>,
     pub flush_requested: bool,
@@ -213,6 +225,18 @@ impl PeerControl {
         lock(&self.state)
     }
 
+    /// Withdraws the inline writer offered (also while unwinding: a
+    /// poisoned lock is taken as it is).
+    pub fn withdraw_inline(&self) {
+        let taken = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .inline
+            .take();
+        drop(taken);
+    }
+
     /// Hands `bytes` back to the peer budget (the peer task calls it once
     /// per batch for the records it popped) and wakes waiting producers.
     pub fn release_budget(&self, bytes: usize) {
@@ -295,6 +319,16 @@ pub(crate) struct InletState {
     released: bool,
 }
 
+/// What [`Inlet::mark_dirty_unwoken`] did.
+enum Marked {
+    /// Already on the dirty list: its wake is on its way.
+    Already,
+    /// The peer task has retired.
+    Retired,
+    /// Put on the list: a wake is owed, or the inline writer offered.
+    Fresh(Option<Arc<dyn InlineWriter>>),
+}
+
 /// What the peer task takes from an inlet.
 #[derive(Debug)]
 pub(crate) enum Pop {
@@ -329,18 +363,30 @@ impl Inlet {
     /// Puts this inlet on its peer's dirty list unless it is already there.
     /// Returns false if the peer task has retired (the caller must re-home it).
     fn mark_dirty(self: &Arc<Self>, state: &mut InletState) -> bool {
+        match self.mark_dirty_unwoken(state) {
+            Marked::Retired => false,
+            Marked::Already => true,
+            Marked::Fresh(_) => {
+                self.control.wake.notify_one();
+                true
+            }
+        }
+    }
+
+    /// [`Inlet::mark_dirty`] without the wake, which the caller owes on
+    /// `Fresh` (after it lets go of the inlet's lock: an inline writer
+    /// takes it).
+    fn mark_dirty_unwoken(self: &Arc<Self>, state: &mut InletState) -> Marked {
         if state.dirty {
-            return true;
+            return Marked::Already;
         }
         let mut control = self.control.state();
         if control.retired {
-            return false;
+            return Marked::Retired;
         }
         state.dirty = true;
         control.dirty_inlets.push(self.clone());
-        drop(control);
-        self.control.wake.notify_one();
-        true
+        Marked::Fresh(control.inline.clone())
     }
 
     /// Registers a fresh inlet with its peer task.
@@ -432,7 +478,14 @@ impl Inlet {
         self.control.queued.fetch_add(len, Ordering::AcqRel);
         Counters::add(&self.control.counters.withheld_bytes, len as u64);
         // A retired peer cannot happen here: the slot is live in its table.
-        self.mark_dirty(&mut state);
+        if let Marked::Fresh(inline) = self.mark_dirty_unwoken(&mut state) {
+            drop(state);
+            // The peer task waits with nothing to write: the record may go
+            // in this turn, instead of after it (the batcher's hop).
+            if !inline.is_some_and(|writer| writer.try_write()) {
+                self.control.wake.notify_one();
+            }
+        }
         Ok(Room::Pushed)
     }
 

@@ -59,6 +59,9 @@ pub struct Stats {
     pub batches_sent: u64,
     /// Records posted (fragments count one each).
     pub records_sent: u64,
+    /// Of `batches_sent`, those a producer wrote in its own turn while the
+    /// peer task waited (a lone record: [`MuxConfig::inline_write_gap`](crate::mux::MuxConfig::inline_write_gap)).
+    pub batches_inline: u64,
     /// Data bytes posted.
     pub data_bytes_sent: u64,
     /// Batches received.
@@ -133,6 +136,7 @@ impl Stats {
         let mut out = vec![
             ("qpmux_batches_sent_total", self.batches_sent),
             ("qpmux_records_sent_total", self.records_sent),
+            ("qpmux_batches_inline_total", self.batches_inline),
             ("qpmux_data_bytes_sent_total", self.data_bytes_sent),
             ("qpmux_batches_received_total", self.batches_received),
             ("qpmux_records_received_total", self.records_received),
@@ -197,6 +201,7 @@ impl<T> std::ops::Deref for Padded<T> {
 pub(crate) struct Counters {
     pub batches_sent: AtomicU64,
     pub records_sent: AtomicU64,
+    pub batches_inline: AtomicU64,
     pub data_bytes_sent: AtomicU64,
     pub batches_received: AtomicU64,
     pub records_received: AtomicU64,
@@ -251,6 +256,7 @@ impl Counters {
         Stats {
             batches_sent: get(&self.batches_sent),
             records_sent: get(&self.records_sent),
+            batches_inline: get(&self.batches_inline),
             data_bytes_sent: get(&self.data_bytes_sent),
             batches_received: get(&self.batches_received),
             records_received: get(&self.records_received),

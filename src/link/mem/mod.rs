@@ -221,6 +221,7 @@ impl Link for MemLink {
     type SendBuf = MemSendBuf;
     type Batch = MemBatch;
     const RELEASE_POSTS: bool = false;
+    const TRY_RESERVE: bool = true;
 
     fn epoch(&self) -> Epoch {
         self.shared.epoch
@@ -253,6 +254,23 @@ impl Link for MemLink {
             }
             notified.await;
         }
+    }
+
+    fn try_reserve(&self) -> Option<Result<MemSendBuf, LinkError>> {
+        let mut state = self.shared.lock();
+        if let Some(err) = self.shared.ended_for(&state, self.end) {
+            return Some(Err(err));
+        }
+        let end = &mut state.ends[self.end];
+        if end.credits == 0 {
+            return None;
+        }
+        let buf = end.free_buffers.pop()?;
+        end.credits -= 1;
+        Some(Ok(MemSendBuf {
+            data: Some(buf),
+            link: self.clone(),
+        }))
     }
 
     fn post(&self, mut buf: MemSendBuf, len: usize) -> Result<(), LinkError> {

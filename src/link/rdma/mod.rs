@@ -1252,6 +1252,7 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
     type SendBuf = RdmaSendBuf<D>;
     type Batch = RdmaBatch<D>;
     const RELEASE_POSTS: bool = true;
+    const TRY_RESERVE: bool = true;
 
     fn epoch(&self) -> Epoch {
         self.shared().epoch
@@ -1354,6 +1355,33 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                 () = &mut notified => {}
                 () = &mut freed => {}
                 () = stalled => {}
+            }
+        }
+    }
+
+    fn try_reserve(&self) -> Option<Result<RdmaSendBuf<D>, LinkError>> {
+        let shared = self.shared();
+        let mut st = shared.lock();
+        if let Some(reason) = st.ended {
+            return Some(Err(shared.ended_error(reason)));
+        }
+        // A look only: no starved bit (that asks the peer for credit), and
+        // no place in the pool's line.
+        if st.sq_free == 0 || !st.credit.try_reserve() {
+            return None;
+        }
+        match shared.lease.try_take_unqueued() {
+            Some(chunk) => {
+                st.sq_free -= 1;
+                debug_assert!(st.credit.invariant_holds());
+                Some(Ok(RdmaSendBuf {
+                    chunk: Some(chunk),
+                    shared: shared.clone(),
+                }))
+            }
+            None => {
+                st.credit.unreserve();
+                None
             }
         }
     }

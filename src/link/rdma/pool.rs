@@ -260,6 +260,16 @@ impl<D: Device> Lease<D> {
     /// chunks go first to leases waiting longer. On `Empty` the lease joins
     /// the line (once).
     pub(super) fn try_take(&self) -> Result<PoolChunk<D>, Blocked> {
+        self.take(true)
+    }
+
+    /// [`Lease::try_take`] that never joins the line: a look, for a
+    /// producer's write in its own turn.
+    pub(super) fn try_take_unqueued(&self) -> Option<PoolChunk<D>> {
+        self.take(false).ok()
+    }
+
+    fn take(&self, queue: bool) -> Result<PoolChunk<D>, Blocked> {
         let shared = &self.pool.shared;
         let idx = {
             let mut st = shared.lock();
@@ -275,7 +285,7 @@ impl<D: Device> Lease<D> {
                 .position(|&id| id == self.id)
                 .unwrap_or(st.waiting.len());
             if st.free.len() <= ahead {
-                if ahead == st.waiting.len() {
+                if queue && ahead == st.waiting.len() {
                     st.waiting.push_back(self.id);
                     st.waits += 1;
                 }

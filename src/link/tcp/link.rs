@@ -851,6 +851,7 @@ impl Link for TcpLink {
     type SendBuf = TcpSendBuf;
     type Batch = TcpBatch;
     const RELEASE_POSTS: bool = false;
+    const TRY_RESERVE: bool = true;
 
     fn epoch(&self) -> Epoch {
         self.inner().epoch
@@ -886,6 +887,19 @@ impl Link for TcpLink {
                 notified.await;
             }
         }
+    }
+
+    fn try_reserve(&self) -> Option<Result<TcpSendBuf, LinkError>> {
+        let inner = self.inner();
+        let mut state = inner.lock();
+        if let Some(err) = inner.ended_error(&state) {
+            return Some(Err(err));
+        }
+        let buf = state.free.pop()?;
+        Some(Ok(TcpSendBuf {
+            data: Some(buf),
+            inner: inner.clone(),
+        }))
     }
 
     fn post(&self, mut buf: TcpSendBuf, len: usize) -> Result<(), LinkError> {

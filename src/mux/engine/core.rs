@@ -225,6 +225,9 @@ pub(crate) struct PeerCore {
     flush_owed_ready: bool,
     control_since: Option<Instant>,
     data_since: Option<Instant>,
+    /// When the last batch with data or messages was encoded, and how many
+    /// such records it carried: the inline write's burst gate.
+    last_data_batch: Option<(Instant, u16)>,
     sweep_at: Instant,
     heartbeat_at: Option<Instant>,
     idle_since: Instant,
@@ -303,6 +306,7 @@ impl PeerCore {
             data_goes_first: false,
             control_since: None,
             data_since: None,
+            last_data_batch: None,
             idle_since: now,
         };
         core.publish_held();
@@ -556,6 +560,27 @@ impl PeerCore {
         }
     }
 
+    /// Whether a producer may write in its own turn now
+    /// ([`MuxConfig::inline_write_gap`]): under the automatic flush, while
+    /// the last batch with data carried one record and left at least the
+    /// gap ago. A burst's first record may go alone; the rest go batched
+    /// through the peer task, and from then on the burst's batches keep it
+    /// off until a lone record goes through the peer task again.
+    pub fn inline_ok(&self, now: Instant) -> bool {
+        let Some(gap) = self.config.inline_write_gap else {
+            return false;
+        };
+        self.inline_candidate() && self.last_data_batch.is_none_or(|(at, _)| now >= at + gap)
+    }
+
+    /// [`PeerCore::inline_ok`] but for the time: whether a producer should
+    /// look at all (the peer task publishes it when it waits).
+    pub fn inline_candidate(&self) -> bool {
+        self.config.inline_write_gap.is_some()
+            && self.config.flush == FlushPolicy::Auto
+            && self.last_data_batch.is_none_or(|(_, records)| records <= 1)
+    }
+
     /// True when the peer is owed nothing and no slot has data ready.
     pub fn is_quiet(&self) -> bool {
         !self.has_control_owed() && self.ready.is_empty() && !self.has_messages()
@@ -649,6 +674,7 @@ impl PeerCore {
         if enc.record_count() > control_records {
             // Messages or slot data went out: not idle (§ "Idle retirement").
             self.idle_since = now;
+            self.last_data_batch = Some((now, enc.record_count() - control_records));
         }
         self.batch_seq_out = self.batch_seq_out.wrapping_add(1);
         Counters::add(&self.counters.batches_sent, 1);

@@ -10,6 +10,8 @@
 //!                                          | wake → handle_control (→ poll_batch → post, room permitting)
 //!                                          | reserve (if the gate says) → poll_batch → post
 //!                                          | timer → handle_timeout | newer link → Replaced }
+//!  SlotSender::send, the task waiting with nothing to write (EpochCell):
+//!                     the producer's own turn: handle_control → try_reserve → poll_batch → post
 //! ```
 //!
 //! The link layer owns connecting: the mux asks through [`Dialer::want_link`]
@@ -36,10 +38,10 @@ use tracing::Instrument;
 use self::core::{PeerCore, SinkSlot};
 pub use self::error::ProtocolError;
 use self::held::Held;
-use super::config::{MuxConfig, PeerTerms};
+use super::config::{FlushPolicy, MuxConfig, PeerTerms};
 use super::message::{MessageSink, OutboundMessage};
 use super::protocol::Epoch;
-use super::slot::{Deferred, Inlet, PeerControl, Registry, SlotReceiver, SlotSender};
+use super::slot::{Deferred, Inlet, InlineWriter, PeerControl, Registry, SlotReceiver, SlotSender};
 use super::stats::{Counters, Stats};
 use super::surface::{AsMux, DropReason, Frame, MuxError, MuxTransport, PeerId, StreamKey};
 use crate::link::{EpochEnd, Link, LinkError, LinkFault};
@@ -1044,25 +1046,137 @@ where
 }
 
 /// Encodes what the core has to send into `buf` and posts it.
+/// True if there was one to post.
 fn write_batch<L: Link>(
     link: &L,
     core: &mut PeerCore,
     mut buf: L::SendBuf,
-) -> Result<(), EpochEnd> {
+) -> Result<bool, EpochEnd> {
     let len = core.poll_batch(&mut buf, Instant::now());
-    if len > 0 {
-        stages::mark(Stage::Encoded);
-        link.post(buf, len).map_err(end_of)?;
-        stages::mark(Stage::Posted);
-        core.batch_posted();
+    if len == 0 {
+        return Ok(false);
     }
-    Ok(())
+    stages::mark(Stage::Encoded);
+    link.post(buf, len).map_err(end_of)?;
+    stages::mark(Stage::Posted);
+    core.batch_posted();
+    Ok(true)
 }
 
 fn end_of(err: LinkError) -> EpochEnd {
     match err {
         LinkError::Ended { reason, .. } => reason,
         LinkError::BatchTooLarge { .. } => EpochEnd::Fault(LinkFault::PostFailed),
+    }
+}
+
+/// One epoch's link and core. The peer task owns the turn; while it waits
+/// in its `select!` with nothing to write, it lends it out (`open`), and a
+/// producer whose record finds it so writes the batch itself
+/// (docs/design.md § "A lone record is written by its producer").
+///
+/// ```text
+///  send ─► inlet ─► dirty list ─► try_lock(turn), open, inline_ok?
+///                                   ├─ yes: handle_control → try_reserve → encode → post
+///                                   └─ no:  wake the peer task (as always)
+/// ```
+struct EpochCell<L: Link> {
+    link: L,
+    counters: Arc<Counters>,
+    /// `Turn::open` as the peer task last left it, and a lone record may go:
+    /// a producer looks here first, so a burst's records cost a load, not
+    /// a lock.
+    inviting: AtomicBool,
+    turn: tokio::sync::Mutex<Turn>,
+}
+
+/// What the peer task lends a producer while it waits.
+struct Turn {
+    core: PeerCore,
+    /// The peer task waits with nothing to write: a producer may write.
+    open: bool,
+    /// The waiting peer task's timer: a producer's write that brings the
+    /// core's deadline before it wakes the task.
+    parked_until: Instant,
+    /// How a producer's write ended the epoch, for the peer task.
+    failed: Option<Failure>,
+}
+
+/// How a producer's write ended the epoch.
+enum Failure {
+    /// The link's end (a post or a reserve that found it ended).
+    Ended(EpochEnd),
+    /// A panic, raised again in the peer task: the epoch ends as if the
+    /// task had panicked (its core may be half-updated).
+    Panicked(Box<dyn std::any::Any + Send>),
+}
+
+/// Withdraws the epoch's inline writer on every way out of `run_epoch`, a
+/// dropped task included: the writer holds the core, which holds the
+/// peer's control, which holds the writer.
+struct Offered<'a>(&'a PeerControl);
+
+impl Drop for Offered<'_> {
+    fn drop(&mut self) {
+        self.0.withdraw_inline();
+    }
+}
+
+impl<L: Link> std::fmt::Debug for EpochCell<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpochCell")
+            .field("epoch", &self.link.epoch())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<L: Link> InlineWriter for EpochCell<L> {
+    fn try_write(&self) -> bool {
+        if !self.inviting.load(Ordering::Acquire) {
+            return false;
+        }
+        // Never waits: the peer task, or another producer, in its turn
+        // means the wake goes as always.
+        let Ok(mut guard) = self.turn.try_lock() else {
+            return false;
+        };
+        let turn = &mut *guard;
+        let now = Instant::now();
+        if !turn.open || !turn.core.inline_ok(now) {
+            return false;
+        }
+        let written = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            stages::mark(Stage::Woken);
+            turn.core.handle_control(now);
+            if turn.core.wants_write(now) {
+                match self.link.try_reserve() {
+                    Some(Ok(buf)) => {
+                        if write_batch(&self.link, &mut turn.core, buf)? {
+                            Counters::add(&self.counters.batches_inline, 1);
+                        }
+                    }
+                    Some(Err(err)) => return Err(end_of(err)),
+                    None => return Ok(false),
+                }
+            }
+            // Anything left, or a deadline before the waiting task's timer,
+            // is the task's to see to.
+            Ok(!turn.core.wants_write(now) && turn.core.poll_timeout() >= turn.parked_until)
+        }));
+        let failure = match written {
+            Ok(Ok(done)) => return done,
+            Ok(Err(end)) => Failure::Ended(end),
+            Err(panic) => {
+                // No more I/O on this epoch; the peer task raises the panic
+                // again, counts and logs it.
+                self.link.fail(EpochEnd::Internal);
+                Failure::Panicked(panic)
+            }
+        };
+        self.inviting.store(false, Ordering::Relaxed);
+        turn.open = false;
+        turn.failed = Some(failure);
+        false
     }
 }
 
@@ -1075,13 +1189,6 @@ async fn run_epoch<L: Link>(
     held: Held,
     serve: Serve,
 ) -> (EpochEnd, Held) {
-    // A panic past the epoch's own catch, or a runtime dropping the task,
-    // still ends the link, so the connector, which holds it too, does not
-    // count it live.
-    let mut unfinished = FailUnlessFinished {
-        link: &link,
-        finished: false,
-    };
     let config = shared.config.clone();
     let mut core = PeerCore::new(
         link.epoch(),
@@ -1103,11 +1210,46 @@ async fn run_epoch<L: Link>(
         core.handle_control(Instant::now());
         messages = lock(&entry.messages).take();
     }
+    let cell = Arc::new(EpochCell {
+        link,
+        counters: shared.counters.clone(),
+        inviting: AtomicBool::new(false),
+        turn: tokio::sync::Mutex::new(Turn {
+            core,
+            open: false,
+            parked_until: Instant::now(),
+            failed: None,
+        }),
+    });
+    // A panic past the epoch's own catch, or a runtime dropping the task,
+    // still ends the link, so the connector, which holds it too, does not
+    // count it live.
+    let mut unfinished = FailUnlessFinished {
+        link: &cell.link,
+        finished: false,
+    };
+    let link = &cell.link;
+    let offered = Offered(&entry.control);
+    if serve == Serve::Whole
+        && L::TRY_RESERVE
+        && config.flush == FlushPolicy::Auto
+        && config.inline_write_gap.is_some()
+    {
+        entry.control.state().inline = Some(cell.clone());
+    }
+    // A batch the task took off the link as a producer's write ended the
+    // epoch: the drain's first.
+    let mut taken: Option<L::Batch> = None;
     let served = CatchPanic(Box::pin(async {
         let end = match serve {
-            Serve::Whole => serve_epoch(shared, entry, &link, &mut core, &mut messages).await,
+            Serve::Whole => serve_epoch(shared, entry, &cell, &mut messages, &mut taken).await,
             Serve::ReadOut => EpochEnd::Replaced,
         };
+        // No producer writes from here on.
+        entry.control.withdraw_inline();
+        let mut turn = cell.turn.lock().await;
+        turn.open = false;
+        let core = &mut turn.core;
         if let EpochEnd::Violation(violation) = end {
             *lock(&entry.violated_in) = Some(core.epoch());
             Counters::add(&shared.counters.protocol_violations, 1);
@@ -1120,7 +1262,14 @@ async fn run_epoch<L: Link>(
         // trusted. A link's own verdict came after the batches it completed
         // (it delivers none past the offence), so those are delivered.
         if !matches!(end, EpochEnd::Violation(v) if !v.is_link_level()) {
-            while let Ok(batch) = link.recv().await {
+            loop {
+                let batch = match taken.take() {
+                    Some(batch) => batch,
+                    None => match link.recv().await {
+                        Ok(batch) => batch,
+                        Err(_) => break,
+                    },
+                };
                 if let Err(violation) = core.handle_batch(&batch, Instant::now()) {
                     // E.g. records after a Goodbye: the epoch is over already,
                     // but the offence is still the peer's, counted, and the
@@ -1138,6 +1287,8 @@ async fn run_epoch<L: Link>(
         end
     }))
     .await;
+    cell.inviting.store(false, Ordering::Release);
+    drop(offered);
     let end = served.unwrap_or_else(|panic| {
         // A bug here or in the sink: the task and the node go on, the epoch
         // does not (its state may be half-updated), and every live slot
@@ -1148,6 +1299,9 @@ async fn run_epoch<L: Link>(
         link.fail(EpochEnd::Internal);
         EpochEnd::Internal
     });
+    let mut turn = cell.turn.lock().await;
+    turn.open = false;
+    let core = &mut turn.core;
     let reason = match end {
         EpochEnd::Shutdown => DropReason::Shutdown,
         EpochEnd::Closed
@@ -1194,20 +1348,45 @@ async fn run_epoch<L: Link>(
     // the verdict in.
     mark_served(entry, core.epoch());
     *lock(&entry.epoch) = None;
+    let held = core.take_held();
+    drop(turn);
     unfinished.finished = true;
-    (end, core.take_held())
+    drop(unfinished);
+    // The link goes here, in the peer task, as before: a producer that
+    // took the cell before it was withdrawn only looks, and lets go.
+    let mut cell = cell;
+    while let Err(shared_still) = Arc::try_unwrap(cell) {
+        cell = shared_still;
+        tokio::task::yield_now().await;
+    }
+    (end, held)
+}
+
+/// What woke a peer task's turn.
+enum Event<B, S> {
+    Message(Option<OutboundMessage>),
+    Batch(Result<B, LinkError>),
+    Wake,
+    Arrived,
+    Reserved(Result<S, LinkError>),
+    Timer,
+    Shutdown,
 }
 
 /// One epoch's turns until it ends: a `select!` over the link's `recv`, the
 /// producers' wake-up, the flush gate's `reserve`, the timer and shutdown.
+/// The core is the task's during a turn, and lent to producers between
+/// turns when there is nothing to write ([`EpochCell`]).
 async fn serve_epoch<L: Link>(
     shared: &Shared<L>,
     entry: &PeerEntry<L>,
-    link: &L,
-    core: &mut PeerCore,
+    cell: &EpochCell<L>,
     messages: &mut Option<flume::Receiver<OutboundMessage>>,
+    taken: &mut Option<L::Batch>,
 ) -> EpochEnd {
     let config = &shared.config;
+    let link = &cell.link;
+    let mut turn = cell.turn.lock().await;
     let mut drain_until: Option<Instant> = None;
     // Set while an idle peer waits for a link credit for its goodbye: until when.
     let mut idle_goodbye_until: Option<Instant> = None;
@@ -1219,7 +1398,7 @@ async fn serve_epoch<L: Link>(
     let wake = entry.control.wake.notified();
     let arrived = entry.link_arrived.notified();
     let received = link.recv();
-    let timer = sleep_until(core.poll_timeout());
+    let timer = sleep_until(turn.core.poll_timeout());
     // The wait for a send buffer lives across turns too, for as long as
     // the core has something to write: a link waiting on an exhausted pool
     // keeps its place in the pool's line while batches come in.
@@ -1228,6 +1407,7 @@ async fn serve_epoch<L: Link>(
     // The last batch's consumers that the runtime has not woken yet.
     let mut deferred = Deferred::default();
     loop {
+        let core = &mut turn.core;
         let fresh = lock(&entry.messages).take();
         if let Some(fresh) = fresh {
             // Outside the lock: dropping the old channel may report its
@@ -1311,44 +1491,97 @@ async fn serve_epoch<L: Link>(
             reserving.set(Some(link.reserve()));
         }
         let take_message = messages.is_some() && core.wants_messages();
+        // Nothing to write and no end in sight: a lone record's producer
+        // may write while the task waits. Otherwise the task keeps its turn.
+        let lend = !write && drain_until.is_none() && core.inline_candidate();
+        turn.open = lend;
+        turn.parked_until = deadline;
+        let kept = if lend {
+            cell.inviting.store(true, Ordering::Release);
+            drop(turn);
+            None
+        } else {
+            Some(turn)
+        };
         let next_message = async {
             match &*messages {
                 Some(rx) => rx.recv_async().await.ok(),
                 None => std::future::pending().await,
             }
         };
-        tokio::select! {
-            message = next_message, if take_message => match message {
-                Some(message) => core.handle_message(message, Instant::now()),
-                None => *messages = None,
-            },
+        let event = tokio::select! {
+            message = next_message, if take_message => Event::Message(message),
             batch = &mut received => {
                 received.set(link.recv());
-                match batch {
-                    Ok(batch) => {
-                        stages::mark(Stage::Decoding);
-                        // What the runtime has not woken of the last batch
-                        // goes first (a busy worker runs its deferred list late).
-                        deferred.wake_now();
-                        let (handled, woken) = core.handle_batch_unwoken(&batch, Instant::now());
-                        if let Err(violation) = handled {
-                            break EpochEnd::Violation(violation);
-                        }
-                        deferred = woken.defer();
-                        // The consumers this batch woke run before its
-                        // buffer is re-posted (docs/design.md § "The
-                        // consumer runs before the receive buffer is re-posted").
-                        if core.take_handed_over() && L::RELEASE_POSTS {
-                            tokio::task::yield_now().await;
-                        }
-                        drop(batch);
-                    }
-                    Err(err) => break end_of(err),
-                }
+                Event::Batch(batch)
             },
             () = &mut wake => {
-                stages::mark(Stage::Woken);
                 wake.set(entry.control.wake.notified());
+                Event::Wake
+            },
+            // The permit may predate this link (stored while we were waiting).
+            () = &mut arrived => {
+                arrived.set(entry.link_arrived.notified());
+                Event::Arrived
+            },
+            reserved = async {
+                reserving.as_mut().as_pin_mut().expect("set while writing").await
+            }, if write => {
+                reserving.set(None);
+                Event::Reserved(reserved)
+            },
+            () = &mut timer => Event::Timer,
+            () = &mut shutdown => {
+                shutdown.set(shared.shutdown_notify.notified());
+                Event::Shutdown
+            },
+        };
+        turn = match kept {
+            Some(turn) => turn,
+            None => {
+                cell.inviting.store(false, Ordering::Relaxed);
+                let mut turn = cell.turn.lock().await;
+                turn.open = false;
+                turn
+            }
+        };
+        match turn.failed.take() {
+            None => {}
+            Some(Failure::Panicked(panic)) => std::panic::resume_unwind(panic),
+            Some(Failure::Ended(end)) => {
+                // A batch already taken off the link is still delivered;
+                // nothing else of this turn runs (a wake would write again).
+                if let Event::Batch(Ok(batch)) = event {
+                    *taken = Some(batch);
+                }
+                break end;
+            }
+        }
+        let core = &mut turn.core;
+        match event {
+            Event::Message(Some(message)) => core.handle_message(message, Instant::now()),
+            Event::Message(None) => *messages = None,
+            Event::Batch(Ok(batch)) => {
+                stages::mark(Stage::Decoding);
+                // What the runtime has not woken of the last batch
+                // goes first (a busy worker runs its deferred list late).
+                deferred.wake_now();
+                let (handled, woken) = core.handle_batch_unwoken(&batch, Instant::now());
+                if let Err(violation) = handled {
+                    break EpochEnd::Violation(violation);
+                }
+                deferred = woken.defer();
+                // The consumers this batch woke run before its
+                // buffer is re-posted (docs/design.md § "The
+                // consumer runs before the receive buffer is re-posted").
+                if core.take_handed_over() && L::RELEASE_POSTS {
+                    tokio::task::yield_now().await;
+                }
+                drop(batch);
+            }
+            Event::Batch(Err(err)) => break end_of(err),
+            Event::Wake => {
+                stages::mark(Stage::Woken);
                 let now = Instant::now();
                 core.handle_control(now);
                 // What a wake-up brought usually goes out now: with a buffer
@@ -1371,31 +1604,24 @@ async fn serve_epoch<L: Link>(
                         None => {}
                     }
                 }
-            },
-            // The permit may predate this link (stored while we were waiting).
-            () = &mut arrived => {
-                arrived.set(entry.link_arrived.notified());
+            }
+            Event::Arrived => {
                 if lock(&entry.incoming).is_some() {
                     break EpochEnd::Replaced;
                 }
-            },
-            reserved = async {
-                reserving.as_mut().as_pin_mut().expect("set while writing").await
-            }, if write => match reserved {
-                Ok(buf) => {
-                    reserving.set(None);
-                    if let Some((end, _)) = ending {
-                        post_goodbye(link, core, buf);
-                        break end;
-                    }
-                    if let Err(end) = write_batch(link, core, buf) {
-                        break end;
-                    }
+            }
+            Event::Reserved(Ok(buf)) => {
+                if let Some((end, _)) = ending {
+                    post_goodbye(link, core, buf);
+                    break end;
                 }
-                Err(err) => break end_of(err),
-            },
-            () = &mut timer => core.handle_timeout(Instant::now()),
-            () = &mut shutdown => shutdown.set(shared.shutdown_notify.notified()),
+                if let Err(end) = write_batch(link, core, buf) {
+                    break end;
+                }
+            }
+            Event::Reserved(Err(err)) => break end_of(err),
+            Event::Timer => core.handle_timeout(Instant::now()),
+            Event::Shutdown => {}
         }
     }
 }
