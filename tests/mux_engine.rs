@@ -1850,5 +1850,117 @@ async fn the_peers_last_batch_is_delivered_when_a_producers_write_finds_the_link
             ),
             "round {round}"
         );
+        assert_eq!(rx.recv().await, None, "once, round {round}");
     }
+}
+
+/// A mem link that offers `try_reserve` and panics in it, as a provider
+/// bug would.
+struct PanickingReserveLink(MemLink);
+
+impl Link for PanickingReserveLink {
+    type SendBuf = <MemLink as Link>::SendBuf;
+    type Batch = <MemLink as Link>::Batch;
+    const RELEASE_POSTS: bool = false;
+    const TRY_RESERVE: bool = true;
+
+    fn epoch(&self) -> Epoch {
+        self.0.epoch()
+    }
+    fn max_batch(&self) -> usize {
+        self.0.max_batch()
+    }
+    async fn reserve(&self) -> Result<Self::SendBuf, qpmux::link::LinkError> {
+        self.0.reserve().await
+    }
+    fn try_reserve(&self) -> Option<Result<Self::SendBuf, qpmux::link::LinkError>> {
+        panic!("a provider bug in try_reserve");
+    }
+    fn post(&self, buf: Self::SendBuf, len: usize) -> Result<(), qpmux::link::LinkError> {
+        self.0.post(buf, len)
+    }
+    fn post_last(&self, buf: Self::SendBuf, len: usize) -> Result<(), qpmux::link::LinkError> {
+        self.0.post_last(buf, len)
+    }
+    async fn recv(&self) -> Result<Self::Batch, qpmux::link::LinkError> {
+        self.0.recv().await
+    }
+    fn fail(&self, reason: EpochEnd) {
+        self.0.fail(reason)
+    }
+    async fn ended(&self) -> EpochEnd {
+        self.0.ended().await
+    }
+}
+
+/// A panic in a producer's write ends the epoch as a panic in the peer
+/// task does: counted once, the link failed, the producer's stream dropped
+/// for the epoch.
+#[tokio::test]
+async fn a_panic_in_a_producers_write_ends_the_epoch_as_a_task_panic_does() {
+    let config = MuxConfig {
+        inline_write_gap: Some(Duration::ZERO),
+        ..MuxConfig::default()
+    };
+    let mux: Mux<PanickingReserveLink> = Mux::new(config, Arc::new(NoDialer));
+    let (ours, raw) = pair(Epoch(1), MemConfig::default());
+    mux.attach(B, PanickingReserveLink(ours));
+    let mut tx = mux.open(B, StreamKey::new(6, 6)).expect("open");
+    tx.send(record(6, 0, 100)).await.expect("send");
+    drop(
+        raw.recv()
+            .await
+            .expect("the record's batch, through the task"),
+    );
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    // The task waits with nothing to write: this send writes, and panics.
+    tx.send(record(6, 1, 100)).await.expect("taken");
+    let closed = tokio::time::timeout(Duration::from_secs(10), tx.closed())
+        .await
+        .expect("the stream ends within 10 s");
+    assert_eq!(
+        closed,
+        SendError::Dropped(DropReason::EpochEnded { epoch: Epoch(1) })
+    );
+    // The far end hears its peer close the link.
+    assert_eq!(raw.ended().await, EpochEnd::PeerClosed);
+    let stats = mux.stats();
+    assert_eq!((stats.peer_task_panics, stats.batches_inline), (1, 0));
+    assert_eq!(mux.epoch(B), None);
+}
+
+/// A link without `try_reserve`, and a flush that is not automatic, never
+/// offer producers the write: every batch goes through the peer task.
+#[tokio::test]
+async fn links_without_try_reserve_and_lingering_flushes_never_write_inline() {
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let config = MuxConfig {
+        inline_write_gap: Some(Duration::ZERO),
+        ..MuxConfig::default()
+    };
+    let mux: Mux<RepostingLink> = Mux::new(config.clone(), Arc::new(NoDialer));
+    let (ours, raw) = pair(Epoch(1), MemConfig::default());
+    mux.attach(B, RepostingLink { inner: ours, log });
+    let mut tx = mux.open(B, StreamKey::new(6, 6)).expect("open");
+    for n in 0..4 {
+        tx.send(record(6, n, 100)).await.expect("send");
+        drop(raw.recv().await.expect("a batch"));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(mux.stats().batches_inline, 0, "no try_reserve");
+
+    let lingering = MuxConfig {
+        flush: FlushPolicy::AutoLinger {
+            max_linger: Duration::from_micros(10),
+        },
+        ..config
+    };
+    let (mux, raw) = raw_peer(lingering).await;
+    let mut tx = mux.open(B, StreamKey::new(6, 7)).expect("open");
+    for n in 0..4 {
+        tx.send(record(6, n, 100)).await.expect("send");
+        drop(raw.recv().await.expect("a batch"));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(mux.stats().batches_inline, 0, "a lingering flush");
 }

@@ -74,9 +74,9 @@ pub struct MuxConfig {
     pub shutdown_linger: Duration,
     /// Under [`FlushPolicy::Auto`], a producer writes its record itself, in
     /// its own turn, when the peer task waits with nothing to write and the
-    /// peer's last batch with data carried one record and left at least
-    /// this long ago: a lone record skips the hop to the peer task, while a
-    /// burst still goes batched. `None`: every batch goes through the peer
+    /// last batch with data sent to that peer carried one record and left
+    /// at least this long ago: a lone record skips the hop to the peer
+    /// task, while a burst still goes batched. `None`: every batch goes through the peer
     /// task. Default 50 µs (docs/design.md § "A lone record is written by
     /// its producer").
     pub inline_write_gap: Option<Duration>,

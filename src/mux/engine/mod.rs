@@ -1289,6 +1289,9 @@ async fn run_epoch<L: Link>(
     .await;
     cell.inviting.store(false, Ordering::Release);
     drop(offered);
+    // Closed before a panic's `fail` below: no producer writes past it.
+    let mut turn = cell.turn.lock().await;
+    turn.open = false;
     let end = served.unwrap_or_else(|panic| {
         // A bug here or in the sink: the task and the node go on, the epoch
         // does not (its state may be half-updated), and every live slot
@@ -1299,8 +1302,6 @@ async fn run_epoch<L: Link>(
         link.fail(EpochEnd::Internal);
         EpochEnd::Internal
     });
-    let mut turn = cell.turn.lock().await;
-    turn.open = false;
     let core = &mut turn.core;
     let reason = match end {
         EpochEnd::Shutdown => DropReason::Shutdown,
@@ -1493,7 +1494,7 @@ async fn serve_epoch<L: Link>(
         let take_message = messages.is_some() && core.wants_messages();
         // Nothing to write and no end in sight: a lone record's producer
         // may write while the task waits. Otherwise the task keeps its turn.
-        let lend = !write && drain_until.is_none() && core.inline_candidate();
+        let lend = L::TRY_RESERVE && !write && drain_until.is_none() && core.inline_candidate();
         turn.open = lend;
         turn.parked_until = deadline;
         let kept = if lend {
@@ -1549,10 +1550,15 @@ async fn serve_epoch<L: Link>(
             None => {}
             Some(Failure::Panicked(panic)) => std::panic::resume_unwind(panic),
             Some(Failure::Ended(end)) => {
-                // A batch already taken off the link is still delivered;
-                // nothing else of this turn runs (a wake would write again).
-                if let Event::Batch(Ok(batch)) = event {
-                    *taken = Some(batch);
+                // A batch already taken off the link is still delivered,
+                // and a message taken is reported with the rest; nothing
+                // else of this turn runs (a wake would write again).
+                match event {
+                    Event::Batch(Ok(batch)) => *taken = Some(batch),
+                    Event::Message(Some(message)) => {
+                        turn.core.handle_message(message, Instant::now());
+                    }
+                    _ => {}
                 }
                 break end;
             }
