@@ -502,6 +502,41 @@ async fn a_graceful_close_with_an_unsignaled_tail_gives_its_chunks_back() {
     assert_eq!(&recv_bytes(&b).await[..], b"two");
 }
 
+/// A link `a` with a close bound of about 2 s and four credits: three SENDs
+/// b has not taken (an unsignaled tail: more buffers than credits, so none
+/// is signaled for the pool's sake), and a's last credit held in a
+/// reserved buffer.
+async fn an_unsignaled_tail_and_the_last_credit() -> (
+    (SoftDevice, SoftDevice),
+    RdmaLink<SoftDevice>,
+    RdmaLink<SoftDevice>,
+    RdmaSendBuf<SoftDevice>,
+) {
+    let (da, db) = (device().await, device().await);
+    let config = RdmaConfig {
+        timeout: 16,
+        recv_depth: 4,
+        send_buffers: 16,
+        ..small()
+    };
+    let (a, b) = pair(&da, &db, Epoch(1), config).expect("pair");
+    a.shared().cq.shared.disable_handler();
+    // b takes none of them, so no credit comes back.
+    for payload in [&b"one"[..], b"two", b"three"] {
+        send_bytes(&a, payload).await;
+    }
+    assert_eq!(a.stats().signaled_sends, 0, "an unsignaled tail");
+    // The last credit goes only to a post that returns credit: a owes one
+    // (fewer than a credit-only message waits for).
+    send_bytes(&b, b"owed").await;
+    assert_eq!(&recv_bytes(&a).await[..], b"owed");
+    let last_credit = tokio::time::timeout(Duration::from_secs(10), a.reserve())
+        .await
+        .expect("the last credit is free")
+        .expect("reserve");
+    ((da, db), a, b, last_credit)
+}
+
 /// A graceful close decided while a reserved buffer holds the last credit
 /// finds none for its fence; the fence goes when the buffer comes back,
 /// dropped or refused at its post, so the close does not wait out its
@@ -509,30 +544,7 @@ async fn a_graceful_close_with_an_unsignaled_tail_gives_its_chunks_back() {
 #[tokio::test]
 async fn a_closing_fence_that_found_no_credit_goes_when_a_reserved_buffer_comes_back() {
     for posted in [false, true] {
-        let (da, db) = (device().await, device().await);
-        // A close bound of about 2 s, four credits, and more buffers than
-        // credits, so no send is signaled for the pool's sake.
-        let config = RdmaConfig {
-            timeout: 16,
-            recv_depth: 4,
-            send_buffers: 16,
-            ..small()
-        };
-        let (a, b) = pair(&da, &db, Epoch(1), config).expect("pair");
-        a.shared().cq.shared.disable_handler();
-        // b takes none of them, so no credit comes back.
-        for payload in [&b"one"[..], b"two", b"three"] {
-            send_bytes(&a, payload).await;
-        }
-        assert_eq!(a.stats().signaled_sends, 0, "an unsignaled tail");
-        // The last credit goes only to a post that returns credit: a owes
-        // one (fewer than a credit-only message waits for).
-        send_bytes(&b, b"owed").await;
-        assert_eq!(&recv_bytes(&a).await[..], b"owed");
-        let mut last_credit = tokio::time::timeout(Duration::from_secs(10), a.reserve())
-            .await
-            .expect("the last credit is free")
-            .expect("reserve");
+        let (_devices, a, b, mut last_credit) = an_unsignaled_tail_and_the_last_credit().await;
         a.fail(EpochEnd::Closed);
         assert_eq!(a.stats().closing_fences, 0, "no credit for it yet");
         if posted {
@@ -561,24 +573,7 @@ async fn a_closing_fence_that_found_no_credit_goes_when_a_reserved_buffer_comes_
 #[tokio::test]
 async fn a_fence_owed_after_the_close_moved_on_is_not_posted() {
     for cut in [true, false] {
-        let (da, db) = (device().await, device().await);
-        let config = RdmaConfig {
-            timeout: 16,
-            recv_depth: 4,
-            send_buffers: 16,
-            ..small()
-        };
-        let (a, b) = pair(&da, &db, Epoch(1), config).expect("pair");
-        a.shared().cq.shared.disable_handler();
-        for payload in [&b"one"[..], b"two", b"three"] {
-            send_bytes(&a, payload).await;
-        }
-        send_bytes(&b, b"owed").await;
-        assert_eq!(&recv_bytes(&a).await[..], b"owed");
-        let last_credit = tokio::time::timeout(Duration::from_secs(10), a.reserve())
-            .await
-            .expect("the last credit is free")
-            .expect("reserve");
+        let (_devices, a, _b, last_credit) = an_unsignaled_tail_and_the_last_credit().await;
         a.fail(EpochEnd::Closed);
         assert!(a.shared().lock().fence_owed, "no credit for the fence");
         if cut {
