@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!  producer ── Stamped ──► sender's peer task: Woken ─► Encoded ─► post ─► Posted
-//!     ── wire ──► receiving link or provider: Received ─► receiver's peer task: Decoding
+//!     ── wire ──► receiving link or provider: Received ─► receiver's peer task (or reader): Decoding
 //!     ──► consumer (the harness reads every stage's offset from Stamped)
 //! ```
 //!
@@ -30,7 +30,8 @@ pub enum Stage {
     /// The receiver took the batch off the wire (`recvmmsg` on the soft
     /// provider, a whole frame read on the TCP link).
     Received,
-    /// The receiver's peer task is about to decode the batch.
+    /// The receiver's peer task, or its link's reader in the task's place,
+    /// is about to decode the batch.
     Decoding,
 }
 

@@ -902,6 +902,10 @@ struct LiarLinked {
 }
 
 async fn liar_linked(wait: Duration) -> LiarLinked {
+    liar_linked_with(wait, MuxConfig::default()).await
+}
+
+async fn liar_linked_with(wait: Duration, mux: MuxConfig) -> LiarLinked {
     let config = TcpNodeConfig {
         key: ClusterKey::new(KEY),
         backoff_min: wait,
@@ -909,9 +913,7 @@ async fn liar_linked(wait: Duration) -> LiarLinked {
         ..TcpNodeConfig::new(TARGET)
     };
     let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
-    let (target_node, target) = TcpNode::start(config, any, MuxConfig::default())
-        .await
-        .expect("bind");
+    let (target_node, target) = TcpNode::start(config, any, mux).await.expect("bind");
     let mute = tokio::net::TcpListener::bind(any).await.expect("bind");
     target_node.register(EVIL, mute.local_addr().expect("addr"));
     let dialer = HostileDialer::connect(target_node.local_addr()).await;
@@ -1006,13 +1008,20 @@ async fn a_link_asked_for_before_the_mux_judged_the_last_one_waits_for_its_verdi
         use tokio::io::AsyncWriteExt;
 
         let wait = Duration::from_secs(60);
+        // The sink stalls the peer task on purpose (a sink must not block):
+        // decoding in the link's read task, it would stall the read, and
+        // the link would never see the liar's close.
+        let mux = MuxConfig {
+            inline_receive: false,
+            ..MuxConfig::default()
+        };
         let LiarLinked {
             target_node,
             target,
             mute,
             epoch,
             mut stream,
-        } = liar_linked(wait).await;
+        } = liar_linked_with(wait, mux).await;
         let (release, held) = std::sync::mpsc::channel();
         let sink = std::sync::Arc::new(StallingSink {
             entered: false.into(),

@@ -13,6 +13,8 @@ use qpmux::mux::{
 };
 use rand::{Rng, SeedableRng};
 
+#[path = "common/arrivals.rs"]
+mod arrivals;
 #[path = "common/slots.rs"]
 mod slots;
 use slots::{in_order_to_finalized, prefix_then_one_dropped, record, seq_of};
@@ -1963,4 +1965,151 @@ async fn links_without_try_reserve_and_lingering_flushes_never_write_inline() {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     assert_eq!(mux.stats().batches_inline, 0, "a lingering flush");
+}
+
+#[tokio::test]
+async fn the_mem_link_hands_batches_to_its_hook_in_order() {
+    let (a, b) = pair(Epoch(1), MemConfig::default());
+    arrivals::the_reader_hands_batches_to_its_hook_in_order(a, b).await;
+}
+
+/// A batch that finds B's peer task waiting is decoded in the sender's
+/// `post` (the mem link's reader) and its consumer woken from there; with
+/// `inline_receive` off, every batch goes through the peer task.
+#[tokio::test]
+async fn a_batch_finding_the_peer_task_waiting_is_decoded_by_its_reader() {
+    for inline_receive in [true, false] {
+        let config = MuxConfig {
+            inline_receive,
+            ..MuxConfig::default()
+        };
+        let (_fabric, muxes, mut tx, mut rx) = settled_stream(config).await;
+        let b = &muxes[1];
+        let before = b.stats();
+        for n in 1..5 {
+            tx.send(record(1, n, 64)).await.expect("send");
+            assert_eq!(next_seq(&mut rx).await, n);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let after = b.stats();
+        assert_eq!(after.batches_received - before.batches_received, 4);
+        let inline = after.batches_received_inline - before.batches_received_inline;
+        if inline_receive {
+            assert_eq!(inline, 4, "each found the task waiting");
+        } else {
+            assert_eq!(inline, 0, "inline receive is off");
+        }
+        assert_eq!(after.protocol_violations, 0);
+    }
+}
+
+/// Batches race between the reader's decode and the peer task's (B's task
+/// busy returning credit and writing its own streams back): every stream
+/// both ways arrives whole and in order, with no violation (a batch taken
+/// past an earlier one would jump a frame sequence), and some batches went
+/// each way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batches_decoded_by_reader_and_task_keep_their_order() {
+    let config = MuxConfig {
+        slot_window: 4 * 1024,
+        ..MuxConfig::default()
+    };
+    let (_fabric, muxes) = fabric(&[A, B], config, MemConfig::default());
+    let records = 400u32;
+    let mut consumers = Vec::new();
+    let mut producers = Vec::new();
+    for s in 0..8u64 {
+        // Streams both ways, so each peer task has its own work.
+        let (from, to, to_id) = if s % 2 == 0 {
+            (&muxes[0], &muxes[1], B)
+        } else {
+            (&muxes[1], &muxes[0], A)
+        };
+        let key = StreamKey::new(to_id.0, s);
+        let mut rx = to.bind(key).expect("bind");
+        consumers.push(tokio::spawn(async move {
+            in_order_to_finalized(&mut rx).await.0
+        }));
+        let mut tx = from.open(to_id, key).expect("open");
+        producers.push(tokio::spawn(async move {
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(s);
+            for n in 0..records {
+                tx.send(record(s, n, rng.random_range(12..600)))
+                    .await
+                    .expect("send");
+                if rng.random_range(0..3) == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            tx.finish(Terminal::Finalized).expect("finish");
+        }));
+    }
+    let all = async {
+        for p in producers {
+            p.await.expect("producer");
+        }
+        for c in consumers {
+            assert_eq!(c.await.expect("consumer"), records);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), all)
+        .await
+        .expect("every stream ends within 60 s");
+    let (a, b) = (muxes[0].stats(), muxes[1].stats());
+    assert_eq!(a.protocol_violations + b.protocol_violations, 0);
+    let inline = a.batches_received_inline + b.batches_received_inline;
+    let received = a.batches_received + b.batches_received;
+    assert!(inline > 0, "no batch was decoded by its reader");
+    assert!(inline < received, "every batch was decoded by its reader");
+    assert_eq!(
+        (muxes[0].epoch(B), muxes[1].epoch(A)),
+        (Some(Epoch(1)), Some(Epoch(1)))
+    );
+}
+
+/// The peer's Goodbye, decoded by the reader (the raw peer's `post`) while
+/// A's peer task waits, closes the turn: a producer's record right after it
+/// is not written past the Goodbye in the producer's own turn, and the
+/// epoch ends as the peer's close, the record dropped, not lost unseen.
+#[tokio::test]
+async fn a_goodbye_decoded_by_the_reader_stops_the_producers_writing() {
+    let (mux, raw) = raw_peer(MuxConfig::default()).await;
+    let mut tx = mux.open(B, StreamKey::new(4, 4)).expect("open");
+    tx.send(record(4, 0, 64)).await.expect("send");
+    drop(raw.recv().await.expect("the first record's batch"));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let inline_before = mux.stats().batches_inline;
+    post_batch(&raw, 0, |enc| {
+        enc.push_goodbye().expect("fits");
+    })
+    .await;
+    assert_eq!(
+        mux.stats().batches_received_inline,
+        1,
+        "decoded by the reader"
+    );
+    // No await between the Goodbye and this send: nothing else has run.
+    let _ = tx.send(record(4, 1, 64)).await;
+    assert_eq!(
+        mux.stats().batches_inline,
+        inline_before,
+        "written past the Goodbye"
+    );
+    match raw.recv().await {
+        Err(_) => {}
+        Ok(batch) => {
+            let view = BatchView::new_checked(&batch).expect("valid");
+            assert!(
+                !view
+                    .records()
+                    .any(|r| matches!(r.body, RecordBody::Data(_))),
+                "a record went out after the peer's Goodbye"
+            );
+        }
+    }
+    assert_eq!(
+        tx.closed().await,
+        SendError::Dropped(DropReason::EpochEnded { epoch: Epoch(1) })
+    );
+    assert_eq!(mux.stats().protocol_violations, 0);
 }

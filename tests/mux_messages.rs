@@ -69,13 +69,20 @@ fn nodes() -> (Arc<MemFabric>, Mux<MemLink>, Mux<MemLink>, Arc<Collect>) {
 }
 
 fn nodes_with(sink: Arc<dyn MessageSink>) -> (Arc<MemFabric>, Mux<MemLink>, Mux<MemLink>) {
+    nodes_configured(sink, MuxConfig::default())
+}
+
+fn nodes_configured(
+    sink: Arc<dyn MessageSink>,
+    config: MuxConfig,
+) -> (Arc<MemFabric>, Mux<MemLink>, Mux<MemLink>) {
     let fabric = MemFabric::new(MemConfig {
         credits: 4,
         max_batch: 16 * 1024,
         send_buffers: 4,
     });
-    let a = Mux::new(MuxConfig::default(), fabric.dialer(A));
-    let b = Mux::new(MuxConfig::default(), fabric.dialer(B));
+    let a = Mux::new(config.clone(), fabric.dialer(A));
+    let b = Mux::new(config, fabric.dialer(B));
     fabric.add(A, a.clone());
     fabric.add(B, b.clone());
     assert!(b.set_message_sink(sink));
@@ -236,7 +243,13 @@ async fn queue_then_kill(
     hook: impl Fn(usize) -> OnFail,
 ) -> (Arc<MemFabric>, Mux<MemLink>, Mux<MemLink>) {
     let gate = Arc::new(Gate::default());
-    let (fabric, a, b) = nodes_with(gate.clone());
+    // The gate stalls B's peer task on purpose (a sink must not block):
+    // decoding in the mem link's reader, A's `post`, it would stall A.
+    let config = MuxConfig {
+        inline_receive: false,
+        ..MuxConfig::default()
+    };
+    let (fabric, a, b) = nodes_configured(gate.clone(), config);
     let (tx, rx) = flume::bounded(4096);
     a.install_messages(B, rx);
     for n in 0..total {

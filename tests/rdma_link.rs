@@ -17,6 +17,9 @@ use rand::{Rng, SeedableRng};
 
 type Soft = RdmaLink<SoftDevice>;
 
+#[path = "common/arrivals.rs"]
+mod arrivals;
+
 async fn device() -> SoftDevice {
     SoftDevice::open_udp(UdpConfig::default())
         .await
@@ -807,4 +810,10 @@ async fn a_graceful_close_after_post_last_waits_for_the_last_batch_to_land() {
     assert_eq!(&b.recv().await.expect("the last")[..], b"goodbye");
     assert_eq!(a.ended().await, EpochEnd::Closed);
     assert_eq!(b.ended().await, EpochEnd::PeerClosed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completion_handler_hands_batches_to_the_hook_in_order() {
+    let (_da, _db, a, b) = linked(8).await;
+    arrivals::the_reader_hands_batches_to_its_hook_in_order(a, b).await;
 }

@@ -20,6 +20,8 @@ use rand::{Rng, SeedableRng};
 #[path = "common/slots.rs"]
 mod slots;
 use slots::{in_order_to_finalized, prefix_then_one_dropped, record, seq_of};
+#[path = "common/arrivals.rs"]
+mod arrivals;
 #[path = "common/relink.rs"]
 mod relink;
 use relink::{Dialing, held_back, within};
@@ -119,6 +121,33 @@ async fn stream(from: &Mux<TcpLink>, to: PeerId, to_mux: &Mux<TcpLink>, anchor: 
     for c in consumers {
         assert_eq!(c.await.expect("consumer").0, records);
     }
+}
+
+/// Records a few ms apart find B's peer task waiting: B's link read task
+/// decodes their batches and wakes the consumer itself, and every record
+/// arrives in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spaced_records_are_decoded_by_the_links_read_task() {
+    bounded(async {
+        let (a_node, a) = node(A, None).await;
+        let (b_node, b) = node(B, None).await;
+        mesh(&[&a_node, &b_node]);
+        let key = StreamKey::new(B.0, 1);
+        let mut rx = b.bind(key).expect("bind");
+        let mut tx = a.open(B, key).expect("open");
+        for n in 0..20u32 {
+            tx.send(record(1, n, 64)).await.expect("send");
+            match rx.recv().await {
+                Some(Frame::Data(d)) => assert_eq!(seq_of(&d), n),
+                other => panic!("expected record {n}, got {other:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let inline = b.stats().batches_received_inline;
+        assert!(inline >= 10, "{inline} of 20 decoded by the read task");
+        assert_eq!(b.stats().protocol_violations, 0);
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -336,6 +365,12 @@ async fn ready_now<T>(f: impl Future<Output = T>) -> Option<T> {
         v = f => Some(v),
         () = std::future::ready(()) => None,
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reader_hands_batches_to_its_hook_in_order() {
+    let (a, b) = link_pair(&TcpLinkConfig::default()).await;
+    arrivals::the_reader_hands_batches_to_its_hook_in_order(a, b).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,6 +4,7 @@
 //! ```text
 //!  mux peer task ─ reserve() ─► SendBuf (link credit + buffer) ─ encode in place ─ post()
 //!  mux peer task ◄─ recv() ◄─ Batch (borrowed; drop = buffer back = credit to the peer)
+//!  link's reader ─► Arrivals::arrived ─► the mux, in the reader's turn: try_recv() ─► Batch
 //!  any error ─► fail(EpochEnd) ─► both ends' waiters fail; delivered batches drain first
 //! ```
 //!
@@ -28,7 +29,7 @@ use std::future::Future;
 use std::net::IpAddr;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use thiserror::Error;
 
@@ -451,6 +452,10 @@ pub trait Link: Send + Sync + 'static {
     /// Whether [`Link::try_reserve`] can give a buffer: only then does the
     /// mux let a producer write in its own turn.
     const TRY_RESERVE: bool = false;
+    /// Whether [`Link::try_recv`] can give a batch and the link's reader
+    /// tells [`Link::set_arrivals`]' hook: only then does the mux decode a
+    /// batch in the reader's turn.
+    const TRY_RECV: bool = false;
 
     /// The epoch this link is.
     fn epoch(&self) -> Epoch;
@@ -485,11 +490,39 @@ pub trait Link: Send + Sync + 'static {
     /// [`ReadOutBudget`] has a read-out for it.
     fn recv(&self) -> impl Future<Output = Result<Self::Batch, LinkError>> + Send;
 
+    /// The next batch if one is ready, the epoch has not ended, and the
+    /// caller has handled every batch handed out before it: `handled` is
+    /// how many of those ([`Link::recv`]'s and `try_recv`'s together) it
+    /// has. One in another task's hands makes this `None`, so a batch
+    /// taken here never overtakes an earlier one. Never waits. Default:
+    /// always `None`.
+    fn try_recv(&self, handled: u64) -> Option<Self::Batch> {
+        let _ = handled;
+        None
+    }
+
+    /// Whom the link's reader tells, in its own turn, that a batch is
+    /// ready, before it wakes the task waiting in [`Link::recv`]; that task
+    /// is woken only for what the hook left. Batches that arrived before
+    /// it was set wait for `recv`. Set once; later calls are ignored.
+    /// Default: ignored.
+    fn set_arrivals(&self, arrivals: Weak<dyn Arrivals>) {
+        let _ = arrivals;
+    }
+
     /// Ends the epoch on both ends (idempotent; the first reason wins).
     fn fail(&self, reason: EpochEnd);
 
     /// Resolves once the epoch has ended, with the reason.
     fn ended(&self) -> impl Future<Output = EpochEnd> + Send;
+}
+
+/// Told by a link's reader that batches are ready ([`Link::set_arrivals`]).
+pub trait Arrivals: Send + Sync {
+    /// Batches are ready for [`Link::try_recv`]; called in the reader's
+    /// turn (a TCP link's read task, an RDMA link's completion handler, the
+    /// peer's `post` on a mem link), so it must not block.
+    fn arrived(&self);
 }
 
 /// Why a peer's address could not be registered.

@@ -80,6 +80,14 @@ pub struct MuxConfig {
     /// task. Default 50 µs (docs/design.md § "A lone record is written by
     /// its producer").
     pub inline_write_gap: Option<Duration>,
+    /// A batch that finds the peer task waiting is decoded by the link's
+    /// reader in its own turn (a TCP link's read task), which wakes the
+    /// consumers itself: the hop to the peer task is skipped. Only on
+    /// links whose batch release is not a provider call (not the RDMA
+    /// link, whose receive re-post would come ahead of the consumer).
+    /// `false`: every batch goes through the peer task. Default true
+    /// (docs/design.md § "A batch is decoded by its reader").
+    pub inline_receive: bool,
 }
 
 /// Why a [`MuxConfig`] cannot carry data: every peer would refuse its
@@ -135,6 +143,7 @@ impl Default for MuxConfig {
             max_record: 16 * 1024 * 1024,
             shutdown_linger: Duration::from_secs(1),
             inline_write_gap: Some(Duration::from_micros(50)),
+            inline_receive: true,
         }
     }
 }

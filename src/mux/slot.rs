@@ -6,7 +6,9 @@
 //! ```
 //!
 //! Owners: the producer appends to its inlet and the peer task pops from it;
-//! the peer task appends to an `RxSlot` and the consumer pops. Each slot is on
+//! the peer task appends to an `RxSlot` and the consumer pops. "The peer
+//! task" includes whoever holds its turn: a producer writing in its own
+//! turn, a link's reader decoding in its place (`engine::EpochCell`). Each slot is on
 //! its peer's dirty list at most once (its `dirty` bit), so cross-task control
 //! is bounded by the number of slots (docs/design.md § "Control is coalesced state").
 

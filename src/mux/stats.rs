@@ -68,6 +68,9 @@ pub struct Stats {
     pub batches_received: u64,
     /// Records received.
     pub records_received: u64,
+    /// Of `batches_received`, those the link's reader decoded in its own
+    /// turn while the peer task waited ([`MuxConfig::inline_receive`](crate::mux::MuxConfig::inline_receive)).
+    pub batches_received_inline: u64,
     /// Times a slot had data ready but no slot credit.
     pub credit_stalls: u64,
     /// CreditUpdate records sent.
@@ -140,6 +143,10 @@ impl Stats {
             ("qpmux_data_bytes_sent_total", self.data_bytes_sent),
             ("qpmux_batches_received_total", self.batches_received),
             ("qpmux_records_received_total", self.records_received),
+            (
+                "qpmux_batches_received_inline_total",
+                self.batches_received_inline,
+            ),
             ("qpmux_credit_stalls_total", self.credit_stalls),
             ("qpmux_credit_updates_sent_total", self.credit_updates_sent),
             ("qpmux_peer_credit_stalls_total", self.peer_credit_stalls),
@@ -205,6 +212,7 @@ pub(crate) struct Counters {
     pub data_bytes_sent: AtomicU64,
     pub batches_received: AtomicU64,
     pub records_received: AtomicU64,
+    pub batches_received_inline: AtomicU64,
     pub credit_stalls: AtomicU64,
     pub credit_updates_sent: AtomicU64,
     pub peer_credit_stalls: AtomicU64,
@@ -260,6 +268,7 @@ impl Counters {
             data_bytes_sent: get(&self.data_bytes_sent),
             batches_received: get(&self.batches_received),
             records_received: get(&self.records_received),
+            batches_received_inline: get(&self.batches_received_inline),
             credit_stalls: get(&self.credit_stalls),
             credit_updates_sent: get(&self.credit_updates_sent),
             peer_credit_stalls: get(&self.peer_credit_stalls),

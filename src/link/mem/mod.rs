@@ -11,11 +11,11 @@
 
 use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use tokio::sync::Notify;
 
-use super::{EpochEnd, Link, LinkError};
+use super::{Arrivals, EpochEnd, Link, LinkError};
 use crate::mux::protocol::Epoch;
 
 /// Shape of a mem link pair.
@@ -63,6 +63,8 @@ struct EndState {
     free_buffers: Vec<Vec<u8>>,
     inbox: VecDeque<Vec<u8>>,
     consumer_held: usize,
+    /// Batches `recv` and `try_recv` have handed out.
+    handed_out: u64,
 }
 
 #[derive(Debug)]
@@ -77,6 +79,8 @@ struct Shared {
     config: MemConfig,
     state: Mutex<State>,
     wake: [Notify; 2],
+    /// Each end's arrivals hook, told by the peer's `post`.
+    arrivals: [OnceLock<Weak<dyn Arrivals>>; 2],
 }
 
 impl Shared {
@@ -119,6 +123,7 @@ pub fn pair(epoch: Epoch, config: MemConfig) -> (MemLink, MemLink) {
             .collect(),
         inbox: VecDeque::new(),
         consumer_held: 0,
+        handed_out: 0,
     };
     let shared = Arc::new(Shared {
         epoch,
@@ -128,6 +133,7 @@ pub fn pair(epoch: Epoch, config: MemConfig) -> (MemLink, MemLink) {
             ended: None,
         }),
         wake: [Notify::new(), Notify::new()],
+        arrivals: [OnceLock::new(), OnceLock::new()],
     });
     (
         MemLink {
@@ -222,6 +228,7 @@ impl Link for MemLink {
     type Batch = MemBatch;
     const RELEASE_POSTS: bool = false;
     const TRY_RESERVE: bool = true;
+    const TRY_RECV: bool = true;
 
     fn epoch(&self) -> Epoch {
         self.shared.epoch
@@ -291,6 +298,13 @@ impl Link for MemLink {
         state.ends[peer].inbox.push_back(data[..len].to_vec());
         state.ends[self.end].free_buffers.push(data);
         drop(state);
+        // The peer's hook runs in this turn, as a reader's would.
+        if let Some(arrivals) = self.shared.arrivals[peer].get().and_then(Weak::upgrade) {
+            arrivals.arrived();
+            if self.shared.lock().ends[peer].inbox.is_empty() {
+                return Ok(());
+            }
+        }
         self.shared.wake[peer].notify_waiters();
         Ok(())
     }
@@ -310,6 +324,7 @@ impl Link for MemLink {
                 let end = &mut state.ends[self.end];
                 if let Some(data) = end.inbox.pop_front() {
                     end.consumer_held += 1;
+                    end.handed_out += 1;
                     return Ok(MemBatch {
                         data,
                         link: self.clone(),
@@ -321,6 +336,28 @@ impl Link for MemLink {
             }
             notified.await;
         }
+    }
+
+    fn try_recv(&self, handled: u64) -> Option<MemBatch> {
+        let mut state = self.shared.lock();
+        if state.ended.is_some() {
+            return None;
+        }
+        let end = &mut state.ends[self.end];
+        if end.handed_out != handled {
+            return None;
+        }
+        let data = end.inbox.pop_front()?;
+        end.consumer_held += 1;
+        end.handed_out += 1;
+        Some(MemBatch {
+            data,
+            link: self.clone(),
+        })
+    }
+
+    fn set_arrivals(&self, arrivals: Weak<dyn Arrivals>) {
+        let _ = self.shared.arrivals[self.end].set(arrivals);
     }
 
     fn fail(&self, reason: EpochEnd) {

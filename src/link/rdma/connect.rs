@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use tokio::sync::Notify;
 use tracing::Instrument;
@@ -197,6 +197,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             next_wr: 0,
             unsignaled: 0,
             ready: VecDeque::new(),
+            handed_out: 0,
             recv_posted: config.recv_depth,
             reserve_waiters: 0,
             ended: None,
@@ -233,6 +234,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             on_end: Mutex::new(Vec::new()),
             on_last_sent: Mutex::new(Vec::new()),
             peer_finished: AtomicBool::new(false),
+            arrivals: OnceLock::new(),
             span: tracing::debug_span!(
                 "rdma_link",
                 %epoch,

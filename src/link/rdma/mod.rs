@@ -32,7 +32,7 @@ use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
 use thiserror::Error;
 use tokio::sync::Notify;
@@ -44,7 +44,8 @@ use self::pool::{Blocked, Lease, PoolChunk};
 pub use self::pool::{DEFAULT_POOL_BUFFERS, PoolStats, SendPool};
 pub use self::registered::{MemlockLimit, RegisteredBudget, Registration};
 use super::{
-    EpochEnd, Link, LinkError, LinkFault, ReadOut, ReadOutBudget, ReadOutOwner, ReadOutTier,
+    Arrivals, EpochEnd, Link, LinkError, LinkFault, ReadOut, ReadOutBudget, ReadOutOwner,
+    ReadOutTier,
 };
 use crate::mux::protocol::Epoch;
 use crate::verbs::{
@@ -278,6 +279,8 @@ struct State<D: Device> {
     unsignaled: usize,
     /// Completed data receives not yet handed out: (buffer, length).
     ready: VecDeque<(usize, usize)>,
+    /// Batches `recv` and `try_recv` have handed out.
+    handed_out: u64,
     recv_posted: usize,
     /// `reserve` calls waiting for credit (their SENDs' starved bit).
     reserve_waiters: usize,
@@ -432,6 +435,8 @@ struct Shared<D: Device> {
     on_last_sent: Mutex<Vec<LastSentHook>>,
     /// The peer said it sends nothing more on this QP ([`RdmaLink::peer_finished`]).
     peer_finished: AtomicBool,
+    /// Told of received batches before `recv` is woken for them.
+    arrivals: OnceLock<Weak<dyn Arrivals>>,
     /// `rdma_link{epoch, qpn, peer_qpn}`: the poller and liveness tasks run in it.
     span: tracing::Span,
     /// Makes the next completions handled panic (unit tests).
@@ -910,6 +915,30 @@ impl<D: Device + 'static> Shared<D> {
         self.maybe_credit_only(st)
     }
 
+    /// The received batch in receive buffer `idx`, handed out.
+    fn batch_of(self: &Arc<Self>, idx: usize, len: usize) -> RdmaBatch<D> {
+        // Completed, not re-posted: the provider is done with it. A
+        // receive MR is one chunk.
+        RdmaBatch {
+            guard: self.recv_mrs[idx].lock_chunk(0),
+            idx,
+            len,
+            shared: self.clone(),
+        }
+    }
+
+    /// Tells the arrivals hook of received batches, then wakes `recv` only
+    /// if the hook left one.
+    fn batches_arrived(&self) {
+        if let Some(arrivals) = self.arrivals.get().and_then(Weak::upgrade) {
+            arrivals.arrived();
+            if self.lock().ready.is_empty() {
+                return;
+            }
+        }
+        self.wake_recv.notify_waiters();
+    }
+
     fn snapshot(&self) -> CreditSnapshot {
         let st = self.lock();
         CreditSnapshot {
@@ -1253,6 +1282,7 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
     type Batch = RdmaBatch<D>;
     const RELEASE_POSTS: bool = true;
     const TRY_RESERVE: bool = true;
+    const TRY_RECV: bool = true;
 
     fn epoch(&self) -> Epoch {
         self.shared().epoch
@@ -1406,15 +1436,8 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
             {
                 let mut st = shared.lock();
                 if let Some((idx, len)) = st.ready.pop_front() {
-                    // Completed, not re-posted: the provider is done with it.
-                    // A receive MR is one chunk.
-                    let guard = shared.recv_mrs[idx].lock_chunk(0);
-                    return Ok(RdmaBatch {
-                        guard,
-                        idx,
-                        len,
-                        shared: shared.clone(),
-                    });
+                    st.handed_out += 1;
+                    return Ok(shared.batch_of(idx, len));
                 }
                 // Completions still in the CQ come before the end.
                 if let Some(reason) = st.ended.filter(|_| st.drained) {
@@ -1425,6 +1448,21 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                 notified.await;
             }
         }
+    }
+
+    fn try_recv(&self, handled: u64) -> Option<RdmaBatch<D>> {
+        let shared = self.shared();
+        let mut st = shared.lock();
+        if st.ended.is_some() || st.handed_out != handled {
+            return None;
+        }
+        let (idx, len) = st.ready.pop_front()?;
+        st.handed_out += 1;
+        Some(shared.batch_of(idx, len))
+    }
+
+    fn set_arrivals(&self, arrivals: Weak<dyn Arrivals>) {
+        let _ = self.shared().arrivals.set(arrivals);
     }
 
     fn fail(&self, reason: EpochEnd) {

@@ -146,7 +146,7 @@ impl<D: Device + 'static> Shared<D> {
         }
         self.wake_send.notify_waiters();
         if received {
-            self.wake_recv.notify_waiters();
+            self.batches_arrived();
         }
         if let Some(reason) = end.filter(|_| ended_now) {
             self.after_end(reason);

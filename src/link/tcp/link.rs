@@ -19,7 +19,7 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::net::{Shutdown, SocketAddr};
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 use std::time::Duration;
 
 use socket2::{SockRef, Socket, TcpKeepalive};
@@ -28,7 +28,9 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Notify;
 
-use crate::link::{EpochEnd, Link, LinkError, LinkFault, ReadOutBudget, ReadOutOwner, ReadOutTier};
+use crate::link::{
+    Arrivals, EpochEnd, Link, LinkError, LinkFault, ReadOutBudget, ReadOutOwner, ReadOutTier,
+};
 use crate::mux::engine::ProtocolError;
 use crate::mux::protocol::Epoch;
 use crate::stages::{self, Stage};
@@ -129,6 +131,8 @@ struct State {
     reader_done: bool,
     batches_sent: u64,
     batches_received: u64,
+    /// Batches `recv` and `try_recv` have handed out.
+    handed_out: u64,
 }
 
 #[derive(Debug)]
@@ -153,12 +157,26 @@ struct Inner {
     writer: Notify,
     /// The stalled reader (the consumer dropped a batch, or the epoch ended).
     reader: Notify,
+    /// Told by the reader of each batch before `recv` is woken for it.
+    arrivals: OnceLock<Weak<dyn Arrivals>>,
     /// Makes the reader panic on its next batch (unit tests).
     #[cfg(test)]
     panic_on_read: std::sync::atomic::AtomicBool,
 }
 
 impl Inner {
+    /// Tells the arrivals hook, then wakes `recv` only if the hook left
+    /// the batch.
+    fn batch_arrived(&self) {
+        if let Some(arrivals) = self.arrivals.get().and_then(Weak::upgrade) {
+            arrivals.arrived();
+            if self.lock().inbox.is_empty() {
+                return;
+            }
+        }
+        self.wake_recv.notify_waiters();
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic under this lock is a bug here. The catch around the
         // panicking task ends the epoch (`end_after_panic`); the others go on.
@@ -404,6 +422,7 @@ impl TcpLink {
             wake_end: Notify::new(),
             writer: Notify::new(),
             reader: Notify::new(),
+            arrivals: OnceLock::new(),
             #[cfg(test)]
             panic_on_read: Default::default(),
         });
@@ -549,7 +568,7 @@ async fn read_loop(inner: Arc<Inner>, prefix: Vec<u8>, rd: OwnedReadHalf, done: 
                 if !delivered {
                     return read_out_close(&inner, &mut rd).await;
                 }
-                inner.wake_recv.notify_waiters();
+                inner.batch_arrived();
             }
             Ok(None) => {
                 eof = true;
@@ -852,6 +871,7 @@ impl Link for TcpLink {
     type Batch = TcpBatch;
     const RELEASE_POSTS: bool = false;
     const TRY_RESERVE: bool = true;
+    const TRY_RECV: bool = true;
 
     fn epoch(&self) -> Epoch {
         self.inner().epoch
@@ -965,6 +985,7 @@ impl Link for TcpLink {
                 let mut state = inner.lock();
                 if let Some(data) = state.inbox.pop_front() {
                     state.held += 1;
+                    state.handed_out += 1;
                     return Ok(TcpBatch {
                         data,
                         inner: inner.clone(),
@@ -979,6 +1000,25 @@ impl Link for TcpLink {
                 notified.await;
             }
         }
+    }
+
+    fn try_recv(&self, handled: u64) -> Option<TcpBatch> {
+        let inner = self.inner();
+        let mut state = inner.lock();
+        if state.ended.is_some() || state.handed_out != handled {
+            return None;
+        }
+        let data = state.inbox.pop_front()?;
+        state.held += 1;
+        state.handed_out += 1;
+        Some(TcpBatch {
+            data,
+            inner: inner.clone(),
+        })
+    }
+
+    fn set_arrivals(&self, arrivals: Weak<dyn Arrivals>) {
+        let _ = self.inner().arrivals.set(arrivals);
     }
 
     fn fail(&self, reason: EpochEnd) {

@@ -12,6 +12,8 @@
 //!                                          | timer → handle_timeout | newer link → Replaced }
 //!  SlotSender::send, the task waiting with nothing to write (EpochCell):
 //!                     the producer's own turn: handle_control → try_reserve → poll_batch → post
+//!  the link's reader, a batch ready and the task waiting (EpochCell as Arrivals):
+//!                     the reader's own turn: try_recv → handle_batch → wake consumers
 //! ```
 //!
 //! The link layer owns connecting: the mux asks through [`Dialer::want_link`]
@@ -44,7 +46,7 @@ use super::protocol::Epoch;
 use super::slot::{Deferred, Inlet, InlineWriter, PeerControl, Registry, SlotReceiver, SlotSender};
 use super::stats::{Counters, Stats};
 use super::surface::{AsMux, DropReason, Frame, MuxError, MuxTransport, PeerId, StreamKey};
-use crate::link::{EpochEnd, Link, LinkError, LinkFault};
+use crate::link::{Arrivals, EpochEnd, Link, LinkError, LinkFault};
 use crate::stages::{self, Stage};
 use crate::unwind::{CatchPanic, panic_message};
 
@@ -1070,19 +1072,26 @@ fn end_of(err: LinkError) -> EpochEnd {
     }
 }
 
-/// One epoch's link and core. The peer task owns the turn; while it waits
-/// in its `select!` with nothing to write, it lends it out (`open`), and a
-/// producer whose record finds it so writes the batch itself
-/// (docs/design.md § "A lone record is written by its producer").
+/// One epoch's link and core. The peer task owns the turn and lends it
+/// out while it waits in its `select!`: to a producer when it has nothing
+/// to write (`open`), which then writes its batch itself (docs/design.md
+/// § "A lone record is written by its producer"), and to the link's reader
+/// when no end is in sight (`receiving`), which then decodes what arrived
+/// (§ "A batch is decoded by its reader").
 ///
 /// ```text
 ///  send ─► inlet ─► dirty list ─► try_lock(turn), open, inline_ok?
 ///                                   ├─ yes: handle_control → try_reserve → encode → post
 ///                                   └─ no:  wake the peer task (as always)
+///  reader ─► inbox ─► arrived ─► try_lock(turn), receiving?
+///                                   ├─ yes: try_recv → decode; wake the task if it owes something
+///                                   └─ no:  recv's waiter woken (as always)
 /// ```
 struct EpochCell<L: Link> {
     link: L,
     counters: Arc<Counters>,
+    /// The peer task's wake-up, for what a reader's decode leaves it.
+    control: Arc<PeerControl>,
     /// `Turn::open` as the peer task last left it, and a lone record may go:
     /// a producer looks here first, so a burst's records cost a load, not
     /// a lock.
@@ -1090,16 +1099,52 @@ struct EpochCell<L: Link> {
     turn: tokio::sync::Mutex<Turn>,
 }
 
-/// What the peer task lends a producer while it waits.
+/// What the peer task lends a producer, or the link's reader, while it
+/// waits.
 struct Turn {
     core: PeerCore,
     /// The peer task waits with nothing to write: a producer may write.
     open: bool,
+    /// The peer task waits: the link's reader may decode.
+    receiving: bool,
+    /// Batches the link handed out that the core has taken, for
+    /// [`Link::try_recv`].
+    handled: u64,
     /// The waiting peer task's timer: a producer's write that brings the
     /// core's deadline before it wakes the task.
     parked_until: Instant,
+    /// The waiting task waits for a send buffer: a decode that leaves a
+    /// write owed need not wake it.
+    parked_writing: bool,
+    /// The waiting task's timer counts the idle retirement: a decode that
+    /// leaves the core idle wakes it otherwise.
+    parked_idle: bool,
+    /// The last batch's consumers that the runtime has not woken yet.
+    deferred: Deferred,
     /// How a producer's write ended the epoch, for the peer task.
     failed: Option<Failure>,
+}
+
+impl Turn {
+    /// Lent to nobody: the peer task has it, or the epoch is over.
+    fn close(&mut self) {
+        self.open = false;
+        self.receiving = false;
+    }
+
+    /// Decodes a batch, in the peer task's turn or a reader's: the
+    /// consumers it found waiting are woken together
+    /// ([`super::slot::ReceiverWakes::defer`]), after what the runtime has
+    /// not yet woken of the batch before (a busy worker runs its deferred
+    /// list late).
+    fn decode(&mut self, batch: &[u8]) -> Result<(), ProtocolError> {
+        stages::mark(Stage::Decoding);
+        self.deferred.wake_now();
+        let (handled, woken) = self.core.handle_batch_unwoken(batch, Instant::now());
+        handled?;
+        self.deferred = woken.defer();
+        Ok(())
+    }
 }
 
 /// How a producer's write ended the epoch.
@@ -1127,6 +1172,28 @@ impl<L: Link> std::fmt::Debug for EpochCell<L> {
         f.debug_struct("EpochCell")
             .field("epoch", &self.link.epoch())
             .finish_non_exhaustive()
+    }
+}
+
+impl<L: Link> EpochCell<L> {
+    /// How work done in a lent turn ended: true when it left the waiting
+    /// task nothing to see to. A failure closes the turn, and the task,
+    /// woken by the link's end, ends the epoch with it.
+    fn settle(&self, turn: &mut Turn, done: std::thread::Result<Result<bool, EpochEnd>>) -> bool {
+        let failure = match done {
+            Ok(Ok(done)) => return done,
+            Ok(Err(end)) => Failure::Ended(end),
+            Err(panic) => {
+                // No more I/O on this epoch; the peer task raises the panic
+                // again, counts and logs it.
+                self.link.fail(EpochEnd::Internal);
+                Failure::Panicked(panic)
+            }
+        };
+        self.inviting.store(false, Ordering::Relaxed);
+        turn.close();
+        turn.failed = Some(failure);
+        false
     }
 }
 
@@ -1163,21 +1230,63 @@ impl<L: Link> InlineWriter for EpochCell<L> {
             // is the task's to see to.
             Ok(!turn.core.wants_write(now) && turn.core.poll_timeout() >= turn.parked_until)
         }));
-        let failure = match written {
-            Ok(Ok(done)) => return done,
-            Ok(Err(end)) => Failure::Ended(end),
-            Err(panic) => {
-                // No more I/O on this epoch; the peer task raises the panic
-                // again, counts and logs it.
-                self.link.fail(EpochEnd::Internal);
-                Failure::Panicked(panic)
-            }
-        };
-        self.inviting.store(false, Ordering::Relaxed);
-        turn.open = false;
-        turn.failed = Some(failure);
-        false
+        self.settle(turn, written)
     }
+}
+
+impl<L: Link> Arrivals for EpochCell<L> {
+    fn arrived(&self) {
+        // Never waits: the peer task in its turn takes the batch from
+        // `recv`, as always.
+        let Ok(mut guard) = self.turn.try_lock() else {
+            return;
+        };
+        let turn = &mut *guard;
+        if !turn.receiving {
+            return;
+        }
+        let decoded = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let mut any = false;
+            while let Some(batch) = self.link.try_recv(turn.handled) {
+                turn.handled += 1;
+                any = true;
+                if let Err(violation) = turn.decode(&batch) {
+                    let end = EpochEnd::Violation(violation);
+                    self.link.fail(end);
+                    return Err(end);
+                }
+                Counters::add(&self.counters.batches_received_inline, 1);
+                turn.core.take_handed_over();
+                if turn.core.goodbye_received() {
+                    // The epoch is ending: nothing more is written or
+                    // decoded but by the task (what follows a Goodbye is
+                    // the drain's to judge).
+                    self.inviting.store(false, Ordering::Relaxed);
+                    turn.close();
+                    return Ok(false);
+                }
+            }
+            // A write the batches asked for, a deadline before the task's
+            // timer, or an idle core whose retirement the timer does not
+            // count: the task's to see to.
+            let now = Instant::now();
+            Ok(!any
+                || (turn.parked_writing || !turn.core.wants_write(now))
+                    && turn.core.poll_timeout() >= turn.parked_until
+                    && (turn.parked_idle || turn.core.idle_since().is_none()))
+        }));
+        if !self.settle(turn, decoded) {
+            self.control.wake.notify_one();
+        }
+    }
+}
+
+/// Whether the link's reader decodes batches that find the peer task
+/// waiting. Not where releasing a batch is a provider call (the RDMA
+/// link's re-post): the reader would release it ahead of the consumer
+/// (docs/design.md § "A batch is decoded by its reader").
+fn receives_inline<L: Link>(config: &MuxConfig) -> bool {
+    L::TRY_RECV && !L::RELEASE_POSTS && config.inline_receive
 }
 
 /// One epoch on `link`; returns how it ended and what the peer's closed
@@ -1213,11 +1322,17 @@ async fn run_epoch<L: Link>(
     let cell = Arc::new(EpochCell {
         link,
         counters: shared.counters.clone(),
+        control: entry.control.clone(),
         inviting: AtomicBool::new(false),
         turn: tokio::sync::Mutex::new(Turn {
             core,
             open: false,
+            receiving: false,
+            handled: 0,
             parked_until: Instant::now(),
+            parked_writing: false,
+            parked_idle: false,
+            deferred: Deferred::default(),
             failed: None,
         }),
     });
@@ -1237,6 +1352,10 @@ async fn run_epoch<L: Link>(
     {
         entry.control.state().inline = Some(cell.clone());
     }
+    if serve == Serve::Whole && receives_inline::<L>(&config) {
+        let arrivals: std::sync::Weak<dyn Arrivals> = Arc::downgrade(&cell) as _;
+        link.set_arrivals(arrivals);
+    }
     // A batch the task took off the link as a producer's write ended the
     // epoch: the drain's first.
     let mut taken: Option<L::Batch> = None;
@@ -1248,7 +1367,7 @@ async fn run_epoch<L: Link>(
         // No producer writes from here on.
         entry.control.withdraw_inline();
         let mut turn = cell.turn.lock().await;
-        turn.open = false;
+        turn.close();
         let core = &mut turn.core;
         if let EpochEnd::Violation(violation) = end {
             *lock(&entry.violated_in) = Some(core.epoch());
@@ -1289,9 +1408,10 @@ async fn run_epoch<L: Link>(
     .await;
     cell.inviting.store(false, Ordering::Release);
     drop(offered);
-    // Closed before a panic's `fail` below: no producer writes past it.
+    // Closed before a panic's `fail` below: no producer writes, and no
+    // reader decodes, past it.
     let mut turn = cell.turn.lock().await;
-    turn.open = false;
+    turn.close();
     let end = served.unwrap_or_else(|panic| {
         // A bug here or in the sink: the task and the node go on, the epoch
         // does not (its state may be half-updated), and every live slot
@@ -1376,8 +1496,9 @@ enum Event<B, S> {
 
 /// One epoch's turns until it ends: a `select!` over the link's `recv`, the
 /// producers' wake-up, the flush gate's `reserve`, the timer and shutdown.
-/// The core is the task's during a turn, and lent to producers between
-/// turns when there is nothing to write ([`EpochCell`]).
+/// The core is the task's during a turn, and lent between turns to
+/// producers when there is nothing to write, to the link's reader when no
+/// end is in sight ([`EpochCell`]).
 async fn serve_epoch<L: Link>(
     shared: &Shared<L>,
     entry: &PeerEntry<L>,
@@ -1387,6 +1508,7 @@ async fn serve_epoch<L: Link>(
 ) -> EpochEnd {
     let config = &shared.config;
     let link = &cell.link;
+    let receive_inline = receives_inline::<L>(config);
     let mut turn = cell.turn.lock().await;
     let mut drain_until: Option<Instant> = None;
     // Set while an idle peer waits for a link credit for its goodbye: until when.
@@ -1405,8 +1527,6 @@ async fn serve_epoch<L: Link>(
     // keeps its place in the pool's line while batches come in.
     let reserving = None;
     tokio::pin!(shutdown, wake, arrived, received, timer, reserving);
-    // The last batch's consumers that the runtime has not woken yet.
-    let mut deferred = Deferred::default();
     loop {
         let core = &mut turn.core;
         let fresh = lock(&entry.messages).take();
@@ -1492,13 +1612,20 @@ async fn serve_epoch<L: Link>(
             reserving.set(Some(link.reserve()));
         }
         let take_message = messages.is_some() && core.wants_messages();
-        // Nothing to write and no end in sight: a lone record's producer
-        // may write while the task waits. Otherwise the task keeps its turn.
-        let lend = L::TRY_RESERVE && !write && drain_until.is_none() && core.inline_candidate();
-        turn.open = lend;
+        // Nothing to write and no drain: a lone record's producer may
+        // write while the task waits. No end in sight: the link's reader
+        // may decode. Otherwise the task keeps its turn.
+        let lend_write =
+            L::TRY_RESERVE && !write && drain_until.is_none() && core.inline_candidate();
+        let lend_receive = receive_inline && drain_until.is_none() && ending.is_none();
+        let parked_idle = core.idle_since().is_some();
+        turn.open = lend_write;
+        turn.receiving = lend_receive;
         turn.parked_until = deadline;
-        let kept = if lend {
-            cell.inviting.store(true, Ordering::Release);
+        turn.parked_writing = write;
+        turn.parked_idle = parked_idle;
+        let kept = if lend_write || lend_receive {
+            cell.inviting.store(lend_write, Ordering::Release);
             drop(turn);
             None
         } else {
@@ -1542,10 +1669,13 @@ async fn serve_epoch<L: Link>(
             None => {
                 cell.inviting.store(false, Ordering::Relaxed);
                 let mut turn = cell.turn.lock().await;
-                turn.open = false;
+                turn.close();
                 turn
             }
         };
+        if let Event::Batch(Ok(_)) = event {
+            turn.handled += 1;
+        }
         match turn.failed.take() {
             None => {}
             Some(Failure::Panicked(panic)) => std::panic::resume_unwind(panic),
@@ -1568,24 +1698,21 @@ async fn serve_epoch<L: Link>(
             Event::Message(Some(message)) => core.handle_message(message, Instant::now()),
             Event::Message(None) => *messages = None,
             Event::Batch(Ok(batch)) => {
-                stages::mark(Stage::Decoding);
-                // What the runtime has not woken of the last batch
-                // goes first (a busy worker runs its deferred list late).
-                deferred.wake_now();
-                let (handled, woken) = core.handle_batch_unwoken(&batch, Instant::now());
-                if let Err(violation) = handled {
+                if let Err(violation) = turn.decode(&batch) {
                     break EpochEnd::Violation(violation);
                 }
-                deferred = woken.defer();
                 // The consumers this batch woke run before its
                 // buffer is re-posted (docs/design.md § "The
                 // consumer runs before the receive buffer is re-posted").
-                if core.take_handed_over() && L::RELEASE_POSTS {
+                if turn.core.take_handed_over() && L::RELEASE_POSTS {
                     tokio::task::yield_now().await;
                 }
                 drop(batch);
             }
             Event::Batch(Err(err)) => break end_of(err),
+            // A reader decoded the peer's Goodbye: nothing more is written
+            // (the loop's top ends the epoch).
+            Event::Wake if core.goodbye_received() => {}
             Event::Wake => {
                 stages::mark(Stage::Woken);
                 let now = Instant::now();
