@@ -2113,3 +2113,52 @@ async fn a_goodbye_decoded_by_the_reader_stops_the_producers_writing() {
     );
     assert_eq!(mux.stats().protocol_violations, 0);
 }
+
+/// The peer's Goodbye, decoded by the reader while A's task waits for a
+/// link credit, and the credit coming back in the same turn: whichever the
+/// task's `select!` takes first, nothing is written past the Goodbye, and
+/// the records still queued are dropped to their sender.
+#[tokio::test]
+async fn a_goodbye_decoded_while_the_task_waits_for_credit_ends_the_writing() {
+    for round in 0..8u64 {
+        let link = MemConfig {
+            credits: 2,
+            ..MemConfig::default()
+        };
+        let (mux, raw) = raw_peer_with(MuxConfig::default(), link).await;
+        let mut tx = mux.open(B, StreamKey::new(4, round)).expect("open");
+        let mut held = Vec::new();
+        for n in 0..2 {
+            tx.send(record(4, n, 64)).await.expect("send");
+            held.push(raw.recv().await.expect("a batch"));
+        }
+        // Both credits with the raw peer: this one waits in A's core.
+        tx.send(record(4, 2, 64)).await.expect("send");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        post_batch(&raw, 0, |enc| {
+            enc.push_goodbye().expect("fits");
+        })
+        .await;
+        assert!(mux.stats().batches_received_inline >= 1, "round {round}");
+        drop(held);
+        loop {
+            match raw.recv().await {
+                Err(_) => break,
+                Ok(batch) => {
+                    let view = BatchView::new_checked(&batch).expect("valid");
+                    assert!(
+                        !view
+                            .records()
+                            .any(|r| matches!(r.body, RecordBody::Data(_))),
+                        "round {round}: a record went out after the peer's Goodbye"
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            tx.closed().await,
+            SendError::Dropped(DropReason::EpochEnded { epoch: Epoch(1) })
+        );
+        assert_eq!(mux.stats().protocol_violations, 0);
+    }
+}

@@ -1226,9 +1226,12 @@ impl<L: Link> InlineWriter for EpochCell<L> {
                     None => return Ok(false),
                 }
             }
-            // Anything left, or a deadline before the waiting task's timer,
-            // is the task's to see to.
-            Ok(!turn.core.wants_write(now) && turn.core.poll_timeout() >= turn.parked_until)
+            // Anything left, a deadline before the waiting task's timer, or
+            // an idle core whose retirement that timer does not count, is
+            // the task's to see to.
+            Ok(!turn.core.wants_write(now)
+                && turn.core.poll_timeout() >= turn.parked_until
+                && (turn.parked_idle || turn.core.idle_since().is_none()))
         }));
         self.settle(turn, written)
     }
@@ -1676,22 +1679,26 @@ async fn serve_epoch<L: Link>(
         if let Event::Batch(Ok(_)) = event {
             turn.handled += 1;
         }
-        match turn.failed.take() {
-            None => {}
+        // A producer's write ended the epoch, or a reader decoded the
+        // peer's Goodbye, while the task waited.
+        let over = match turn.failed.take() {
+            None => turn.core.goodbye_received().then_some(EpochEnd::PeerClosed),
             Some(Failure::Panicked(panic)) => std::panic::resume_unwind(panic),
-            Some(Failure::Ended(end)) => {
-                // A batch already taken off the link is still delivered,
-                // and a message taken is reported with the rest; nothing
-                // else of this turn runs (a wake would write again).
-                match event {
-                    Event::Batch(Ok(batch)) => *taken = Some(batch),
-                    Event::Message(Some(message)) => {
-                        turn.core.handle_message(message, Instant::now());
-                    }
-                    _ => {}
+            Some(Failure::Ended(end)) => Some(end),
+        };
+        if let Some(end) = over {
+            // A batch already taken off the link is still delivered (after
+            // a Goodbye, judged by the drain), and a message taken is
+            // reported with the rest; nothing else of this turn runs (a
+            // wake or a reserve would write again).
+            match event {
+                Event::Batch(Ok(batch)) => *taken = Some(batch),
+                Event::Message(Some(message)) => {
+                    turn.core.handle_message(message, Instant::now());
                 }
-                break end;
+                _ => {}
             }
+            break end;
         }
         let core = &mut turn.core;
         match event {
@@ -1710,9 +1717,6 @@ async fn serve_epoch<L: Link>(
                 drop(batch);
             }
             Event::Batch(Err(err)) => break end_of(err),
-            // A reader decoded the peer's Goodbye: nothing more is written
-            // (the loop's top ends the epoch).
-            Event::Wake if core.goodbye_received() => {}
             Event::Wake => {
                 stages::mark(Stage::Woken);
                 let now = Instant::now();
