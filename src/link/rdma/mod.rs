@@ -6,6 +6,7 @@
 //!  poller / handler    ─► recv WC: imm ─► credit; data ─► ready; empty ─► re-post now
 //!                       ─► send WC (every k-th signaled) ─► chunks to the pool, SQ slots back
 //!  mux ◄─ recv() ◄─ ready ─ Batch (owned guard on a receive MR) ─ drop ─► re-post ─► owed
+//!        ready ─► arrivals hook, if one is set (try_recv); recv woken for what it left
 //!  error WC, failed post, fail() ─► QP to ERR ─► ended; completed receives drain first
 //!  graceful end (Closed, Shutdown; PeerClosed, Replaced on one of the node's read-outs):
 //!      posted SENDs complete ─► on_last_sent

@@ -4,6 +4,7 @@
 //!  reserve() ─► free send buffer ─ post() ─► writev(len|batch) now, when nothing is queued or being written
 //!                                          └► else (or the rest of a partial write) ─► queue ─► writer task ─ writev(…) ─► socket
 //!  recv() ◄─ inbox ◄─ reader task ◄─ read len|batch ◄─ socket   (stops while `recv_batches` are held)
+//!            inbox ─► arrivals hook (the mux decodes in the reader's turn: try_recv); recv woken for what it left
 //!  fail() / socket error ─► ended (first reason wins) ─► shutdown(Both)
 //!  graceful end, the peer's EOF, replaced (with a read-out)
 //!            ─► writer flushes, shutdown(Write); reader delivers to EOF, then recv() ends
