@@ -1785,6 +1785,22 @@ async fn producers_racing_for_the_core_keep_every_stream_whole() {
             tx.finish(Terminal::Finalized).expect("finish");
         }));
     }
+    every_stream_whole(producers, consumers, records).await;
+    assert!(a.stats().batches_inline > 0, "some batches went inline");
+    assert_eq!(
+        a.stats().protocol_violations + b.stats().protocol_violations,
+        0
+    );
+    assert_eq!((a.epoch(B), b.epoch(A)), (Some(Epoch(1)), Some(Epoch(1))));
+}
+
+/// Waits (at most 60 s) for every producer to finish and every consumer
+/// to count `records` in order.
+async fn every_stream_whole(
+    producers: Vec<tokio::task::JoinHandle<()>>,
+    consumers: Vec<tokio::task::JoinHandle<u32>>,
+    records: u32,
+) {
     let all = async {
         for p in producers {
             p.await.expect("producer");
@@ -1796,12 +1812,6 @@ async fn producers_racing_for_the_core_keep_every_stream_whole() {
     tokio::time::timeout(Duration::from_secs(60), all)
         .await
         .expect("every stream ends within 60 s");
-    assert!(a.stats().batches_inline > 0, "some batches went inline");
-    assert_eq!(
-        a.stats().protocol_violations + b.stats().protocol_violations,
-        0
-    );
-    assert_eq!((a.epoch(B), b.epoch(A)), (Some(Epoch(1)), Some(Epoch(1))));
 }
 
 /// A producer's lone record finds the link ended: the peer closed it right
@@ -2044,17 +2054,7 @@ async fn batches_decoded_by_reader_and_task_keep_their_order() {
             tx.finish(Terminal::Finalized).expect("finish");
         }));
     }
-    let all = async {
-        for p in producers {
-            p.await.expect("producer");
-        }
-        for c in consumers {
-            assert_eq!(c.await.expect("consumer"), records);
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(60), all)
-        .await
-        .expect("every stream ends within 60 s");
+    every_stream_whole(producers, consumers, records).await;
     let (a, b) = (muxes[0].stats(), muxes[1].stats());
     assert_eq!(a.protocol_violations + b.protocol_violations, 0);
     let inline = a.batches_received_inline + b.batches_received_inline;
