@@ -338,6 +338,9 @@ impl<N: Node> Inner<N> {
         if lock(&self.connected).len() <= instances && lock(&self.limits).len() <= instances {
             return;
         }
+        // Held from the snapshot to the retain: a peer registered between
+        // them, and at once sent to, would lose what it just recorded.
+        let _registering = lock(&self.registration);
         let registered: std::collections::HashSet<PeerId> =
             lock(&self.peers).values().copied().collect();
         lock(&self.connected).retain(|peer, _| registered.contains(peer));
