@@ -19,6 +19,7 @@
 
 pub mod cli;
 pub mod demo;
+mod later;
 pub mod link;
 pub mod mux;
 pub mod stages;

@@ -2,10 +2,12 @@
 //! `rnr_retry = 0` everywhere: a credit bug ends an epoch with
 //! RNR_RETRY_EXC_ERR (status 13) instead of hiding behind retries.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use qpmux::link::rdma::{CreditSnapshot, PreparedEnd, RdmaConfig, RdmaLink, pair};
-use qpmux::link::{EpochEnd, Link, LinkError, LinkFault};
+use qpmux::link::{Arrivals, EpochEnd, Link, LinkError, LinkFault};
 use qpmux::mux::{Epoch, ProtocolError};
 use qpmux::verbs::soft::udp::UdpConfig;
 use qpmux::verbs::soft::{SoftCq, SoftDevice, SoftPd, SoftQp};
@@ -816,4 +818,67 @@ async fn a_graceful_close_after_post_last_waits_for_the_last_batch_to_land() {
 async fn the_completion_handler_hands_batches_to_the_hook_in_order() {
     let (_da, _db, a, b) = linked(8).await;
     arrivals::the_reader_hands_batches_to_its_hook_in_order(a, b).await;
+}
+
+/// Takes each batch as the mux's reader does: wakes the batch's consumer,
+/// then drops the batch.
+struct WakeThenDrop {
+    link: Soft,
+    handled: AtomicU64,
+    consumer: tokio::sync::Notify,
+}
+
+impl Arrivals for WakeThenDrop {
+    fn arrived(&self) {
+        while let Some(batch) = self.link.try_recv(self.handled.load(Ordering::SeqCst)) {
+            self.handled.fetch_add(1, Ordering::SeqCst);
+            self.consumer.notify_one();
+            drop(batch);
+        }
+    }
+}
+
+/// A batch the reader took is re-posted after the consumer it woke has
+/// run, not as the reader drops it; and every such receive comes back:
+/// three times the receive depth of batches go through.
+#[tokio::test]
+async fn a_batch_the_reader_took_is_re_posted_after_the_consumer_it_woke() {
+    let (_da, _db, a, b) = linked(8).await;
+    let hook = Arc::new(WakeThenDrop {
+        link: b.clone(),
+        handled: AtomicU64::new(0),
+        consumer: tokio::sync::Notify::new(),
+    });
+    b.set_arrivals(Arc::downgrade(&hook) as _);
+    let (pending_tx, mut pending_seen) = tokio::sync::mpsc::unbounded_channel();
+    let consumer = tokio::spawn({
+        let (hook, b) = (hook.clone(), b.clone());
+        async move {
+            loop {
+                hook.consumer.notified().await;
+                if pending_tx.send(b.credit().pending).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    for n in 0..24u8 {
+        tokio::time::timeout(Duration::from_secs(10), send(&a, &[n]))
+            .await
+            .expect("credit for the next batch");
+        let pending = tokio::time::timeout(Duration::from_secs(10), pending_seen.recv())
+            .await
+            .expect("the consumer's wake")
+            .expect("consumer");
+        assert_eq!(
+            pending, 1,
+            "batch {n} was re-posted before its consumer ran"
+        );
+    }
+    assert_eq!(hook.handled.load(Ordering::SeqCst), 24);
+    let settles = until(|| b.credit().pending == 0 && settled(&a, &b) && settled(&b, &a));
+    tokio::time::timeout(Duration::from_secs(10), settles)
+        .await
+        .expect("every receive re-posted");
+    consumer.abort();
 }

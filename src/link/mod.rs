@@ -494,8 +494,10 @@ pub trait Link: Send + Sync + 'static {
     /// caller has handled every batch handed out before it: `handled` is
     /// how many of those ([`Link::recv`]'s and `try_recv`'s together) it
     /// has. One in another task's hands makes this `None`, so a batch
-    /// taken here never overtakes an earlier one. Never waits. Default:
-    /// always `None`.
+    /// taken here never overtakes an earlier one. Never waits. Where
+    /// releasing a batch is a provider call ([`Link::RELEASE_POSTS`]), one
+    /// taken here is released once the worker has run the tasks its
+    /// reader's turn woke. Default: always `None`.
     fn try_recv(&self, handled: u64) -> Option<Self::Batch> {
         let _ = handled;
         None

@@ -81,10 +81,9 @@ pub struct MuxConfig {
     /// its producer").
     pub inline_write_gap: Option<Duration>,
     /// A batch that finds the peer task waiting is decoded by the link's
-    /// reader in its own turn (a TCP link's read task), which wakes the
-    /// consumers itself: the hop to the peer task is skipped. Only on
-    /// links whose batch release is not a provider call (not the RDMA
-    /// link, whose receive re-post would come ahead of the consumer).
+    /// reader in its own turn (a TCP link's read task, the RDMA link's
+    /// completion handling: the soft driver's turn, or the poller), which
+    /// wakes the consumers itself: the hop to the peer task is skipped.
     /// `false`: every batch goes through the peer task. Default true
     /// (docs/design.md § "A batch is decoded by its reader").
     pub inline_receive: bool,

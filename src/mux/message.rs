@@ -72,10 +72,12 @@ impl std::fmt::Debug for OutboundMessage {
 }
 
 /// Receives inbound messages. Called from the peer task, or from the
-/// link's reader decoding in its place (a TCP link's read task, a mem
-/// link peer's `post`: [`MuxConfig::inline_receive`](crate::mux::MuxConfig::inline_receive)):
-/// must not block; a sink that does stalls that reader too. A panic in it ends the peer's epoch (counted as
-/// `peer_task_panics`).
+/// link's reader decoding in its place (a TCP link's read task, the soft
+/// RDMA device's driver, which serves every QP of the device, a mem link
+/// peer's `post`: [`MuxConfig::inline_receive`](crate::mux::MuxConfig::inline_receive)):
+/// must not block; a sink that does stalls that reader too (on the soft
+/// device, every link of it, ACKs included). A panic in it ends the peer's
+/// epoch (counted as `peer_task_panics`).
 pub trait MessageSink: Send + Sync {
     /// A whole message from `peer`, in the order the peer sent them.
     fn deliver(&self, peer: PeerId, message: Bytes);

@@ -13,7 +13,6 @@
 //! is bounded by the number of slots (docs/design.md § "Control is coalesced state").
 
 use std::collections::{HashMap, VecDeque};
-use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -966,9 +965,7 @@ impl ReceiverWakes {
         // The list itself moves; only the `Arc` is allocated.
         let rest = Arc::new(DeferredWakes(Mutex::new(std::mem::take(&mut self.0))));
         first.wake();
-        let waker = Waker::from(rest.clone());
-        let mut yielded = std::pin::pin!(tokio::task::yield_now());
-        let _pending = yielded.as_mut().poll(&mut Context::from_waker(&waker));
+        crate::later::after_woken_tasks(&Waker::from(rest.clone()));
         Deferred(Some(rest))
     }
 }

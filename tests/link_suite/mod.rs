@@ -284,6 +284,38 @@ pub async fn stalled_receiver_resumes_without_rnr<H: LinkHarness>(h: &mut H) {
     assert_eq!(H::rnr_naks(&fabric.devices()), rnr_before);
 }
 
+/// Records a few ms apart find B's peer task waiting: the link's reader
+/// (the provider's completion handler, or the poller) decodes their
+/// batches, and the receive buffers it takes come back to the sender, three
+/// times the receive depth over.
+pub async fn spaced_records_are_decoded_by_the_reader<H: LinkHarness>(h: &mut H) {
+    let (fabric, a, b) = fabric(h, MuxConfig::default()).await;
+    let key = StreamKey::new(4, 1);
+    let mut rx = b.bind(key).expect("bind");
+    let mut tx = a.open(B, key).expect("open");
+    let records = 3 * link_config().recv_depth as u32;
+    for n in 0..records {
+        tx.send(record(4, n, 64)).await.expect("send");
+        match bounded("the next record", rx.recv()).await {
+            Some(Frame::Data(d)) => assert_eq!(seq_of(&d), n),
+            other => panic!("expected record {n}, got {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let inline = b.stats().batches_received_inline;
+    assert!(
+        inline >= u64::from(records) / 2,
+        "{inline} of {records} decoded by the reader"
+    );
+    assert_eq!(b.stats().protocol_violations, 0);
+    let (x, y) = fabric.links().expect("link");
+    assert_eq!((x.end_reason(), y.end_reason()), (None, None));
+    until("credit settles both ways", || {
+        settled(&x, &y) && settled(&y, &x)
+    })
+    .await;
+}
+
 /// The QP dies mid-stream: every live slot gets exactly one Dropped naming
 /// the dead epoch, and the next epoch, on a fresh QP, carries new slots.
 pub async fn qp_death_drops_each_slot_once_then_new_epoch<H: LinkHarness>(h: &mut H) {
@@ -349,6 +381,10 @@ macro_rules! link_suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn stalled_receiver_resumes_without_rnr() {
             link_suite::stalled_receiver_resumes_without_rnr(&mut $make).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn spaced_records_are_decoded_by_the_reader() {
+            link_suite::spaced_records_are_decoded_by_the_reader(&mut $make).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn qp_death_drops_each_slot_once_then_new_epoch() {

@@ -198,6 +198,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             unsignaled: 0,
             ready: VecDeque::new(),
             handed_out: 0,
+            released: Vec::with_capacity(config.recv_depth),
             recv_posted: config.recv_depth,
             reserve_waiters: 0,
             ended: None,

@@ -282,6 +282,10 @@ struct State<D: Device> {
     ready: VecDeque<(usize, usize)>,
     /// Batches `recv` and `try_recv` have handed out.
     handed_out: u64,
+    /// Receive buffers of batches the reader decoded and dropped, waiting
+    /// to be re-posted after the tasks its turn woke ([`RepostLater`]); at
+    /// most the receive depth.
+    released: Vec<usize>,
     recv_posted: usize,
     /// `reserve` calls waiting for credit (their SENDs' starved bit).
     reserve_waiters: usize,
@@ -896,6 +900,38 @@ impl<D: Device + 'static> Shared<D> {
         }
     }
 
+    /// Re-posts the receive buffers given back, `idx` and any the reader
+    /// released, then wakes a `reserve` the freed credit lets through.
+    fn repost_given_back(&self, idx: Option<usize>) {
+        let mut st = self.lock();
+        let mut released = std::mem::take(&mut st.released);
+        if st.ended.is_some() {
+            return;
+        }
+        let mut end = None;
+        for idx in idx.into_iter().chain(released.drain(..)) {
+            if let Err(reason) = self.repost_locked(&mut st, idx) {
+                end = Some(reason);
+                break;
+            }
+        }
+        released.clear();
+        st.released = released;
+        debug_assert!(st.credit.invariant_holds());
+        let ended_now = end.is_some_and(|reason| st.set_end(reason));
+        // A re-post can free the last credit (it now has credit to carry):
+        // a `reserve` short of credit looks again now, not at the peer's
+        // next return.
+        let freed = end.is_none() && st.reserve_waiters > 0 && st.credit.can_reserve();
+        drop(st);
+        if freed {
+            self.wake_send.notify_waiters();
+        }
+        if let Some(reason) = end.filter(|_| ended_now) {
+            self.after_end(reason);
+        }
+    }
+
     /// Re-posts receive buffer `idx` (the peer's credit back), then returns
     /// credit if enough is owed.
     fn repost_locked(&self, st: &mut State<D>, idx: usize) -> Result<(), EpochEnd> {
@@ -916,14 +952,16 @@ impl<D: Device + 'static> Shared<D> {
         self.maybe_credit_only(st)
     }
 
-    /// The received batch in receive buffer `idx`, handed out.
-    fn batch_of(self: &Arc<Self>, idx: usize, len: usize) -> RdmaBatch<D> {
+    /// The received batch in receive buffer `idx`, handed out; one `later`
+    /// is re-posted after the tasks woken in the turn that drops it.
+    fn batch_of(self: &Arc<Self>, idx: usize, len: usize, later: bool) -> RdmaBatch<D> {
         // Completed, not re-posted: the provider is done with it. A
         // receive MR is one chunk.
         RdmaBatch {
             guard: self.recv_mrs[idx].lock_chunk(0),
             idx,
             len,
+            later,
             shared: self.clone(),
         }
     }
@@ -1236,12 +1274,44 @@ impl<D: Device + 'static> Drop for RdmaSendBuf<D> {
 }
 
 /// A received batch: a registered receive MR held exclusively. Dropping it
-/// re-posts the receive, which is the credit the peer gets back.
+/// re-posts the receive, which is the credit the peer gets back; one the
+/// reader took ([`Link::try_recv`]) is re-posted after the first consumer
+/// its turn woke has run.
 pub struct RdmaBatch<D: Device + 'static> {
     guard: Option<<D::Mr as MemoryRegion>::Guard>,
     idx: usize,
     len: usize,
+    /// Taken by the reader: the re-post waits for [`RepostLater`].
+    later: bool,
     shared: Arc<Shared<D>>,
+}
+
+/// Re-posts the receive buffers the reader released once the worker has
+/// run the tasks the reader's turn woke (its deferred list,
+/// [`crate::later`]): the first consumer a batch woke runs before the
+/// provider call (docs/design.md § "A batch is decoded by its reader").
+/// Runs when dropped: the runtime holds the only clone and drops it as it
+/// wakes it, or as it shuts down; outside a worker, at once. An ordinary
+/// batch's drop re-posts the released ones too.
+struct RepostLater<D: Device + 'static>(Arc<Shared<D>>);
+
+impl<D: Device + 'static> std::task::Wake for RepostLater<D> {
+    fn wake(self: Arc<Self>) {}
+}
+
+impl<D: Device + 'static> Drop for RepostLater<D> {
+    fn drop(&mut self) {
+        // This runs inside the runtime's park: no panic may unwind there,
+        // not even one from an end hook the epoch's end runs.
+        let shared = &self.0;
+        let _ = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            if std::panic::catch_unwind(AssertUnwindSafe(|| shared.repost_given_back(None)))
+                .is_err()
+            {
+                shared.end_after_panic(false);
+            }
+        }));
+    }
 }
 
 impl<D: Device + 'static> Deref for RdmaBatch<D> {
@@ -1256,24 +1326,20 @@ impl<D: Device + 'static> Drop for RdmaBatch<D> {
         // The guard must go before the receive is posted: the provider
         // scatters into the region under the same lock.
         drop(self.guard.take());
-        let shared = &self.shared;
-        let mut st = shared.lock();
+        if !self.later {
+            self.shared.repost_given_back(Some(self.idx));
+            return;
+        }
+        let mut st = self.shared.lock();
         if st.ended.is_some() {
             return;
         }
-        let end = shared.repost_locked(&mut st, self.idx).err();
-        debug_assert!(st.credit.invariant_holds());
-        let ended_now = end.is_some_and(|reason| st.set_end(reason));
-        // A re-post can free the last credit (it now has credit to carry):
-        // a `reserve` short of credit looks again now, not at the peer's
-        // next return.
-        let freed = end.is_none() && st.reserve_waiters > 0 && st.credit.can_reserve();
+        st.released.push(self.idx);
+        let first = st.released.len() == 1;
         drop(st);
-        if freed {
-            shared.wake_send.notify_waiters();
-        }
-        if let Some(reason) = end.filter(|_| ended_now) {
-            shared.after_end(reason);
+        if first {
+            let later = Arc::new(RepostLater(self.shared.clone()));
+            crate::later::after_woken_tasks(&std::task::Waker::from(later));
         }
     }
 }
@@ -1438,7 +1504,7 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                 let mut st = shared.lock();
                 if let Some((idx, len)) = st.ready.pop_front() {
                     st.handed_out += 1;
-                    return Ok(shared.batch_of(idx, len));
+                    return Ok(shared.batch_of(idx, len, false));
                 }
                 // Completions still in the CQ come before the end.
                 if let Some(reason) = st.ended.filter(|_| st.drained) {
@@ -1459,7 +1525,7 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
         }
         let (idx, len) = st.ready.pop_front()?;
         st.handed_out += 1;
-        Some(shared.batch_of(idx, len))
+        Some(shared.batch_of(idx, len, true))
     }
 
     fn set_arrivals(&self, arrivals: Weak<dyn Arrivals>) {

@@ -1285,11 +1285,9 @@ impl<L: Link> Arrivals for EpochCell<L> {
 }
 
 /// Whether the link's reader decodes batches that find the peer task
-/// waiting. Not where releasing a batch is a provider call (the RDMA
-/// link's re-post): the reader would release it ahead of the consumer
-/// (docs/design.md § "A batch is decoded by its reader").
+/// waiting (docs/design.md § "A batch is decoded by its reader").
 fn receives_inline<L: Link>(config: &MuxConfig) -> bool {
-    L::TRY_RECV && !L::RELEASE_POSTS && config.inline_receive
+    L::TRY_RECV && config.inline_receive
 }
 
 /// One epoch on `link`; returns how it ended and what the peer's closed
