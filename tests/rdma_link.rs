@@ -882,3 +882,34 @@ async fn a_batch_the_reader_took_is_re_posted_after_the_consumer_it_woke() {
         .expect("every receive re-posted");
     consumer.abort();
 }
+
+/// A batch `recv` hands out, dropped while one the reader took still waits
+/// for its re-post, re-posts both at once; the reader's later re-post then
+/// finds nothing left to do.
+#[tokio::test]
+async fn an_ordinary_drop_re_posts_what_the_reader_released() {
+    let (_da, _db, a, b) = linked(8).await;
+    send(&a, b"x").await;
+    send(&a, b"y").await;
+    let both_ready = until(|| b.credit().pending == 2);
+    tokio::time::timeout(Duration::from_secs(10), both_ready)
+        .await
+        .expect("both batches received");
+    let taken = b.try_recv(0).expect("the reader's batch");
+    let received = b.recv().await.expect("recv's batch");
+    assert_eq!((&taken[..], &received[..]), (&b"x"[..], &b"y"[..]));
+    drop(taken);
+    assert_eq!(
+        b.credit().pending,
+        2,
+        "the reader's batch waits for its re-post"
+    );
+    drop(received);
+    assert_eq!(b.credit().pending, 0, "both re-posted by the ordinary drop");
+    tokio::task::yield_now().await;
+    assert_eq!(b.credit().pending, 0);
+    let settles = until(|| settled(&a, &b) && settled(&b, &a));
+    tokio::time::timeout(Duration::from_secs(10), settles)
+        .await
+        .expect("credit settles");
+}
