@@ -7,7 +7,7 @@
 //! ```
 //!
 //! A worker wakes that list when it runs out of queued tasks, and at the
-//! latest every `event_interval` (61) task polls, which may come first.
+//! latest every `event_interval` (61) scheduler ticks, which may come first.
 //! Tasks woken into the worker's LIFO slot before the hand-off (the first
 //! consumer a batch wakes) run before it; others may not (the list pops
 //! last first; another worker may steal a queued task). Outside a worker
