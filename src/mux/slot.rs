@@ -709,9 +709,9 @@ pub(crate) struct Registry {
     /// yet (across epochs): capped, so no one peer fills `max_entries`.
     unbound: Mutex<HashMap<PeerId, usize>>,
     /// Keys whose binding was given up ([`SlotReceiver::abandon`]) before
-    /// any peer fed it, newest last (at most [`ABANDONED_KEPT`]): a late
-    /// OpenSlot for one is refused, so its sender hears, rather than
-    /// filling an entry nobody will bind.
+    /// any peer fed it, newest last (at most [`ABANDONED_KEPT`], none older
+    /// than [`ABANDONED_FOR`]): a late OpenSlot for one is refused, so its
+    /// sender hears, rather than filling an entry nobody will bind.
     abandoned: Mutex<Abandoned>,
     /// Bindings abandoned so far (for the stats).
     abandoned_total: AtomicU64,
@@ -724,22 +724,41 @@ pub(crate) struct Registry {
 /// within a link outage of the bind it was meant for.
 const ABANDONED_KEPT: usize = 16_384;
 
-/// Keys whose binding was abandoned, oldest first.
+/// How long an abandoned binding is remembered: far past any link outage
+/// a late open could have waited out (a relink's retries, a dial wait);
+/// an open later than that is a new stream that reuses the key.
+const ABANDONED_FOR: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Keys whose binding was abandoned, oldest first, with when.
 #[derive(Debug, Default)]
 struct Abandoned {
     keys: std::collections::HashSet<StreamKey>,
-    order: VecDeque<StreamKey>,
+    order: VecDeque<(StreamKey, tokio::time::Instant)>,
 }
 
 impl Abandoned {
     fn insert(&mut self, key: StreamKey) {
+        let now = tokio::time::Instant::now();
         if self.keys.insert(key) {
-            self.order.push_back(key);
+            self.order.push_back((key, now));
         }
-        while self.order.len() > ABANDONED_KEPT {
-            if let Some(oldest) = self.order.pop_front() {
-                self.keys.remove(&oldest);
+        self.expire(now);
+    }
+
+    /// Whether an open for `key` is refused: abandoned, and not yet
+    /// forgotten by age.
+    fn refuses(&mut self, key: &StreamKey) -> bool {
+        self.expire(tokio::time::Instant::now());
+        self.keys.contains(key)
+    }
+
+    fn expire(&mut self, now: tokio::time::Instant) {
+        while let Some(&(oldest, at)) = self.order.front() {
+            if self.order.len() <= ABANDONED_KEPT && now.duration_since(at) < ABANDONED_FOR {
+                break;
             }
+            self.order.pop_front();
+            self.keys.remove(&oldest);
         }
     }
 
@@ -747,7 +766,7 @@ impl Abandoned {
     /// given up and is bound again only).
     fn forget(&mut self, key: &StreamKey) {
         if self.keys.remove(key) {
-            self.order.retain(|kept| kept != key);
+            self.order.retain(|(kept, _)| kept != key);
         }
     }
 }
@@ -823,7 +842,7 @@ impl Registry {
         let mut slots = lock(&self.slots);
         let fresh = !slots.contains_key(&key);
         if fresh {
-            if slots.len() >= self.max_entries || lock(&self.abandoned).keys.contains(&key) {
+            if slots.len() >= self.max_entries || lock(&self.abandoned).refuses(&key) {
                 return OpenOutcome::Refused;
             }
             let mut unbound = lock(&self.unbound);
@@ -1602,6 +1621,24 @@ mod tests {
             registry.open(key, &control),
             OpenOutcome::Attached(_)
         ));
+    }
+
+    /// An abandoned binding is remembered for [`ABANDONED_FOR`]: an open
+    /// for its key within that is refused, one after it is a new stream.
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_binding_is_forgotten_after_its_time() {
+        let registry = Registry::new(64 * 1024, 16, 16);
+        let control = control(1 << 20);
+        let key = StreamKey::new(8, 1);
+        registry.bind(key).unwrap().abandon();
+        tokio::time::advance(ABANDONED_FOR - std::time::Duration::from_secs(1)).await;
+        assert!(matches!(registry.open(key, &control), OpenOutcome::Refused));
+        tokio::time::advance(std::time::Duration::from_secs(1)).await;
+        assert!(matches!(
+            registry.open(key, &control),
+            OpenOutcome::Attached(_)
+        ));
+        assert_eq!(registry.bindings_abandoned(), 1);
     }
 
     /// Found by the `mux_peer` fuzz target (its RSS grew without end): a slot
