@@ -11,13 +11,15 @@ use qpmux::mux::{
     CloseReason, DropReason, Epoch, FlushPolicy, Frame, Mux, MuxConfig, MuxTransport, PeerId,
     RECORD_OVERHEAD, SendError, StreamKey, Terminal,
 };
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
 #[path = "common/arrivals.rs"]
 mod arrivals;
 #[path = "common/slots.rs"]
 mod slots;
-use slots::{in_order_to_finalized, prefix_then_one_dropped, record, seq_of};
+use slots::{
+    Pause, Traffic, in_order_to_finalized, prefix_then_one_dropped, record, seq_of, stream_tasks,
+};
 
 const A: PeerId = PeerId(1);
 const B: PeerId = PeerId(2);
@@ -55,33 +57,30 @@ async fn thousand_slots_to_several_peers_arrive_in_order_exactly_once() {
     let mut consumers = Vec::new();
     let mut producers = Vec::new();
     // 1,000 slots to B and 300 to C, all from A.
+    let traffic = Traffic {
+        records,
+        len: |_, _, rng| rng.random_range(12..2000),
+        pause: |rng| {
+            if rng.random_bool(0.3) {
+                Pause::Yield
+            } else {
+                Pause::No
+            }
+        },
+    };
     for (peer, mux, slots) in [(B, b, 1_000u64), (C, c, 300)] {
         for s in 0..slots {
             let key = StreamKey::new(peer.0, s);
-            let mut rx = mux.bind(key).expect("bind");
-            consumers.push(tokio::spawn(async move {
-                in_order_to_finalized(&mut rx).await.0
-            }));
-            let mut tx = a.open(peer, key).expect("open");
-            producers.push(tokio::spawn(async move {
-                let mut rng = rand::rngs::SmallRng::seed_from_u64(s);
-                for n in 0..records {
-                    tx.send(record(s, n, rng.random_range(12..2000)))
-                        .await
-                        .expect("send");
-                    if rng.random_bool(0.3) {
-                        tokio::task::yield_now().await;
-                    }
-                }
-                tx.finish(Terminal::Finalized).expect("finish");
-            }));
+            let (consumer, producer) = stream_tasks(a, mux, peer, key, (s, s), traffic);
+            consumers.push(consumer);
+            producers.push(producer);
         }
     }
     for p in producers {
         p.await.expect("producer");
     }
     for c in consumers {
-        assert_eq!(c.await.expect("consumer"), records);
+        assert_eq!(c.await.expect("consumer").0, records);
     }
     let stats = a.stats();
     assert_eq!(stats.slots_dropped, 0);
@@ -1763,27 +1762,20 @@ async fn producers_racing_for_the_core_keep_every_stream_whole() {
     let records = 300u32;
     let mut consumers = Vec::new();
     let mut producers = Vec::new();
+    let traffic = Traffic {
+        records,
+        len: |_, _, rng| rng.random_range(12..300),
+        pause: |rng| match rng.random_range(0..4) {
+            0 => Pause::Sleep(Duration::from_micros(100)),
+            1 => Pause::Yield,
+            _ => Pause::No,
+        },
+    };
     for s in 0..8u64 {
         let key = StreamKey::new(B.0, s);
-        let mut rx = b.bind(key).expect("bind");
-        consumers.push(tokio::spawn(async move {
-            in_order_to_finalized(&mut rx).await.0
-        }));
-        let mut tx = a.open(B, key).expect("open");
-        producers.push(tokio::spawn(async move {
-            let mut rng = rand::rngs::SmallRng::seed_from_u64(s);
-            for n in 0..records {
-                tx.send(record(s, n, rng.random_range(12..300)))
-                    .await
-                    .expect("send");
-                match rng.random_range(0..4) {
-                    0 => tokio::time::sleep(Duration::from_micros(100)).await,
-                    1 => tokio::task::yield_now().await,
-                    _ => {}
-                }
-            }
-            tx.finish(Terminal::Finalized).expect("finish");
-        }));
+        let (consumer, producer) = stream_tasks(a, b, B, key, (s, s), traffic);
+        consumers.push(consumer);
+        producers.push(producer);
     }
     every_stream_whole(producers, consumers, records).await;
     assert!(a.stats().batches_inline > 0, "some batches went inline");
@@ -1798,7 +1790,7 @@ async fn producers_racing_for_the_core_keep_every_stream_whole() {
 /// to count `records` in order.
 async fn every_stream_whole(
     producers: Vec<tokio::task::JoinHandle<()>>,
-    consumers: Vec<tokio::task::JoinHandle<u32>>,
+    consumers: Vec<tokio::task::JoinHandle<(u32, usize)>>,
     records: u32,
 ) {
     let all = async {
@@ -1806,7 +1798,7 @@ async fn every_stream_whole(
             p.await.expect("producer");
         }
         for c in consumers {
-            assert_eq!(c.await.expect("consumer"), records);
+            assert_eq!(c.await.expect("consumer").0, records);
         }
     };
     tokio::time::timeout(Duration::from_secs(60), all)
@@ -2028,6 +2020,17 @@ async fn batches_decoded_by_reader_and_task_keep_their_order() {
     let records = 400u32;
     let mut consumers = Vec::new();
     let mut producers = Vec::new();
+    let traffic = Traffic {
+        records,
+        len: |_, _, rng| rng.random_range(12..600),
+        pause: |rng| {
+            if rng.random_range(0..3) == 0 {
+                Pause::Yield
+            } else {
+                Pause::No
+            }
+        },
+    };
     for s in 0..8u64 {
         // Streams both ways, so each peer task has its own work.
         let (from, to, to_id) = if s % 2 == 0 {
@@ -2036,23 +2039,9 @@ async fn batches_decoded_by_reader_and_task_keep_their_order() {
             (&muxes[1], &muxes[0], A)
         };
         let key = StreamKey::new(to_id.0, s);
-        let mut rx = to.bind(key).expect("bind");
-        consumers.push(tokio::spawn(async move {
-            in_order_to_finalized(&mut rx).await.0
-        }));
-        let mut tx = from.open(to_id, key).expect("open");
-        producers.push(tokio::spawn(async move {
-            let mut rng = rand::rngs::SmallRng::seed_from_u64(s);
-            for n in 0..records {
-                tx.send(record(s, n, rng.random_range(12..600)))
-                    .await
-                    .expect("send");
-                if rng.random_range(0..3) == 0 {
-                    tokio::task::yield_now().await;
-                }
-            }
-            tx.finish(Terminal::Finalized).expect("finish");
-        }));
+        let (consumer, producer) = stream_tasks(from, to, to_id, key, (s, s), traffic);
+        consumers.push(consumer);
+        producers.push(producer);
     }
     every_stream_whole(producers, consumers, records).await;
     let (a, b) = (muxes[0].stats(), muxes[1].stats());

@@ -18,13 +18,15 @@ use qpmux::mux::{
 };
 use qpmux::verbs::soft::SoftDevice;
 use qpmux::verbs::soft::udp::UdpConfig;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 #[path = "common/slots.rs"]
 mod slots;
-use slots::{in_order_to_finalized, prefix_then_one_dropped, record, seq_of};
+use slots::{
+    Traffic, in_order_to_finalized, never, prefix_then_one_dropped, record, seq_of, stream_tasks,
+};
 #[path = "common/relink.rs"]
 mod relink;
 
@@ -96,31 +98,29 @@ async fn stream(from: &SoftMux, to: PeerId, to_mux: &SoftMux, anchor: u64, slots
     let records = 3u32;
     let mut consumers = Vec::new();
     let mut producers = Vec::new();
+    let traffic = Traffic {
+        records,
+        len: |_, _, rng| {
+            if rng.random_bool(0.1) {
+                rng.random_range(MAX_BATCH + 1..2 * MAX_BATCH)
+            } else {
+                rng.random_range(12..2_000)
+            }
+        },
+        pause: never,
+    };
     for s in 0..slots {
         let key = StreamKey::new(anchor, s);
-        let mut rx = to_mux.bind(key).expect("bind");
-        consumers.push(tokio::spawn(async move {
-            in_order_to_finalized(&mut rx).await.0
-        }));
-        let mut tx = from.open(to, key).expect("open");
-        producers.push(tokio::spawn(async move {
-            let mut rng = rand::rngs::SmallRng::seed_from_u64(anchor * 1000 + s);
-            for n in 0..records {
-                let len = if rng.random_bool(0.1) {
-                    rng.random_range(MAX_BATCH + 1..2 * MAX_BATCH)
-                } else {
-                    rng.random_range(12..2_000)
-                };
-                tx.send(record(s, n, len)).await.expect("send");
-            }
-            tx.finish(Terminal::Finalized).expect("finish");
-        }));
+        let seeds = (s, anchor * 1000 + s);
+        let (consumer, producer) = stream_tasks(from, to_mux, to, key, seeds, traffic);
+        consumers.push(consumer);
+        producers.push(producer);
     }
     for p in producers {
         p.await.expect("producer");
     }
     for c in consumers {
-        assert_eq!(c.await.expect("consumer"), records);
+        assert_eq!(c.await.expect("consumer").0, records);
     }
 }
 

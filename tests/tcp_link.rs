@@ -15,11 +15,13 @@ use qpmux::mux::{
     DropReason, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, ProtocolError, SendError,
     SlotSender, StreamKey, Terminal,
 };
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
 #[path = "common/slots.rs"]
 mod slots;
-use slots::{in_order_to_finalized, prefix_then_one_dropped, record, seq_of};
+use slots::{
+    Traffic, in_order_to_finalized, never, prefix_then_one_dropped, record, seq_of, stream_tasks,
+};
 #[path = "common/arrivals.rs"]
 mod arrivals;
 #[path = "common/relink.rs"]
@@ -95,25 +97,23 @@ async fn stream(from: &Mux<TcpLink>, to: PeerId, to_mux: &Mux<TcpLink>, anchor: 
     let records = 5u32;
     let mut consumers = Vec::new();
     let mut producers = Vec::new();
+    let traffic = Traffic {
+        records,
+        len: |_, _, rng| {
+            if rng.random_bool(0.1) {
+                rng.random_range(20_000..40_000)
+            } else {
+                rng.random_range(12..2_000)
+            }
+        },
+        pause: never,
+    };
     for s in 0..slots {
         let key = StreamKey::new(anchor, s);
-        let mut rx = to_mux.bind(key).expect("bind");
-        consumers.push(tokio::spawn(
-            async move { in_order_to_finalized(&mut rx).await },
-        ));
-        let mut tx = from.open(to, key).expect("open");
-        producers.push(tokio::spawn(async move {
-            let mut rng = rand::rngs::SmallRng::seed_from_u64(anchor * 1000 + s);
-            for n in 0..records {
-                let len = if rng.random_bool(0.1) {
-                    rng.random_range(20_000..40_000)
-                } else {
-                    rng.random_range(12..2_000)
-                };
-                tx.send(record(s, n, len)).await.expect("send");
-            }
-            tx.finish(Terminal::Finalized).expect("finish");
-        }));
+        let seeds = (s, anchor * 1000 + s);
+        let (consumer, producer) = stream_tasks(from, to_mux, to, key, seeds, traffic);
+        consumers.push(consumer);
+        producers.push(producer);
     }
     for p in producers {
         p.await.expect("producer");

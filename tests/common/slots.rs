@@ -8,6 +8,9 @@ use bytes::Bytes;
 use qpmux::mux::{
     DropReason, Epoch, Frame, MuxTransport, PeerId, SlotReceiver, StreamKey, Terminal,
 };
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use tokio::task::JoinHandle;
 
 /// A record of `len` bytes (at least 12) naming `slot` and sequence `n`.
 pub fn record(slot: u64, n: u32, len: usize) -> Bytes {
@@ -63,6 +66,59 @@ pub async fn in_order_to_finalized(rx: &mut SlotReceiver) -> (u32, usize) {
         }
     }
     panic!("the stream ended without Finalized after {next} records");
+}
+
+/// What a producer does after each record.
+pub enum Pause {
+    No,
+    Yield,
+    Sleep(std::time::Duration),
+}
+
+/// A producer's records: `records` of them, record `n` of slot `slot`
+/// `len(slot, n, rng)` bytes long and followed by `pause(rng)`, from a
+/// generator seeded per stream.
+#[derive(Clone, Copy)]
+pub struct Traffic {
+    pub records: u32,
+    pub len: fn(u64, u32, &mut SmallRng) -> usize,
+    pub pause: fn(&mut SmallRng) -> Pause,
+}
+
+/// No pause after any record.
+pub fn never(_: &mut SmallRng) -> Pause {
+    Pause::No
+}
+
+/// Stream `key` from `from` to `to` (whose id is `peer`): a consumer task
+/// reading it to its `Finalized` ([`in_order_to_finalized`]), and a
+/// producer task sending `traffic`'s records tagged `slot`, its generator
+/// seeded with `seed`, then finishing the stream.
+pub fn stream_tasks(
+    from: &impl MuxTransport,
+    to: &impl MuxTransport,
+    peer: PeerId,
+    key: StreamKey,
+    (slot, seed): (u64, u64),
+    traffic: Traffic,
+) -> (JoinHandle<(u32, usize)>, JoinHandle<()>) {
+    let mut rx = to.bind(key).expect("bind");
+    let consumer = tokio::spawn(async move { in_order_to_finalized(&mut rx).await });
+    let mut tx = from.open(peer, key).expect("open");
+    let producer = tokio::spawn(async move {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        for n in 0..traffic.records {
+            let len = (traffic.len)(slot, n, &mut rng);
+            tx.send(record(slot, n, len)).await.expect("send");
+            match (traffic.pause)(&mut rng) {
+                Pause::No => {}
+                Pause::Yield => tokio::task::yield_now().await,
+                Pause::Sleep(d) => tokio::time::sleep(d).await,
+            }
+        }
+        tx.finish(Terminal::Finalized).expect("finish");
+    });
+    (consumer, producer)
 }
 
 /// 64 records of 1 KiB on one slot from `from` to `peer` (whose mux is

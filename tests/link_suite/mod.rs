@@ -20,11 +20,11 @@ use bytes::Bytes;
 use qpmux::link::rdma::{CreditSnapshot, RdmaConfig, RdmaLink, pair};
 use qpmux::mux::{Dialer, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, StreamKey, Terminal};
 use qpmux::verbs::Device;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
 #[path = "../common/slots.rs"]
 mod slots;
-use self::slots::{in_order_to_finalized, prefix_then_one_dropped, record, seq_of};
+use self::slots::{Traffic, never, prefix_then_one_dropped, record, seq_of, stream_tasks};
 
 /// Failsafe for one wait: far above any expected time (rxe under QEMU TCG
 /// included); it only turns a hang into a failure.
@@ -191,33 +191,30 @@ pub async fn many_slots_in_order_without_rnr<H: LinkHarness>(h: &mut H) {
     let records = 4u32;
     let mut consumers = Vec::new();
     let mut producers = Vec::new();
+    let traffic = Traffic {
+        records,
+        // Every 25th slot sends one record larger than a batch.
+        len: |s, n, rng| {
+            if s % 25 == 0 && n == 1 {
+                40 * 1024
+            } else {
+                rng.random_range(12..3000)
+            }
+        },
+        pause: never,
+    };
     for s in 0..slots {
         let key = StreamKey::new(1, s);
-        let mut rx = b.bind(key).expect("bind");
-        consumers.push(tokio::spawn(async move {
-            in_order_to_finalized(&mut rx).await.0
-        }));
-        let mut tx = a.open(B, key).expect("open");
-        producers.push(tokio::spawn(async move {
-            let mut rng = rand::rngs::SmallRng::seed_from_u64(s);
-            for n in 0..records {
-                // Every 25th slot sends one record larger than a batch.
-                let len = if s % 25 == 0 && n == 1 {
-                    40 * 1024
-                } else {
-                    rng.random_range(12..3000)
-                };
-                tx.send(record(s, n, len)).await.expect("send");
-            }
-            tx.finish(Terminal::Finalized).expect("finish");
-        }));
+        let (consumer, producer) = stream_tasks(&a, &b, B, key, (s, s), traffic);
+        consumers.push(consumer);
+        producers.push(producer);
     }
     let rnr_before = H::rnr_naks(&fabric.devices());
     for p in producers {
         bounded("producer", p).await.expect("producer");
     }
     for c in consumers {
-        assert_eq!(bounded("consumer", c).await.expect("consumer"), records);
+        assert_eq!(bounded("consumer", c).await.expect("consumer").0, records);
     }
     assert_eq!(a.stats().slots_dropped, 0);
     assert_eq!(a.stats().epoch_deaths, 0);
