@@ -123,6 +123,10 @@ pub struct Report {
     /// producers started (`None` where the path does not say): above zero
     /// in a head-of-line cell shows the slow streams were held back.
     pub credit_stalls: Option<u64>,
+    /// How much the timed records' sends waited on the path's pushback
+    /// (the records behind a wait are stamped from when they were due:
+    /// [`Pacer`]).
+    pub held: Held,
     /// Median one-way record latency.
     pub p50: Duration,
     /// 99th percentile one-way record latency.
@@ -189,6 +193,9 @@ impl Report {
 /// The shortest pace [`Pacer`] holds on a grid: two of tokio's timer ticks.
 pub const SHORTEST_GRID: Duration = Duration::from_millis(2);
 
+/// tokio's timer resolution: a sleep wakes up to this much past its deadline.
+const TIMER_TICK: Duration = Duration::from_millis(1);
+
 /// Starts forward passes at a fixed rate: one every `pace`, on a grid from
 /// the first. A pass that ends late starts the next at once, and one that
 /// ends later than the start after that skips to the grid's next point, so
@@ -206,8 +213,23 @@ pub const SHORTEST_GRID: Duration = Duration::from_millis(2);
 /// is armed too, so a worker that parked in the I/O driver as the pass began
 /// sleeps towards the next start, and the one armed now is later still
 /// (docs/benchmarks.md § "The pacer").
+///
+/// Records are stamped through it ([`Pacer::stamp`]), and sends go through
+/// it ([`Pacer::send`]), so a producer held by the path's pushback does not
+/// hide the hold from the records behind it (coordinated omission): a record
+/// is stamped from when it was due, not from when the held producer got to
+/// it. Lateness that was not pushback (a late timer, a preempted producer)
+/// is not charged (docs/benchmarks.md § "Records stamped from when they
+/// were due").
 pub struct Pacer {
     pace: Option<Duration>,
+    /// How far before now this pass's next record was due: the producer's
+    /// lateness past the pass's start that its sends' waits explain, then
+    /// each wait of an earlier send in the pass.
+    owed: Duration,
+    /// What this pass's sends waited, together.
+    waited_this_pass: Duration,
+    held: Held,
     next: std::pin::Pin<Box<tokio::time::Sleep>>,
     /// On the grid: the start after `next`, a pace later.
     after: std::pin::Pin<Box<tokio::time::Sleep>>,
@@ -220,13 +242,32 @@ impl Pacer {
             pace: pace.filter(|p| !p.is_zero()),
             next: Box::pin(tokio::time::sleep(Duration::ZERO)),
             after: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            owed: Duration::ZERO,
+            waited_this_pass: Duration::ZERO,
+            held: Held::default(),
         }
     }
 
     /// Waits for the next pass's start and arms the one after it.
     pub async fn start_pass(&mut self) {
+        let waited = std::mem::take(&mut self.waited_this_pass);
+        let owed_at_end = std::mem::take(&mut self.owed);
         let Some(pace) = self.pace else { return };
+        let ready = tokio::time::Instant::now();
+        // A pass the producer reaches after its start owes its records the
+        // lateness past a timer tick (the timer would have woken that late
+        // anyway), as far as holds explain it: the last pass's waits under a
+        // short pace, whose schedule slides with each start; on the grid,
+        // which does not slide, the holds carried into that pass too. A
+        // producer late for other reasons owes nothing, and a skipped grid
+        // start is counted, not owed: its records are never sent.
+        let owe = |due: tokio::time::Instant, explained: Duration| {
+            ready
+                .saturating_duration_since(due + TIMER_TICK)
+                .min(explained)
+        };
         if pace < SHORTEST_GRID {
+            self.owed = owe(self.next.deadline(), waited);
             self.next.as_mut().await;
             let after_this = tokio::time::Instant::now() + pace;
             self.next.as_mut().reset(after_this);
@@ -234,8 +275,11 @@ impl Pacer {
         }
         if self.next.deadline() + pace <= tokio::time::Instant::now() {
             let back_on_grid = self.grid_point_after(pace, tokio::time::Instant::now());
+            let skipped = (back_on_grid - self.next.deadline()).as_nanos() / pace.as_nanos();
+            self.held.passes_skipped += u64::try_from(skipped).unwrap_or(u64::MAX);
             self.next.as_mut().reset(back_on_grid);
         }
+        self.owed = owe(self.next.deadline(), owed_at_end);
         self.next.as_mut().await;
         let after_this = self.grid_point_after(pace, tokio::time::Instant::now());
         // `after` is already there unless this is the first pass or one skipped.
@@ -244,6 +288,49 @@ impl Pacer {
         }
         std::mem::swap(&mut self.next, &mut self.after);
         self.after.as_mut().reset(after_this + pace);
+    }
+
+    /// Runs one record's `send`. If it waits (the path's pushback), the
+    /// records after it in the pass, and the next pass's if this one ends
+    /// late, are stamped that much earlier: they were due then. Without a
+    /// pace nothing was due at any time: the wait is only counted.
+    pub async fn send<F: std::future::Future>(&mut self, send: F) -> F::Output {
+        let mut send = std::pin::pin!(send);
+        let mut waiting_since = None;
+        let out = std::future::poll_fn(|cx| {
+            let poll = send.as_mut().poll(cx);
+            if poll.is_pending() && waiting_since.is_none() {
+                waiting_since = Some(tokio::time::Instant::now());
+            }
+            poll
+        })
+        .await;
+        if let Some(since) = waiting_since {
+            let waited = since.elapsed();
+            self.held.sends += 1;
+            self.held.total += waited;
+            self.waited_this_pass += waited;
+            if self.pace.is_some() {
+                self.owed += waited;
+            }
+        }
+        out
+    }
+
+    /// The next record's stamp, nanoseconds since `origin`: when it was due
+    /// (now, less what pushback held the producer since, [`Pacer::send`]).
+    pub fn stamp(&self, origin: Instant) -> u64 {
+        self.stamp_at(origin.elapsed())
+    }
+
+    /// [`Pacer::stamp`] with the time since the origin given.
+    fn stamp_at(&self, since_origin: Duration) -> u64 {
+        since_origin.saturating_sub(self.owed).as_nanos() as u64
+    }
+
+    /// How much the sends made through [`Pacer::send`] waited.
+    pub fn held(&self) -> Held {
+        self.held
     }
 
     /// The first point of the grid after the armed deadline that is later
@@ -256,6 +343,17 @@ impl Pacer {
         }
         due
     }
+}
+
+/// How much a producer's sends waited on the path's pushback.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Sends that waited.
+    pub sends: u64,
+    /// Their waits, together.
+    pub total: Duration,
+    /// Grid starts a late pass skipped: records never sent, so never timed.
+    pub passes_skipped: u64,
 }
 
 /// Process CPU time so far: the sum over its threads of the nanoseconds each
@@ -463,20 +561,20 @@ pub async fn run<L: Link>(
             for _ in 0..workload.passes {
                 pacer.start_pass().await;
                 for tx in &mut senders {
-                    let stamp = origin.elapsed().as_nanos() as u64;
+                    let stamp = pacer.stamp(origin);
                     stages::mark(Stage::Stamped);
                     record[..8].copy_from_slice(&stamp.to_be_bytes());
-                    tx.send(Bytes::copy_from_slice(&record)).await?;
+                    pacer.send(tx.send(Bytes::copy_from_slice(&record))).await?;
                 }
                 flush_all(&sender, &peers, workload.flush_each_pass)?;
             }
-            anyhow::Ok(senders)
+            anyhow::Ok((senders, pacer.held()))
         })
     };
     // Watched while the producer runs: a producer held for good (a
     // backlog it cannot pass) is a failed cell, not a hang, and a producer
     // that fails says why at once.
-    let senders = producer_watched(&mut producer, &received, patience).await??;
+    let (senders, held) = producer_watched(&mut producer, &received, patience).await??;
     if let Err(seen) = received.reached(patience).await {
         anyhow::bail!("{seen} of {total} records arrived, then none for {patience:?}");
     }
@@ -513,6 +611,7 @@ pub async fn run<L: Link>(
             (total + slow_records) as f64 / batches as f64
         },
         credit_stalls: Some(after.credit_stalls - stalls_before),
+        held,
         p50,
         p99,
         peak_rss: rss,
@@ -672,6 +771,73 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn records_behind_a_held_send_are_stamped_from_when_they_were_due() {
+        let ms = Duration::from_millis;
+        let t0 = tokio::time::Instant::now();
+        let mut pacer = Pacer::new(Some(ms(1)));
+        pacer.start_pass().await;
+        pacer.send(async {}).await;
+        assert_eq!(pacer.owed, Duration::ZERO, "a send that did not wait");
+        // Pushback holds the producer 3 ms.
+        pacer.send(tokio::time::sleep(ms(3))).await;
+        assert_eq!(pacer.owed, ms(3), "the pass's next record was due 3 ms ago");
+        assert_eq!(pacer.stamp_at(ms(10)), ms(7).as_nanos() as u64);
+        // The next pass was due at 1 ms, the timer would have woken by 2,
+        // and the producer got to it at 3.
+        pacer.start_pass().await;
+        assert_eq!(tokio::time::Instant::now() - t0, ms(3), "not held back");
+        assert_eq!(pacer.owed, ms(1));
+        // A hold that ends as the next pass is due delays nothing.
+        pacer.send(tokio::time::sleep(ms(1))).await;
+        assert_eq!(pacer.owed, ms(2));
+        pacer.start_pass().await;
+        assert_eq!(pacer.owed, Duration::ZERO);
+        // A producer late for its own reasons owes nothing: not pushback.
+        tokio::time::sleep(ms(5)).await;
+        pacer.start_pass().await;
+        assert_eq!(pacer.owed, Duration::ZERO);
+        assert_eq!(
+            pacer.held(),
+            Held {
+                sends: 2,
+                total: ms(4),
+                passes_skipped: 0
+            }
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn on_the_grid_a_hold_is_owed_until_the_grid_catches_up_and_a_skipped_start_counted() {
+        let ms = Duration::from_millis;
+        let t0 = tokio::time::Instant::now();
+        let mut pacer = Pacer::new(Some(ms(5)));
+        pacer.start_pass().await;
+        pacer.send(tokio::time::sleep(ms(7))).await;
+        // Due at 5, reached at 7: on at once, owing what is past a tick.
+        pacer.start_pass().await;
+        assert_eq!(pacer.owed, ms(1));
+        // The producer's own work makes it late again: the grid did not
+        // slide, so the hold carried into this pass still explains 1 ms.
+        tokio::time::sleep(ms(6)).await;
+        pacer.start_pass().await;
+        assert_eq!(pacer.owed, ms(1));
+        pacer.send(tokio::time::sleep(ms(12))).await;
+        // Due at 15, reached at 25: 15, 20 and 25 (not later than now) are
+        // skipped and the pass starts on its own point, 30, owing nothing.
+        pacer.start_pass().await;
+        assert_eq!(pacer.owed, Duration::ZERO);
+        assert_eq!(tokio::time::Instant::now() - t0, ms(30));
+        assert_eq!(
+            pacer.held(),
+            Held {
+                sends: 2,
+                total: ms(19),
+                passes_skipped: 3
+            }
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn without_a_pace_passes_run_back_to_back() {
         let origin = tokio::time::Instant::now();
         for pace in [None, Some(Duration::ZERO)] {
@@ -681,6 +847,25 @@ mod tests {
             }
         }
         assert_eq!(tokio::time::Instant::now(), origin);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_a_pace_a_wait_is_counted_and_stamps_nothing_earlier() {
+        let ms = Duration::from_millis;
+        let mut pacer = Pacer::new(None);
+        pacer.start_pass().await;
+        pacer.send(tokio::time::sleep(ms(2))).await;
+        assert_eq!(pacer.stamp_at(ms(4)), ms(4).as_nanos() as u64);
+        pacer.start_pass().await;
+        assert_eq!(pacer.stamp_at(ms(4)), ms(4).as_nanos() as u64);
+        assert_eq!(
+            pacer.held(),
+            Held {
+                sends: 1,
+                total: ms(2),
+                passes_skipped: 0
+            }
+        );
     }
 
     #[test]

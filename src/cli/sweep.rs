@@ -162,6 +162,15 @@ pub struct Cell {
     /// does not say): above zero in `hol-slow` shows the slow streams were
     /// held back.
     pub credit_stalls: Option<u64>,
+    /// The timed records' sends that waited on the path's pushback; the
+    /// records behind each were stamped from when they were due
+    /// ([`demo::Pacer`]). Null where the cell failed.
+    pub held_sends: Option<u64>,
+    /// What those sends waited, together, ms.
+    pub held_ms: f64,
+    /// Grid starts a late pass skipped (their records never sent, so
+    /// never timed). Null where the cell failed.
+    pub passes_skipped: Option<u64>,
     /// Records delivered (fast streams).
     pub records: u64,
     /// Wall time, seconds.
@@ -211,6 +220,9 @@ impl Cell {
             untimed_streams: shape.workload.untimed_streams,
             slow_consumer_ms: shape.workload.slow_consumer.map(|d| d.as_secs_f64() * 1e3),
             credit_stalls: r.credit_stalls,
+            held_sends: Some(r.held.sends),
+            held_ms: r.held.total.as_secs_f64() * 1e3,
+            passes_skipped: Some(r.held.passes_skipped),
             records: r.records,
             wall_s: r.elapsed.as_secs_f64(),
             records_per_sec: r.rate(),
@@ -239,6 +251,9 @@ impl Cell {
             untimed_streams: shape.workload.untimed_streams,
             slow_consumer_ms: shape.workload.slow_consumer.map(|d| d.as_secs_f64() * 1e3),
             credit_stalls: None,
+            held_sends: None,
+            held_ms: f64::NAN,
+            passes_skipped: None,
             records: 0,
             wall_s: f64::NAN,
             records_per_sec: f64::NAN,
@@ -823,7 +838,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         }
     };
     println!(
-        "{}{:<15} {:<12} {:>5} {:>3} {:>10} {:>9} {:>7} {:>8} {:>9} {:>9} {:>8} {:>5}",
+        "{}{:<15} {:<12} {:>5} {:>3} {:>10} {:>9} {:>7} {:>8} {:>9} {:>9} {:>8} {:>5} {:>8}",
         round_column("round"),
         "path",
         "mode",
@@ -836,7 +851,8 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         "p50 µs",
         "p99 µs",
         "RSS MiB",
-        "fds"
+        "fds",
+        "held ms"
     );
     for c in &cells {
         if let Some(err) = &c.error {
@@ -851,7 +867,7 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
             continue;
         }
         println!(
-            "{}{:<15} {:<12} {:>5} {:>3} {:>10.0} {:>9.2} {:>7.2} {:>8} {:>9.1} {:>9.1} {:>8.1} {:>5}",
+            "{}{:<15} {:<12} {:>5} {:>3} {:>10.0} {:>9.2} {:>7.2} {:>8} {:>9.1} {:>9.1} {:>8.1} {:>5} {:>8.1}",
             round_column(&(c.round + 1).to_string()),
             c.path,
             c.mode,
@@ -864,7 +880,8 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
             c.p50_us,
             c.p99_us,
             c.peak_rss_mib,
-            c.fds
+            c.fds,
+            c.held_ms
         );
     }
     print_stages(&cells);
@@ -1338,6 +1355,7 @@ mod tests {
             cpu_runs: 500,
             records_per_batch: x as f64,
             credit_stalls: None,
+            held: Default::default(),
             p50: Duration::from_micros(50),
             p99: Duration::from_micros(100),
             peak_rss: 0,

@@ -81,7 +81,11 @@ pub async fn velo_tcp(path: VeloPath, peers: u64, workload: Workload) -> anyhow:
 /// Stamped in `buf` just before it is sent: `send_bytes` then makes the
 /// frame in one allocation and one copy, as the qpmux rows' send does.
 fn stamp(buf: &mut [u8], origin: Instant, priming: bool) -> &[u8] {
-    let stamp = origin.elapsed().as_nanos() as u64;
+    stamped(buf, origin.elapsed().as_nanos() as u64, priming)
+}
+
+/// A record stamped `stamp` in `buf`, as [`stamp`] writes it.
+fn stamped(buf: &mut [u8], stamp: u64, priming: bool) -> &[u8] {
     buf[..8].copy_from_slice(&stamp.to_be_bytes());
     buf[8] = u8::from(priming);
     buf
@@ -192,13 +196,16 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
         for _ in 0..workload.passes {
             pacer.start_pass().await;
             for tx in &senders {
-                tx.send_bytes(stamp(&mut buf, origin, false)).await?;
+                let at = pacer.stamp(origin);
+                pacer
+                    .send(tx.send_bytes(stamped(&mut buf, at, false)))
+                    .await?;
             }
         }
-        anyhow::Ok(senders)
+        anyhow::Ok((senders, pacer.held()))
     });
     // Watched while the producer runs, as in `demo::run`.
-    let senders = match producer_watched(&mut producer, &received, patience).await {
+    let (senders, held) = match producer_watched(&mut producer, &received, patience).await {
         Ok(senders) => senders?,
         Err(err) => {
             abort_all(&tasks);
@@ -232,6 +239,7 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
         // printed as "–".
         records_per_batch: f64::NAN,
         credit_stalls: None,
+        held,
         p50,
         p99,
         peak_rss: rss,
