@@ -456,11 +456,9 @@ pub fn icrc_ipv6(ip: &[u8; 40], udp: &[u8; 8], roce: &[u8]) -> u32 {
 }
 
 /// The bytes the ICRC covers, masked, copied to the stack so the hash takes
-/// them in one call (two for a packet longer than [`Staged::LEN`]). Fed
-/// piece by piece, the pieces under 16 bytes took crc32fast's table path,
-/// whose lookups held most of the CRC's samples in a profile; a call of 16
-/// bytes or more takes the carry-less multiply path (docs/soft-provider.md
-/// § "The ICRC in one call").
+/// them in one call (two where the pseudo-header and the RoCE part exceed
+/// [`Staged::LEN`]): short pieces cost crc32fast its table path
+/// (docs/soft-provider.md § "The ICRC in one call").
 struct Staged {
     buf: [u8; Staged::LEN],
     len: usize,
@@ -500,6 +498,7 @@ impl Staged {
     /// Hashes what is staged and `roce`, BTH byte 4 (FECN, BECN, reserved)
     /// masked; the caller guarantees a BTH.
     fn finish(mut self, roce: &[u8]) -> u32 {
+        debug_assert!(roce.len() >= BTH_LEN, "the ICRC covers a BTH");
         let head = roce.len().min(Staged::LEN - self.len);
         let bth_at = self.put(&roce[..head]);
         self.mask(bth_at + 4);
@@ -726,7 +725,7 @@ mod tests {
         let roce: Vec<u8> = (0..700u32).map(|i| (i * 31 + 5) as u8).collect();
         // Across the stage's end (256 less a 36- or 56-byte pseudo-header),
         // with tails shorter and longer than one 16-byte block.
-        for len in 5..roce.len() {
+        for len in BTH_LEN..roce.len() {
             let roce = &roce[..len];
             assert_eq!(
                 icrc_ipv4(&CX4_IP, &CX4_UDP, roce),
