@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use clap::Args as ClapArgs;
+use rand::seq::SliceRandom;
 use serde::Serialize;
 
 use crate::demo::{self, Report, Workload};
@@ -54,6 +55,8 @@ struct Row {
     /// RNR NAKs both soft devices sent; `None` on paths without RC.
     rnr_naks: Option<u64>,
     error: Option<String>,
+    /// Where in the run this row ran, from 1 (rows run in a random order).
+    ran: usize,
 }
 
 impl Row {
@@ -70,6 +73,7 @@ impl Row {
             fds: r.fds,
             rnr_naks: *rnr_naks,
             error: None,
+            ran: 0,
         }
     }
 
@@ -86,6 +90,7 @@ impl Row {
             fds: demo::open_fds(),
             rnr_naks: None,
             error: Some(format!("{err:#}")),
+            ran: 0,
         }
     }
 }
@@ -143,8 +148,15 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
         paths.extend(["velo-tcp-mux", "velo-tcp-stream"]);
     }
     let bar = super::progress_bar(paths.len() as u64, json);
-    let mut rows = Vec::new();
-    for path in paths.iter().copied() {
+    // Run in a random order and shown in a fixed one: in one process each
+    // row runs after the others' leftovers, and a fixed order would lean
+    // the same way every time (the sweep balances its order for the same
+    // reason: docs/benchmarks.md § "V6").
+    let mut order: Vec<usize> = (0..paths.len()).collect();
+    order.shuffle(&mut rand::rng());
+    let mut rows: Vec<Option<Row>> = paths.iter().map(|_| None).collect();
+    for (place, &index) in order.iter().enumerate() {
+        let path = paths[index];
         bar.set_message(format!(
             "{path}: {} streams × {} passes",
             args.streams, args.passes
@@ -169,14 +181,17 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
             "qpmux-tcp" => tcp_row(workload).await.map(|r| (r, None)),
             other => anyhow::bail!("unknown path {other}"),
         };
-        rows.push(match report {
+        let mut row = match report {
             Ok(report) => Row::new(path, args.streams, &report),
             // The per-stream path can run out of descriptors: a row, not a crash.
             Err(err) => Row::failed(path, args.streams, &err),
-        });
+        };
+        row.ran = place + 1;
+        rows[index] = Some(row);
         bar.inc(1);
     }
     bar.finish_and_clear();
+    let rows: Vec<Row> = rows.into_iter().flatten().collect();
     if json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
@@ -218,6 +233,8 @@ pub async fn run(args: DemoArgs, json: bool) -> anyhow::Result<()> {
     }
     println!("(fds: the whole process's descriptors at the end of the row; RNR NAKs: sent");
     println!(" by either soft device, none expected: link credit is receive posts)");
+    let ran: Vec<&str> = order.iter().map(|&i| paths[i]).collect();
+    println!("(rows ran in a random order, this time {})", ran.join(", "));
     Ok(())
 }
 
