@@ -90,6 +90,15 @@ fn a_sweep_writes_its_cells_as_json_and_draws_the_plots() {
         // One 64-byte record per slot per pass is far inside every credit
         // window: no send waits, so no record is stamped from before it.
         assert_eq!(cell["held_sends"].as_u64(), Some(0), "{cell}");
+        // One probe per CPU the sweep may use, each a time.
+        let probes = cell["cpu_probe_us"].as_array().expect("probes");
+        assert!(!probes.is_empty(), "{cell}");
+        assert!(
+            probes
+                .iter()
+                .all(|us| us.as_f64().is_some_and(|us| us > 0.0)),
+            "{cell}"
+        );
         for field in ["cpu_us_per_record", "p50_us", "p99_us", "records_per_sec"] {
             assert!(
                 cell[field].as_f64().is_some_and(|v| v > 0.0),

@@ -207,6 +207,11 @@ pub struct Cell {
     pub stages_us: Option<demo::StageMedians>,
     /// With `--stages`: the same medians over the slowest 1% of records.
     pub stages_slowest_us: Option<demo::StageMedians>,
+    /// Microseconds each CPU the sweep may run on took, just before the
+    /// cell, for a fixed piece of the mux's user-space work, in CPU order
+    /// ([`cpu_probes_us`]): where they differ, the cell's threads ran on
+    /// CPUs of different speed.
+    pub cpu_probe_us: Vec<f64>,
 }
 
 impl Cell {
@@ -238,6 +243,7 @@ impl Cell {
             error: None,
             stages_us: r.stages,
             stages_slowest_us: r.stages_slowest,
+            cpu_probe_us: Vec::new(),
         }
     }
 
@@ -269,6 +275,7 @@ impl Cell {
             error: Some(format!("{err:#}")),
             stages_us: None,
             stages_slowest_us: None,
+            cpu_probe_us: Vec::new(),
         }
     }
 
@@ -486,6 +493,7 @@ async fn measure(
     stages: bool,
     ack_delay: Duration,
 ) -> Cell {
+    let probe = cpu_probes_us();
     crate::stages::set_enabled(stages && shape.mode == LATENCY);
     let result = match path {
         "qpmux-rdma" => rdma_cell(shape.y, shape.workload, ack_delay).await,
@@ -503,13 +511,96 @@ async fn measure(
         other => Err(anyhow::anyhow!("unknown path {other}")),
     };
     crate::stages::set_enabled(false);
-    let cell = match result {
+    let mut cell = match result {
         Ok(report) => Cell::new(round, path, shape, &report),
         Err(err) => Cell::failed(round, path, shape, &err),
     };
+    cell.cpu_probe_us = probe;
     // Let the torn-down nodes' sockets close before the next cell counts.
     tokio::time::sleep(Duration::from_millis(200)).await;
     cell
+}
+
+/// Microseconds for 100 batches of 64 records of 64 B, encoded and decoded,
+/// each record copied out as a receive does: the mux's own user-space work
+/// per pass at X = 64, with no task, lock or system call. The fastest of
+/// five tries, so a preemption does not count. A VM's vCPU can run slower
+/// for a while (docs/benchmarks.md § "A CPU probe beside each cell").
+fn cpu_probe_us() -> f64 {
+    use crate::mux::protocol::{
+        BatchEncoder, BatchView, Epoch, FrameSeq, Lane, RecordBody, SlotId,
+    };
+    const BATCHES: usize = 100;
+    const RECORDS: usize = 64;
+    let payload = [0x5au8; 64];
+    let mut buf = vec![0u8; 16 + RECORDS * (16 + payload.len())];
+    let mut copied = Vec::with_capacity(RECORDS);
+    let mut fastest = Duration::MAX;
+    for _ in 0..5 {
+        let start = std::time::Instant::now();
+        for batch in 0..BATCHES {
+            let Ok(mut encoder) = BatchEncoder::new(&mut buf, Epoch(1), 0, Lane(0)) else {
+                return f64::NAN;
+            };
+            for i in 0..RECORDS {
+                let Some(slot) = SlotId::new(i as u32, 0) else {
+                    return f64::NAN;
+                };
+                let seq = FrameSeq((batch * RECORDS + i) as u32);
+                if encoder.push_data(slot, seq, &payload, false).is_err() {
+                    return f64::NAN;
+                }
+            }
+            let len = encoder.finish();
+            let Ok(view) = BatchView::new_checked(&buf[..len]) else {
+                return f64::NAN;
+            };
+            copied.clear();
+            for record in view.records() {
+                if let RecordBody::Data(data) = record.body {
+                    copied.push(bytes::Bytes::copy_from_slice(data));
+                }
+            }
+            std::hint::black_box(&copied);
+        }
+        fastest = fastest.min(start.elapsed());
+    }
+    fastest.as_secs_f64() * 1e6
+}
+
+/// [`cpu_probe_us`] on each CPU this process may run on, in CPU order: the
+/// calling thread is pinned to each in turn, then given its CPUs back.
+#[cfg(target_os = "linux")]
+pub fn cpu_probes_us() -> Vec<f64> {
+    use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
+    use nix::unistd::Pid;
+    let this_thread = Pid::from_raw(0);
+    let Ok(allowed) = sched_getaffinity(this_thread) else {
+        return vec![cpu_probe_us()];
+    };
+    let probes = (0..CpuSet::count())
+        .filter(|&cpu| allowed.is_set(cpu).unwrap_or(false))
+        .map(|cpu| {
+            let mut one = CpuSet::new();
+            match one
+                .set(cpu)
+                .and_then(|()| sched_setaffinity(this_thread, &one))
+            {
+                Ok(()) => cpu_probe_us(),
+                Err(_) => f64::NAN,
+            }
+        })
+        .collect();
+    if let Err(e) = sched_setaffinity(this_thread, &allowed) {
+        tracing::warn!(error = %e, "the CPU probe could not give its thread its CPUs back");
+    }
+    probes
+}
+
+/// [`cpu_probe_us`] where the process's CPUs cannot be told apart.
+#[cfg(not(target_os = "linux"))]
+pub fn cpu_probes_us() -> Vec<f64> {
+    vec![cpu_probe_us()]
 }
 
 /// With `--stages`: where each timed cell's records spent their time, the
