@@ -209,8 +209,8 @@ pub struct Cell {
     pub stages_slowest_us: Option<demo::StageMedians>,
     /// Microseconds each CPU the sweep may run on took, just before the
     /// cell, for a fixed piece of the mux's user-space work, in CPU order
-    /// ([`cpu_probes_us`]): where they differ, the cell's threads ran on
-    /// CPUs of different speed.
+    /// ([`cpu_probes_us`]; null where a probe could not run): how fast the
+    /// CPUs ran then, a snapshot, not the cell's own speed.
     pub cpu_probe_us: Vec<f64>,
 }
 
@@ -532,7 +532,7 @@ fn cpu_probe_us() -> f64 {
     };
     const BATCHES: usize = 100;
     const RECORDS: usize = 64;
-    let payload = [0x5au8; 64];
+    let payload = std::hint::black_box([0x5au8; 64]);
     let mut buf = vec![0u8; 16 + RECORDS * (16 + payload.len())];
     let mut copied = Vec::with_capacity(RECORDS);
     let mut fastest = Duration::MAX;
@@ -569,14 +569,19 @@ fn cpu_probe_us() -> f64 {
 }
 
 /// [`cpu_probe_us`] on each CPU this process may run on, in CPU order: the
-/// calling thread is pinned to each in turn, then given its CPUs back.
+/// calling thread is pinned to each in turn, then given its CPUs back. Where
+/// the CPUs cannot be listed, one probe wherever the thread runs.
 #[cfg(target_os = "linux")]
-pub fn cpu_probes_us() -> Vec<f64> {
+fn cpu_probes_us() -> Vec<f64> {
     use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
     use nix::unistd::Pid;
     let this_thread = Pid::from_raw(0);
-    let Ok(allowed) = sched_getaffinity(this_thread) else {
-        return vec![cpu_probe_us()];
+    let allowed = match sched_getaffinity(this_thread) {
+        Ok(allowed) => allowed,
+        Err(e) => {
+            tracing::debug!(error = %e, "CPUs not listed; one CPU probe, unpinned");
+            return vec![cpu_probe_us()];
+        }
     };
     let probes = (0..CpuSet::count())
         .filter(|&cpu| allowed.is_set(cpu).unwrap_or(false))
@@ -599,7 +604,7 @@ pub fn cpu_probes_us() -> Vec<f64> {
 
 /// [`cpu_probe_us`] where the process's CPUs cannot be told apart.
 #[cfg(not(target_os = "linux"))]
-pub fn cpu_probes_us() -> Vec<f64> {
+fn cpu_probes_us() -> Vec<f64> {
     vec![cpu_probe_us()]
 }
 
