@@ -1334,6 +1334,11 @@ impl PeerCore {
         }
         self.message_seq_in = seq.next();
         self.carried_messages = true;
+        // As on a slot: a fragment carries bytes (only a whole message may
+        // be empty), so a peer cannot spin us on empty pieces.
+        if body.is_empty() && (more || self.message_reassembly.is_some()) {
+            return Err(ProtocolError::BrokenFragment { slot: zero });
+        }
         let max = self.config.max_record.max(1);
         if self.message_reassembly.is_none() && body.len() > max {
             return Err(ProtocolError::RecordTooLarge {
@@ -2281,6 +2286,42 @@ mod tests {
             enc.push_data(slot, FrameSeq(1), &[], true)
         });
         assert_eq!(outcome, Err(ProtocolError::BrokenFragment { slot }));
+    }
+
+    /// The same for messages: a peer cannot spin the task on empty pieces
+    /// of one (review 40a). A whole empty message is a message.
+    #[tokio::test]
+    async fn an_empty_message_fragment_is_a_protocol_error() {
+        let zero = SlotId::from_wire(0);
+        for (name, pieces) in [
+            ("an empty first piece", &[(&[][..], true)][..]),
+            (
+                "an empty middle piece",
+                &[(&[1u8; 8][..], true), (&[], true)],
+            ),
+            (
+                "an empty last piece",
+                &[(&[1u8; 8][..], true), (&[], false)],
+            ),
+        ] {
+            let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
+            let mut core = held_core(Epoch(1), &control, &registry, Held::default());
+            let outcome = feed(&mut core, |enc| {
+                for (seq, (body, more)) in pieces.iter().enumerate() {
+                    enc.push_message(FrameSeq(seq as u32), body, *more)?;
+                }
+                Ok(())
+            });
+            assert_eq!(
+                outcome,
+                Err(ProtocolError::BrokenFragment { slot: zero }),
+                "{name}"
+            );
+        }
+        let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
+        let mut core = held_core(Epoch(1), &control, &registry, Held::default());
+        feed(&mut core, |enc| enc.push_message(FrameSeq(0), &[], false))
+            .expect("a whole empty message is no offence");
     }
 
     /// An empty record a producer sends takes its overhead of slot budget,

@@ -113,12 +113,6 @@ pub enum ProtocolError {
         /// The highest nonce this epoch sent in a Ping (0: none).
         asked: u64,
     },
-    /// The peer opened more slots than allowed.
-    #[error("peer exceeded {limit} slots")]
-    TooManySlots {
-        /// The limit.
-        limit: u32,
-    },
     /// The link's framing, not a batch: a TCP frame header announcing more
     /// bytes than this end's receive buffers hold.
     #[error("link frame of {len} bytes exceeds the {max}-byte receive buffer")]

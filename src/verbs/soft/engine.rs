@@ -263,6 +263,10 @@ pub(crate) struct QpEngine {
     retry_left: u8,
     rnr_left: u8,
     rnr_waiting: bool,
+    /// After an RNR wait, only `una` goes out (asking for an ACK) until an
+    /// ACK shows progress: the responder dropped everything after the PSN
+    /// it refused, and may still be stalled.
+    rnr_probe: bool,
     /// PSN of the last sequence NAK acted on; a repeat without progress is a
     /// network duplicate (the responder NAKs once per gap).
     seq_nak_psn: Option<Psn>,
@@ -307,6 +311,7 @@ impl QpEngine {
             retry_left: 0,
             rnr_left: 0,
             rnr_waiting: false,
+            rnr_probe: false,
             seq_nak_psn: None,
             rq_head_cold: false,
             rq: VecDeque::new(),
@@ -483,8 +488,18 @@ impl QpEngine {
                 || self.state == QpState::Rts
                     && !self.rnr_waiting
                     && self.next_psn != self.alloc_psn
-                    && self.next_psn.diff(self.una) < MAX_UNACKED as i32
+                    && self.next_psn.diff(self.una) < self.send_window()
                     && self.sq.get(self.send_idx).is_some())
+    }
+
+    /// PSNs that may be in flight: one while probing a responder that
+    /// refused with an RNR NAK.
+    fn send_window(&self) -> i32 {
+        if self.rnr_probe {
+            1
+        } else {
+            MAX_UNACKED as i32
+        }
     }
 
     /// Emit the next packet into `buf` (which holds at least MTU + overhead
@@ -518,7 +533,7 @@ impl QpEngine {
         if self.state != QpState::Rts
             || self.rnr_waiting
             || self.next_psn == self.alloc_psn
-            || self.next_psn.diff(self.una) >= MAX_UNACKED as i32
+            || self.next_psn.diff(self.una) >= self.send_window()
         {
             return None;
         }
@@ -538,7 +553,7 @@ impl QpEngine {
             (false, true, true) => Opcode::SendLastImm,
         };
         self.since_ack_req += 1;
-        let ack_req = last || self.since_ack_req >= ACK_REQ_EVERY;
+        let ack_req = last || self.since_ack_req >= ACK_REQ_EVERY || self.rnr_probe;
         if ack_req {
             self.since_ack_req = 0;
         }
@@ -588,6 +603,7 @@ impl QpEngine {
                 Timer::AckTimeout => self.on_ack_timeout(now),
                 Timer::RnrRetry => {
                     self.rnr_waiting = false;
+                    self.rnr_probe = true;
                     self.rewind();
                 }
                 // Stopped above: the held ACK is ready.
@@ -761,6 +777,7 @@ impl QpEngine {
         }
         if progressed {
             self.seq_nak_psn = None;
+            self.rnr_probe = false;
             if let Some(r) = self.rts {
                 self.retry_left = r.retry_cnt;
                 self.rnr_left = r.rnr_retry;

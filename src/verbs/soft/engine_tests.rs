@@ -498,6 +498,61 @@ fn rnr_waits_the_timer_and_rnr_retry_seven_is_forever() {
 }
 
 #[test]
+fn after_an_rnr_wait_one_packet_probes_until_an_ack_shows_progress() {
+    // Two 64-packet messages fill the 128-PSN window; B has no receive.
+    let mut p = Pair::new(rts(14, 7, 7), 14);
+    let len = 64 * MTU.bytes();
+    p.send(1, len);
+    p.send(2, len);
+    let burst = p.transmit_a();
+    assert_eq!(burst.len(), 128);
+    let first = parse(&burst[0]).bth.psn;
+    p.deliver_b(&burst);
+    let mut rnr = p.transmit_b();
+    assert_eq!(rnr.len(), 1, "one RNR NAK, the rest of the burst dropped");
+    for round in 0..10 {
+        p.deliver_a(&rnr);
+        assert!(p.transmit_a().is_empty(), "round {round}: waiting");
+        p.fire_a_timer();
+        let probe = p.transmit_a();
+        assert_eq!(probe.len(), 1, "round {round}: one packet, not the window");
+        let bth = parse(&probe[0]).bth;
+        assert_eq!((bth.psn, bth.ack_req), (first, true), "round {round}");
+        p.deliver_b(&probe);
+        rnr = p.transmit_b();
+    }
+    // Ready now: the probe is ACKed and the window opens again.
+    p.recv(1, len);
+    p.recv(2, len);
+    p.deliver_a(&rnr);
+    p.fire_a_timer();
+    let probe = p.transmit_a();
+    assert_eq!(probe.len(), 1);
+    p.deliver_b(&probe);
+    let ack = p.transmit_b();
+    p.deliver_a(&ack);
+    let rest = p.transmit_a();
+    assert_eq!(rest.len(), 127, "the whole window after progress");
+    p.deliver_b(&rest);
+    let acks = p.transmit_b();
+    p.deliver_a(&acks);
+    let sent: Vec<_> = Pair::completions(&mut p.a.qp)
+        .into_iter()
+        .map(|(_, wc)| (wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(sent, [(1, WcStatus::Success), (2, WcStatus::Success)]);
+    let received: Vec<_> = Pair::completions(&mut p.b.qp)
+        .into_iter()
+        .map(|(_, wc)| (wc.wr_id, wc.status, wc.byte_len as usize))
+        .collect();
+    assert_eq!(
+        received,
+        [(1, WcStatus::Success, len), (2, WcStatus::Success, len)],
+        "each message delivered once, in order"
+    );
+}
+
+#[test]
 fn an_answered_rnr_nak_restores_the_retry_budget() {
     // retry_cnt 1: two unanswered timeouts in a row would end the QP.
     let mut p = Pair::new(rts(14, 1, 7), 14);
