@@ -1247,7 +1247,7 @@ fn any_record() -> impl proptest::strategy::Strategy<Value = AnyRecord> {
             .prop_map(|(i, g, q, l, m)| AnyRecord::Data(i, g, q, l, m)),
         3 => (index.clone(), generation.clone(), seq.clone(), 0..3u64)
             .prop_map(|(i, g, q, s)| AnyRecord::Open(i, g, q, s)),
-        1 => (index.clone(), generation.clone(), seq.clone(), 0..6u8)
+        1 => (index.clone(), generation.clone(), seq.clone(), 0..7u8)
             .prop_map(|(i, g, q, r)| AnyRecord::Close(i, g, q, r)),
         1 => (index.clone(), generation.clone(), any::<u32>())
             .prop_map(|(i, g, b)| AnyRecord::Credit(i, g, b)),
@@ -1272,7 +1272,7 @@ fn push_any(enc: &mut qpmux::mux::protocol::BatchEncoder<'_>, record: &AnyRecord
         }
         AnyRecord::Open(i, g, q, session) => enc.push_open(id(i, g), FrameSeq(q), EVIL.0, session),
         AnyRecord::Close(i, g, q, reason) => {
-            let reason = CloseReason::from_wire(reason).expect("0..6 are reasons");
+            let reason = CloseReason::from_wire(reason).expect("0..7 are reasons");
             enc.push_close(id(i, g), FrameSeq(q), reason)
         }
         AnyRecord::Credit(i, g, bytes) => enc.push_credit(id(i, g), bytes),

@@ -1257,8 +1257,8 @@ async fn records_cut_short_by_departing_consumers_give_all_their_peer_credit_bac
 
 /// A record larger than the receiver's whole peer window (though within
 /// its `max_record`) can never go: its slot ends for the producer with
-/// `TooLarge` naming what the window holds, the consumer sees the sender
-/// drop the stream, and the epoch lives.
+/// `TooLarge` naming what the window holds, the consumer hears why
+/// (`RecordTooLarge`, not a bare `SenderDropped`), and the epoch lives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_larger_than_the_receivers_peer_window_ends_only_its_slot() {
     tokio::time::timeout(Duration::from_secs(20), a_record_past_the_peer_window())
@@ -1295,7 +1295,7 @@ async fn a_record_past_the_peer_window() {
     assert!(matches!(rx.recv().await, Some(Frame::Data(d)) if seq_of(&d) == 0));
     assert_eq!(
         rx.recv().await,
-        Some(Frame::Dropped(DropReason::SenderDropped))
+        Some(Frame::Dropped(DropReason::RecordTooLarge))
     );
     assert_eq!((a.epoch(B), b.epoch(A)), (Some(Epoch(1)), Some(Epoch(1))));
     // The peer and its other streams go on.

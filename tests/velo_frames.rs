@@ -337,7 +337,7 @@ async fn a_sender_late_for_an_abandoned_bind_is_refused() {
 /// that says why, not a bare `Dropped`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_item_past_the_record_limit_ends_its_stream_with_a_transport_error() {
-    an_item_past_a_record_limit_is_said(4096, 4096).await;
+    an_item_past_a_record_limit_is_said(4096, 4096, 8192, "4096").await;
 }
 
 /// The same for an item within the sender's `max_record` but past the
@@ -345,26 +345,43 @@ async fn an_item_past_the_record_limit_ends_its_stream_with_a_transport_error() 
 /// the stream can still say why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_item_past_the_receivers_record_limit_ends_its_stream_with_a_transport_error() {
-    an_item_past_a_record_limit_is_said(4096, 1 << 20).await;
+    an_item_past_a_record_limit_is_said(4096, 1 << 20, 8192, "4096").await;
 }
 
-async fn an_item_past_a_record_limit_is_said(receiver_max: usize, sender_max: usize) {
+/// An item within the receiver's `max_record` but larger than its whole
+/// window for this peer can never go; the sender's peer task finds that
+/// only when it comes to write it, and the stream's Close says why, so
+/// velo's consumer hears an error, not a bare `Dropped`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_past_the_receivers_peer_window_ends_its_stream_with_a_transport_error() {
+    an_item_past_a_record_limit_is_said(1 << 20, 1 << 20, 100 * 1024, "record limit").await;
+}
+
+async fn an_item_past_a_record_limit_is_said(
+    receiver_max: usize,
+    sender_max: usize,
+    large_len: usize,
+    said: &str,
+) {
     let kind = velo_nodes::Mem::new(Shape::Default);
-    let options = |max_record| velo_nodes::Options {
+    let options = |max_record, peer_window| velo_nodes::Options {
         mux: qpmux::mux::MuxConfig {
             max_record,
+            peer_window,
             ..qpmux::mux::MuxConfig::default()
         },
         ..velo_nodes::Options::default()
     };
-    let a = worker_with(&kind, 1, options(receiver_max)).await;
-    let b = worker_with(&kind, 2, options(sender_max)).await;
+    // The receiver's window for its peer: 64 KiB, so the case past it is
+    // not a 64 MiB item.
+    let a = worker_with(&kind, 1, options(receiver_max, 64 * 1024)).await;
+    let b = worker_with(&kind, 2, options(sender_max, 64 * 1024)).await;
     join(&a, &b);
     let worker_a = a.messenger.instance_id().worker_id();
     let rx = a.frames.bind(7, 1).await.expect("bind");
     let tx = b.frames.connect(worker_a, 7, 1).await.expect("connect");
     let small = rmp_serde::to_vec(&StreamFrame::Item(vec![1u8; 16])).expect("encodes");
-    let large = rmp_serde::to_vec(&StreamFrame::Item(vec![2u8; 8192])).expect("encodes");
+    let large = rmp_serde::to_vec(&StreamFrame::Item(vec![2u8; large_len])).expect("encodes");
     let next = || async {
         tokio::time::timeout(Duration::from_secs(10), rx.recv_async())
             .await
@@ -378,7 +395,7 @@ async fn an_item_past_a_record_limit_is_said(receiver_max: usize, sender_max: us
     let last = next().await;
     let decoded: StreamFrame<Vec<u8>> = rmp_serde::from_slice(&last).expect("velo decodes it");
     match decoded {
-        StreamFrame::TransportError(why) => assert!(why.contains("4096"), "{why}"),
+        StreamFrame::TransportError(why) => assert!(why.contains(said), "{why}"),
         other => panic!("expected a transport error, got {other:?}"),
     }
 }

@@ -179,7 +179,7 @@ impl Run {
                 } => {
                     let id = slot(*index, *generation);
                     let s = Self::next_seq(&mut self.slot_seq[id.index() as usize], seq);
-                    let reason = CloseReason::from_wire(reason % 6).expect("0..6 are reasons");
+                    let reason = CloseReason::from_wire(reason % 7).expect("0..7 are reasons");
                     enc.push_close(id, s, reason)
                 }
                 Rec::Credit {

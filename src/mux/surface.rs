@@ -67,6 +67,10 @@ pub enum DropReason {
     /// The peer was unregistered while the stream waited for a link to it:
     /// none will come, and nothing of the stream went out.
     Unregistered,
+    /// The sender's next record was larger than this end takes (its
+    /// `max_record` or its window for that peer); the records before it
+    /// were delivered, the stream ends here.
+    RecordTooLarge,
 }
 
 /// One item on a slot's typed sink, in send order.

@@ -27,7 +27,8 @@ use velo_ext::{FrameTransport, InstanceId, PeerInfo, TransportKey, WorkerAddress
 use super::{AdapterError, QpmuxTransport, VeloConfig, encode_address};
 use crate::link::Node;
 use crate::mux::{
-    AsMux, Frame, MuxTransport, RecvError, SendError, SlotReceiver, SlotSender, StreamKey, Terminal,
+    AsMux, DropReason, Frame, MuxTransport, RecvError, SendError, SlotReceiver, SlotSender,
+    StreamKey, Terminal,
 };
 
 /// velo's encodings of the frames the adapter writes or recognises: exactly
@@ -156,6 +157,14 @@ fn to_velo(frame: Frame) -> (Vec<u8>, bool) {
         Frame::Heartbeat => (velo_frames::heartbeat().to_vec(), false),
         Frame::Finalized => (velo_frames::finalized().to_vec(), true),
         Frame::Detached => (velo_frames::detached().to_vec(), true),
+        // velo has no frame for it: its consumer hears why as an error.
+        Frame::Dropped(DropReason::RecordTooLarge) => (
+            velo_frames::transport_error(
+                "the sender's next item exceeded the transport's record limit; the stream ends"
+                    .to_string(),
+            ),
+            true,
+        ),
         Frame::Dropped(reason) => {
             tracing::debug!(?reason, "qpmux stream dropped");
             (velo_frames::dropped().to_vec(), true)
@@ -446,6 +455,17 @@ mod tests {
             .expect("encodes");
         assert_eq!(velo_frames::classify(&nested), Kind::Data);
         assert_eq!(velo_frames::classify(&[0xc1, 0xff]), Kind::Data);
+    }
+
+    #[test]
+    fn a_record_too_large_for_the_receiver_becomes_velos_transport_error() {
+        let (bytes, end) = to_velo(Frame::Dropped(DropReason::RecordTooLarge));
+        assert!(end);
+        let decoded: StreamFrame<()> = rmp_serde::from_slice(&bytes).expect("velo decodes it");
+        match decoded {
+            StreamFrame::TransportError(why) => assert!(why.contains("record limit"), "{why}"),
+            other => panic!("expected a transport error, got {other:?}"),
+        }
     }
 
     #[test]

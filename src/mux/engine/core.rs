@@ -1120,7 +1120,8 @@ impl PeerCore {
                 Pop::Blocked if never.is_some() => {
                     let (len, max) = never.expect("checked");
                     slot.inlet.close(SendError::TooLarge { len, max });
-                    slot.terminal = Some(CloseReason::SenderDropped);
+                    // The receiver hears why, not a bare drop.
+                    slot.terminal = Some(CloseReason::TooLarge);
                 }
                 Pop::Blocked if short.is_some() => {
                     Counters::add(&counters.peer_credit_stalls, 1);
@@ -1527,6 +1528,7 @@ impl PeerCore {
             CloseReason::Finalized => Frame::Finalized,
             CloseReason::Detached => Frame::Detached,
             CloseReason::SenderDropped => Frame::Dropped(DropReason::SenderDropped),
+            CloseReason::TooLarge => Frame::Dropped(DropReason::RecordTooLarge),
             CloseReason::UnknownSlot | CloseReason::Refused | CloseReason::ReceiverGone => {
                 // Receiver → sender: about one of our egress slots.
                 let index = id.index();
@@ -2623,8 +2625,8 @@ mod tests {
             "{written:?}"
         );
         assert!(
-            written.iter().any(|r| r.starts_with("close")),
-            "{written:?}"
+            written.iter().any(|r| r.starts_with("close TooLarge")),
+            "the receiver hears why: {written:?}"
         );
         assert_eq!(
             written.iter().filter(|r| r.starts_with("Message(")).count(),

@@ -54,7 +54,7 @@ fn slot_strategy() -> impl Strategy<Value = SlotId> {
 }
 
 fn reason_strategy() -> impl Strategy<Value = CloseReason> {
-    (0u8..6).prop_map(|r| CloseReason::from_wire(r).expect("known reason"))
+    (0u8..7).prop_map(|r| CloseReason::from_wire(r).expect("known reason"))
 }
 
 fn owned_strategy() -> impl Strategy<Value = Owned> {

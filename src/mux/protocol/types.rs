@@ -145,6 +145,11 @@ pub enum CloseReason {
     Refused = 4,
     /// The receiver's consumer went away; stop sending.
     ReceiverGone = 5,
+    /// Sender → receiver: the stream's next record is larger than the
+    /// receiver takes (its `max_record`, or its whole window for us), so
+    /// the stream ends here. Sent for a record queued before the
+    /// receiver's terms were heard; later ones are refused at `send`.
+    TooLarge = 6,
 }
 
 impl CloseReason {
@@ -157,6 +162,7 @@ impl CloseReason {
             3 => CloseReason::UnknownSlot,
             4 => CloseReason::Refused,
             5 => CloseReason::ReceiverGone,
+            6 => CloseReason::TooLarge,
             _ => return None,
         })
     }
