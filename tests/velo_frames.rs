@@ -286,6 +286,43 @@ async fn an_abandoned_bind_frees_its_pump_and_its_key() {
     .await;
 }
 
+/// A zero `stream_watch` (or `lane_sweep`) is taken as the 1 ms floor: it
+/// used to panic every bound stream's pump at its first turn (a zero
+/// interval), so velo's consumer got no frame and no terminal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_periods_are_floored_and_a_bound_stream_still_delivers() {
+    let kind = velo_nodes::Mem::new(Shape::Default);
+    let a = worker(&kind, 1).await;
+    let b = worker(&kind, 2).await;
+    join(&a, &b);
+    let zero = VeloConfig {
+        stream_watch: Duration::ZERO,
+        lane_sweep: Duration::ZERO,
+        ..VeloConfig::default()
+    };
+    let frames = a.transport.frame_transport(zero);
+    let rx = frames.bind(8, 1).await.expect("bind");
+    let tx = b
+        .frames
+        .connect(a.messenger.instance_id().worker_id(), 8, 1)
+        .await
+        .expect("connect");
+    let item = rmp_serde::to_vec(&StreamFrame::Item(vec![3u8; 16])).expect("encodes");
+    tx.send_async(item.clone()).await.expect("sent");
+    tx.send_async(velo_frames_finalized()).await.expect("sent");
+    for expected in [item, velo_frames_finalized()] {
+        let got = tokio::time::timeout(Duration::from_secs(10), rx.recv_async())
+            .await
+            .expect("a frame within 10 s")
+            .expect("the pump is alive");
+        assert_eq!(got, expected);
+    }
+}
+
+fn velo_frames_finalized() -> Vec<u8> {
+    rmp_serde::to_vec(&StreamFrame::<Vec<u8>>::Finalized).expect("encodes")
+}
+
 /// velo abandons a bind before its sender's OpenSlot arrives (the attach
 /// raced a link outage longer than velo's consumer timeout): the late
 /// sender is refused and hears, and the receiving node keeps nothing of

@@ -63,7 +63,8 @@ pub struct VeloConfig {
     /// limit does not cover (docs/velo.md § "A pump per slot").
     pub stream_channel_bytes: usize,
     /// How often dead lanes (epochs that ended with no send since) are
-    /// retired, which reports any frame left in their channel. Default 20 ms.
+    /// retired, which reports any frame left in their channel. Default 20 ms;
+    /// at least [`MIN_PERIOD`].
     pub lane_sweep: Duration,
     /// How long frames queued for a peer wait for an epoch when none is up
     /// (the node keeps redialing a refused or misconfigured peer forever);
@@ -73,9 +74,13 @@ pub struct VeloConfig {
     /// How often a bound stream with no frame to hand over looks whether
     /// velo still holds its receiver: velo may abandon a bind whose sender
     /// never comes, and the pump and the mux's registry entry go with it.
-    /// Default 1 s.
+    /// Default 1 s; at least [`MIN_PERIOD`].
     pub stream_watch: Duration,
 }
+
+/// The shortest `lane_sweep` and `stream_watch` the adapter runs on: a
+/// zero would spin the sweep and panic every pump's timer.
+pub const MIN_PERIOD: Duration = Duration::from_millis(1);
 
 impl Default for VeloConfig {
     fn default() -> Self {
@@ -96,6 +101,15 @@ impl VeloConfig {
             lane_sweep: Duration::from_millis(20),
             dial_wait: Duration::from_secs(10),
             stream_watch: Duration::from_secs(1),
+        }
+    }
+
+    /// This config with its periods raised to [`MIN_PERIOD`].
+    fn with_periods_floored(self) -> VeloConfig {
+        VeloConfig {
+            lane_sweep: self.lane_sweep.max(MIN_PERIOD),
+            stream_watch: self.stream_watch.max(MIN_PERIOD),
+            ..self
         }
     }
 }

@@ -136,7 +136,7 @@ impl<N: Node> QpmuxTransport<N> {
     pub fn frame_transport(self: &Arc<Self>, config: VeloConfig) -> QpmuxFrameTransport<N> {
         QpmuxFrameTransport {
             transport: self.clone(),
-            config,
+            config: config.with_periods_floored(),
         }
     }
 }

@@ -137,7 +137,7 @@ impl<N: Node> QpmuxTransport<N> {
         QpmuxTransport {
             inner: Arc::new(Inner {
                 node,
-                config,
+                config: config.with_periods_floored(),
                 key: TransportKey::new(TRANSPORT_KEY),
                 peers: Mutex::new(HashMap::new()),
                 adapter: Mutex::new(None),

@@ -12,7 +12,7 @@ use crate::mux::protocol::Epoch;
 /// Largest message body accepted or sent.
 pub const MAX_MESSAGE: usize = 4096;
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Leading bytes of a challenge and a hello.
 pub const MAGIC: [u8; 4] = *b"QPMX";
 /// Bytes in a nonce.
