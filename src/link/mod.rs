@@ -116,10 +116,24 @@ impl LinkFault {
         matches!(self, LinkFault::Completion { status } if *status == Self::RNR_RETRY_EXCEEDED)
     }
 
+    /// `IBV_WC_REM_INV_REQ_ERR`: the responder refused our SEND as invalid
+    /// (longer than the receive it had posted).
+    pub const REMOTE_INVALID_REQUEST: u32 = 9;
+    /// `IBV_WC_REM_ACCESS_ERR`: the responder could not write our SEND into
+    /// its receive (its region not writable).
+    pub const REMOTE_ACCESS: u32 = 10;
+
     /// A fault only a peer that breaks the link's rules causes (RNR
-    /// retries run out, or sends stalled): redialled after a backoff.
+    /// retries run out, sends stalled, or receives shorter or less
+    /// writable than the hello's `max_batch` promised, which we never
+    /// exceed): redialled after a backoff.
     pub fn blames_peer(&self) -> bool {
-        self.is_rnr_exhausted() || *self == LinkFault::SendsStalled
+        let refused_by_peer = matches!(
+            self,
+            LinkFault::Completion { status }
+                if *status == Self::REMOTE_INVALID_REQUEST || *status == Self::REMOTE_ACCESS
+        );
+        self.is_rnr_exhausted() || refused_by_peer || *self == LinkFault::SendsStalled
     }
 }
 

@@ -252,7 +252,11 @@ impl<D: Device + 'static> PreparedEnd<D> {
         let ended = shared.clone();
         spawn_catching(
             poller::run(shared.clone()).instrument(shared.span.clone()),
-            move || ended.end_after_panic(true),
+            move || {
+                ended.end_after_panic(true);
+                // The poller would have done it on its way out.
+                ended.release_posted();
+            },
         );
         Ok(RdmaLink {
             handle: Arc::new(Handle { shared }),

@@ -142,7 +142,8 @@ impl RdmaConfig {
             (
                 "recv_depth",
                 self.recv_depth,
-                self.recv_depth >= Credit::MIN_DEPTH as usize,
+                (Credit::MIN_DEPTH as usize..=credit::COUNT_MASK as usize)
+                    .contains(&self.recv_depth),
             ),
             // The hello's floor; a smaller buffer holds no batch header and record.
             (

@@ -264,8 +264,9 @@ impl<D: Device + 'static> Shared<D> {
     /// pool once the QP is in RESET, where the device holds no WR. Only from
     /// ERR: a graceful close keeps the QP in RTS for its last SENDs. If the
     /// reset does not happen they go when the QP is destroyed (`Shared`'s
-    /// field order).
-    fn release_posted(&self) {
+    /// field order). Also after the poller panicked: nothing polls the
+    /// flushes then where the provider has no completion handler.
+    pub(super) fn release_posted(&self) {
         let mut st = self.lock();
         if st.ended.is_none()
             || st.posted.iter().all(|(_, chunk)| chunk.is_none())

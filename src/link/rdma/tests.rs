@@ -434,14 +434,78 @@ async fn a_panic_in_the_completion_poller_ends_that_epoch() {
     // Without the driver's handler (as on libibverbs) the poller task takes
     // every completion, so the panic is on it.
     a1.shared().cq.shared.disable_handler();
+    // Two unsignaled SENDs hold their chunks until a completion retires them.
+    send_bytes(&a1, b"one").await;
+    send_bytes(&a1, b"two").await;
+    assert_eq!(a1.send_pool().stats().in_use, 2);
     a1.shared()
         .panic_on_completion
         .store(true, Ordering::Relaxed);
     send_bytes(&b1, b"boom").await;
     ends_internal(&a1).await;
     assert_eq!(da.stats().cq_handler_panics, 0, "not on the driver");
+    // Nothing polls the flushes now: the panic's own cleanup gives the
+    // chunks back to the node's pool while the link is still held
+    // (review 40c).
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        until(|| a1.send_pool().stats().in_use == 0),
+    )
+    .await
+    .expect("the chunks go back to the pool");
     let theirs = tokio::time::timeout(Duration::from_secs(10), b1.ended()).await;
     assert!(theirs.is_ok(), "the peer's epoch ends too: {theirs:?}");
+}
+
+/// A receive depth past what the credit counters hold is refused by the
+/// config check, not by an assertion when the link is built (review 40c).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receive_depth_past_the_credit_counters_is_an_invalid_config() {
+    let dev = device().await;
+    let too_deep = 1usize << 31;
+    let config = RdmaConfig {
+        recv_depth: too_deep,
+        ..small()
+    };
+    assert!(matches!(
+        PreparedEnd::new(&dev, config),
+        Err(RdmaError::InvalidConfig {
+            field: "recv_depth",
+            value
+        }) if value == too_deep
+    ));
+}
+
+/// A peer whose receives are shorter than the `max_batch` it announced
+/// refuses our SEND; that is the peer's fault, so the connector backs off
+/// before redialling it (review 40c: it used to redial at once, a QP and
+/// its receive buffers per cycle).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_the_peers_short_receive_refused_blames_the_peer() {
+    let (da, db) = (device().await, device().await);
+    let end_a = PreparedEnd::new(&da, small()).expect("a");
+    let short = RdmaConfig {
+        max_batch: 4096,
+        ..small()
+    };
+    let end_b = PreparedEnd::new(&db, short).expect("b");
+    let (addr_a, addr_b) = (end_a.address(), end_b.address());
+    let a = end_a.connect(&addr_b, Epoch(1)).expect("a up");
+    let _b = end_b.connect(&addr_a, Epoch(1)).expect("b up");
+    send_bytes(&a, &[7u8; 8192]).await;
+    let ended = tokio::time::timeout(Duration::from_secs(10), a.ended())
+        .await
+        .expect("the SEND fails within 10 s");
+    let EpochEnd::Fault(fault) = ended else {
+        panic!("a fault, got {ended:?}");
+    };
+    assert_eq!(
+        fault,
+        LinkFault::Completion {
+            status: LinkFault::REMOTE_INVALID_REQUEST
+        }
+    );
+    assert!(fault.blames_peer());
 }
 
 /// One end hook panics: the hooks after it still run (each tells someone
