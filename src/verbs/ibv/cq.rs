@@ -11,7 +11,7 @@ use std::future::Future;
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::task::Poll;
 
 use rdma_mummy_sys::{ibv_comp_channel, ibv_cq, ibv_wc};
@@ -234,6 +234,14 @@ impl CompletionQueue for IbvCq {
         // SAFETY: ibv_wc is plain old data (integers and a union of integers);
         // all-zero is a valid value.
         let mut raw: [ibv_wc; BATCH] = unsafe { std::mem::zeroed() };
+        // Held across the poll and the translation: a completion polled
+        // here retires every earlier one of its queue (`Ring::complete`),
+        // so two threads translating out of poll order would lose one.
+        let qps = self
+            .inner
+            .qps
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         while n < out.len() {
             let want = (out.len() - n).min(BATCH);
             // SAFETY: the CQ is alive (held by self); `raw` has room for `want`
@@ -247,7 +255,6 @@ impl CompletionQueue for IbvCq {
             if got == 0 {
                 break;
             }
-            let qps = self.inner.qps.lock().expect("qps lock");
             for wc in &raw[..got as usize] {
                 // Completions of destroyed QPs (or already-reset queues) are dropped.
                 if let Some(wc) = self.translate(wc, &qps) {

@@ -386,12 +386,11 @@ fn roce_v2_gids(ctx: &Arc<DeviceContext>, port: u8) -> Vec<(u8, Gid, String)> {
         .iter()
         .filter(|e| e.port_num() == port as u32 && matches!(e.gid_type(), GidType::RoceV2))
         .filter(|e| !e.gid().is_zero())
-        .map(|e| {
-            (
-                e.gid_index() as u8,
-                Gid(e.gid().raw),
-                e.netdev_name().unwrap_or_default(),
-            )
+        // An address handle names its source GID in a u8, and u8::MAX
+        // means "none found" below: larger indices cannot be used.
+        .filter_map(|e| {
+            let index = u8::try_from(e.gid_index()).ok().filter(|&i| i != u8::MAX)?;
+            Some((index, Gid(e.gid().raw), e.netdev_name().unwrap_or_default()))
         })
         .collect()
 }

@@ -342,7 +342,11 @@ unsafe impl Sync for IbvQp {}
 impl Drop for IbvQp {
     fn drop(&mut self) {
         for cq in [&self.send_cq, &self.recv_cq] {
-            cq.qps.lock().expect("qps lock").remove(&self.qpn.value());
+            // No panic in drop: a poisoned table still takes the removal.
+            cq.qps
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&self.qpn.value());
         }
     }
 }
@@ -355,14 +359,17 @@ impl IbvQp {
         recv_cq: &IbvCq,
         caps: QpCaps,
     ) -> Result<IbvQp, VerbsError> {
+        // Capabilities the kernel takes as u32: a larger one is refused, not cut.
+        let cap =
+            |attr, value: usize| u32::try_from(value).map_err(|_| VerbsError::InvalidAttr { attr });
         let qp = pd
             .pd
             .create_qp_builder()
-            .setup_max_send_wr(caps.max_send_wr as u32)
-            .setup_max_recv_wr(caps.max_recv_wr as u32)
-            .setup_max_send_sge(caps.max_sge as u32)
-            .setup_max_recv_sge(caps.max_sge as u32)
-            .setup_max_inline_data(caps.max_inline_data as u32)
+            .setup_max_send_wr(cap("max_send_wr", caps.max_send_wr)?)
+            .setup_max_recv_wr(cap("max_recv_wr", caps.max_recv_wr)?)
+            .setup_max_send_sge(cap("max_sge", caps.max_sge)?)
+            .setup_max_recv_sge(cap("max_sge", caps.max_sge)?)
+            .setup_max_inline_data(cap("max_inline_data", caps.max_inline_data)?)
             .setup_send_cq(GenericCompletionQueue::from(Arc::clone(&send_cq.inner.cq)))
             .setup_recv_cq(GenericCompletionQueue::from(Arc::clone(&recv_cq.inner.cq)))
             .build()
@@ -437,6 +444,11 @@ impl IbvQp {
     fn check_sge(&self, sge: &Sge<'_, IbvMr>, need: AccessFlags) -> Result<ibv_sge, VerbsError> {
         let mr = sge.mr;
         mr.check(sge.offset, sge.len)?;
+        let length = u32::try_from(sge.len).map_err(|_| VerbsError::TooLarge {
+            cap: "sge length",
+            got: sge.len,
+            max: u32::MAX as usize,
+        })?;
         if mr.pd_id != self.pd_id {
             return Err(VerbsError::WrongPd { lkey: mr.lkey() });
         }
@@ -448,7 +460,7 @@ impl IbvQp {
         }
         Ok(ibv_sge {
             addr: mr.addr(sge.offset),
-            length: sge.len as u32,
+            length,
             lkey: mr.mr.lkey(),
         })
     }
