@@ -733,9 +733,11 @@ pub trait MemoryRegion: Send + Sync {
     /// the region) that can be held across awaits without a closure: a send
     /// buffer the mux encodes into in place. Waits while another guard, a
     /// closure or the provider holds the chunk; `None` past the last chunk.
-    /// The provider gathers and scatters under the same lock: drop the guard
-    /// before naming the chunk in a posted WR, and never hold it while the
-    /// chunk is in flight.
+    /// The soft provider gathers and scatters under the same lock; a NIC
+    /// (libibverbs) takes no lock at all. So drop the guard before naming
+    /// the chunk in a posted WR, and never lock, read or write a chunk while
+    /// a WR names it: on libibverbs that rule is the caller's alone
+    /// (docs/rxe.md § "Not done yet").
     fn lock_chunk(&self, index: usize) -> Option<Self::Guard>;
     /// As [`Self::lock_chunk`] without waiting: `None` while the chunk is
     /// held, or past the last chunk.
