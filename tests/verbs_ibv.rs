@@ -92,6 +92,49 @@ verbs_suite!(match IbvHarness::new() {
     None => return,
 });
 
+/// A NIC takes no lock: bytes a posted WR names are refused to user code
+/// until the completion (a receive's for reading too, a send's for writing),
+/// and a post over bytes user code holds locked fails (review 40e).
+#[tokio::test]
+async fn posted_bytes_are_refused_to_user_code_until_their_completion() {
+    use qpmux::verbs::{MemoryRegion, VerbsError};
+    let Some(mut h) = IbvHarness::new() else {
+        return;
+    };
+    let (mut a, mut b) = verbs_suite::connect(&mut h, verbs_suite::Params::default()).await;
+    let busy = |r: Result<Vec<u8>, VerbsError>| matches!(r, Err(VerbsError::MemoryBusy { .. }));
+    b.post_recv(1, 4096, 256);
+    assert!(busy(b.mr.read(4096, 16)), "a posted receive's bytes");
+    assert!(busy(b.mr.read(4000, 200)), "a slice over its edge");
+    assert!(b.mr.read(0, 16).is_ok(), "bytes outside it");
+    assert!(b.mr.write(0, b"free").is_ok());
+    assert!(b.mr.try_lock_chunk(0).is_none(), "the region's one chunk");
+    a.mr.write(0, b"hello").expect("write");
+    let held = a.mr.try_lock_chunk(0).expect("the chunk");
+    assert!(
+        matches!(
+            a.post_send(1, 0, 5, None, true),
+            Err(VerbsError::MemoryBusy { .. })
+        ),
+        "a post over locked bytes"
+    );
+    drop(held);
+    a.post_send(2, 0, 5, None, true).expect("send");
+    assert_eq!(
+        a.mr.read(0, 5).expect("a send's bytes may be read"),
+        b"hello"
+    );
+    assert!(
+        matches!(a.mr.write(0, b"x"), Err(VerbsError::MemoryBusy { .. })),
+        "not written"
+    );
+    assert!(verbs_suite::wait_wcs(&mut h, &mut b, 0, 1).await);
+    assert!(verbs_suite::wait_wcs(&mut h, &mut a, 1, 0).await);
+    assert_eq!(b.mr.read(4096, 5).expect("completed"), b"hello");
+    a.mr.write(0, b"again").expect("its send completed");
+    assert!(b.mr.try_lock_chunk(0).is_some());
+}
+
 /// Listing never panics: without libibverbs or devices it says what to fix.
 #[test]
 fn list_devices_reports_or_names_the_fix() {

@@ -587,6 +587,18 @@ pub enum VerbsError {
         /// Limit.
         max: usize,
     },
+    /// Bytes a posted WR names, or that user code holds locked (libibverbs,
+    /// where the device takes no lock): a receive's until its completion,
+    /// a send's for writing until its completion.
+    #[error("bytes {offset}..+{len} of memory region {lkey:?} are in use by a posted WR or a lock")]
+    MemoryBusy {
+        /// The region.
+        lkey: Lkey,
+        /// Start of the bytes asked for.
+        offset: usize,
+        /// How many.
+        len: usize,
+    },
     /// A capability exceeds the device's limits.
     #[error("capability {cap} = {got} exceeds device limit {max}")]
     CapExceeded {
@@ -734,10 +746,12 @@ pub trait MemoryRegion: Send + Sync {
     /// buffer the mux encodes into in place. Waits while another guard, a
     /// closure or the provider holds the chunk; `None` past the last chunk.
     /// The soft provider gathers and scatters under the same lock; a NIC
-    /// (libibverbs) takes no lock at all. So drop the guard before naming
-    /// the chunk in a posted WR, and never lock, read or write a chunk while
-    /// a WR names it: on libibverbs that rule is the caller's alone
-    /// (docs/rxe.md § "Not done yet").
+    /// (libibverbs) takes none, so there a posted WR marks the bytes it
+    /// names until its completion, a post finding them locked fails with
+    /// [`VerbsError::MemoryBusy`], and a chunk a posted WR names is not lent
+    /// (`None`; `with` and `with_mut` fail with `MemoryBusy`). Drop the
+    /// guard before naming the chunk in a posted WR, and lock it again only
+    /// once the WR completed.
     fn lock_chunk(&self, index: usize) -> Option<Self::Guard>;
     /// As [`Self::lock_chunk`] without waiting: `None` while the chunk is
     /// held, or past the last chunk.

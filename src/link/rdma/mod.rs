@@ -480,6 +480,7 @@ fn fault_of(err: &VerbsError) -> LinkFault {
         | VerbsError::AccessDenied { .. }
         | VerbsError::WrongPd { .. }
         | VerbsError::TooLarge { .. }
+        | VerbsError::MemoryBusy { .. }
         | VerbsError::CapExceeded { .. } => LinkFault::PostFailed,
     }
 }

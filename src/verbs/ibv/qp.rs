@@ -51,6 +51,54 @@ unsafe impl Sync for Buffer {}
 
 type ChunkLock = Arc<parking_lot::Mutex<()>>;
 
+/// The byte ranges of one region that posted WRs name, each with whether
+/// the device writes it (a receive) or only reads it (a send). The device
+/// takes no lock, so user code is refused these bytes until the completion
+/// that retires the WR (or the queue's reset) drops its [`Pin`].
+#[derive(Default)]
+struct Posted {
+    ranges: Vec<PostedRange>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct PostedRange {
+    start: usize,
+    end: usize,
+    device_writes: bool,
+}
+
+impl Posted {
+    /// Whether user code may not have `start..end`: any posted range over it
+    /// when writing, a receive's when reading.
+    fn refuses(&self, start: usize, end: usize, writing: bool) -> bool {
+        self.ranges
+            .iter()
+            .any(|r| r.start < end && start < r.end && (writing || r.device_writes))
+    }
+
+    fn remove(&mut self, range: PostedRange) {
+        if let Some(at) = self.ranges.iter().position(|r| *r == range) {
+            self.ranges.swap_remove(at);
+        }
+    }
+}
+
+/// One posted SGE's hold on its region, kept in the queue's ring until the
+/// WR retires: the registration and the bytes stay alive, and the range
+/// stays marked.
+pub(crate) struct Pin {
+    posted: Arc<parking_lot::Mutex<Posted>>,
+    range: PostedRange,
+    _mr: Arc<SwMr>,
+    _buf: Arc<Buffer>,
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        self.posted.lock().remove(self.range);
+    }
+}
+
 /// Exclusive access to one chunk of an [`IbvMr`], held without a closure
 /// ([`MemoryRegion::lock_chunk`]). Keeps the bytes alive by itself: if the
 /// region is dropped first, the registration is gone but the memory stays
@@ -87,15 +135,16 @@ impl std::ops::DerefMut for IbvMrGuard {
 ///
 /// Lifetime invariants:
 /// - the registration is dropped before the buffer (field order: `mr` then
-///   `buf`), so the device never holds a key to freed memory; a WR still
-///   naming this region after it is dropped fails with a protection error
-///   instead of touching freed memory;
+///   `buf`), and a posted WR's `Pin` holds both until the WR retires, so
+///   the device never holds a key to freed or re-registered memory;
 /// - user code makes a slice of the bytes only while holding the lock of
 ///   every chunk the slice covers (guards hold one, `with`/`with_mut` take
 ///   theirs in ascending order), so slices never alias, whoever the caller;
-/// - the device may write the bytes of a posted receive at any time until its
-///   completion; the caller's protocol must not touch chunks that are posted
-///   (the same rule as for any verbs buffer).
+/// - the device may write the bytes of a posted receive, and read those of
+///   a posted send, until the completion: a post marks them (`Posted`)
+///   under the chunk locks, failing if user code holds one, and a slice is
+///   refused over marked bytes (any mark when writing, a receive's when
+///   reading), so no slice sees the device write under it.
 ///
 /// Destroy order:
 /// 1. `ibv_dereg_mr` (sideway `MemoryRegion` drop; it holds the PD's `Arc`);
@@ -104,6 +153,7 @@ pub struct IbvMr {
     mr: Arc<SwMr>,
     buf: Arc<Buffer>,
     locks: Box<[ChunkLock]>,
+    posted: Arc<parking_lot::Mutex<Posted>>,
     chunk_len: usize,
     len: usize,
     access: AccessFlags,
@@ -148,6 +198,7 @@ pub(crate) fn reg_mr(
         mr,
         buf: Arc::new(buf),
         locks: (0..chunks).map(|_| ChunkLock::default()).collect(),
+        posted: Arc::default(),
         chunk_len,
         len,
         access,
@@ -181,17 +232,65 @@ impl IbvMr {
         self.locks[first..=last].iter().map(|l| l.lock()).collect()
     }
 
+    fn busy(&self, offset: usize, len: usize) -> VerbsError {
+        VerbsError::MemoryBusy {
+            lkey: Lkey(self.mr.lkey()),
+            offset,
+            len,
+        }
+    }
+
+    /// Marks `len` bytes at `offset` as named by a posted WR (the caller
+    /// checked bounds), under the locks of the chunks they cover; fails if
+    /// user code holds one. `None` for no bytes.
+    fn pin(
+        &self,
+        offset: usize,
+        len: usize,
+        device_writes: bool,
+    ) -> Result<Option<Pin>, VerbsError> {
+        if len == 0 || self.chunk_len == 0 {
+            return Ok(None);
+        }
+        let (first, last) = (offset / self.chunk_len, (offset + len - 1) / self.chunk_len);
+        let mut locks = Vec::with_capacity(last - first + 1);
+        for lock in &self.locks[first..=last] {
+            locks.push(lock.try_lock().ok_or_else(|| self.busy(offset, len))?);
+        }
+        let range = PostedRange {
+            start: offset,
+            end: offset + len,
+            device_writes,
+        };
+        self.posted.lock().ranges.push(range);
+        Ok(Some(Pin {
+            posted: self.posted.clone(),
+            range,
+            _mr: self.mr.clone(),
+            _buf: self.buf.clone(),
+        }))
+    }
+
+    /// Whether user code may not have `len` bytes at `offset` now.
+    fn refused(&self, offset: usize, len: usize, writing: bool) -> bool {
+        self.posted.lock().refuses(offset, offset + len, writing)
+    }
+
+    /// A guard of chunk `index` under `lock`, unless a posted WR names it.
     fn guard(
         &self,
         index: usize,
         lock: parking_lot::ArcMutexGuard<parking_lot::RawMutex, ()>,
-    ) -> IbvMrGuard {
-        IbvMrGuard {
+    ) -> Option<IbvMrGuard> {
+        if self.refused(index * self.chunk_len, self.chunk_len, true) {
+            return None;
+        }
+        Some(IbvMrGuard {
             _lock: lock,
             buf: self.buf.clone(),
             offset: index * self.chunk_len,
             len: self.chunk_len,
-        }
+        })
     }
 }
 
@@ -200,12 +299,12 @@ impl MemoryRegion for IbvMr {
 
     fn lock_chunk(&self, index: usize) -> Option<IbvMrGuard> {
         let lock = parking_lot::Mutex::lock_arc(self.locks.get(index)?);
-        Some(self.guard(index, lock))
+        self.guard(index, lock)
     }
 
     fn try_lock_chunk(&self, index: usize) -> Option<IbvMrGuard> {
         let lock = parking_lot::Mutex::try_lock_arc(self.locks.get(index)?)?;
-        Some(self.guard(index, lock))
+        self.guard(index, lock)
     }
 
     fn chunk_len(&self) -> usize {
@@ -236,9 +335,13 @@ impl MemoryRegion for IbvMr {
     ) -> Result<R, VerbsError> {
         self.check(offset, len)?;
         let _locks = self.lock_range(offset, len);
+        if self.refused(offset, len, true) {
+            return Err(self.busy(offset, len));
+        }
         // SAFETY: offset + len is within the buffer (checked); the locks of
         // every chunk it covers are held, so no other slice of these bytes
-        // exists; see the struct's # Safety for device writes.
+        // exists, and no posted WR names them (a post marks its bytes under
+        // the same locks, and a marked range was refused just above).
         let s = unsafe { std::slice::from_raw_parts_mut(self.buf.ptr.as_ptr().add(offset), len) };
         Ok(f(s))
     }
@@ -251,17 +354,22 @@ impl MemoryRegion for IbvMr {
     ) -> Result<R, VerbsError> {
         self.check(offset, len)?;
         let _locks = self.lock_range(offset, len);
-        // SAFETY: as in `with_mut`.
+        if self.refused(offset, len, false) {
+            return Err(self.busy(offset, len));
+        }
+        // SAFETY: as in `with_mut`; a posted send's bytes may be read, the
+        // device only reads them too.
         let s = unsafe { std::slice::from_raw_parts(self.buf.ptr.as_ptr().add(offset), len) };
         Ok(f(s))
     }
 }
 
 /// Outstanding WRs of one queue, in posting order: the posted `wr_id` is the
-/// sequence number, the user's `wr_id` is kept here.
+/// sequence number, the user's `wr_id` is kept here, with the pins of the
+/// bytes the WR names (dropped when it retires).
 pub(crate) struct Ring {
     base: u64,
-    ids: VecDeque<u64>,
+    ids: VecDeque<(u64, Vec<Pin>)>,
     depth: usize,
 }
 
@@ -287,7 +395,7 @@ impl Ring {
         let skip = (seq - self.base) as usize;
         self.ids.drain(..skip);
         self.base = seq + 1;
-        self.ids.pop_front()
+        self.ids.pop_front().map(|(id, _pins)| id)
     }
 
     fn clear(&mut self) {
@@ -310,19 +418,24 @@ pub(crate) struct QpShared {
 /// - the sideway QP holds `Arc`s of its PD and both CQs, so they are destroyed
 ///   after it; the raw `ibv_qp` pointer used to post is borrowed from it;
 /// - SGEs are checked against their region's bounds, access and PD before a
-///   post; the regions themselves are not kept alive by the QP (see
-///   [`IbvMr`]: a dropped region's WRs fail, they do not touch freed memory).
+///   post, and each posted SGE's `Pin` (in the ring) keeps its region
+///   registered, its memory alive and its bytes marked until the WR retires
+///   or the queue is reset; the QP is destroyed before the rings drop.
 ///
 /// Destroy order:
 /// 1. the QP is unregistered from its CQs (later completions for its QPN are
 ///    dropped);
 /// 2. `ibv_destroy_qp` (sideway drop);
-/// 3. the CQs and PD, when their last holder goes.
+/// 3. the rings, and with them the pins of WRs never retired;
+/// 4. the CQs and PD, when their last holder goes.
 pub struct IbvQp {
+    /// First: destroyed before the rings below let go of the bytes their
+    /// WRs name (the drop has taken the QP out of its CQs' tables, so
+    /// nothing else holds the rings then).
+    qp: Mutex<BasicQueuePair>,
     shared: Arc<QpShared>,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
-    qp: Mutex<BasicQueuePair>,
     raw: NonNull<ibv_qp>,
     qpn: Qpn,
     psn: Psn,
@@ -389,10 +502,10 @@ impl IbvQp {
                 .insert(qpn.value(), Arc::downgrade(&shared));
         }
         Ok(IbvQp {
+            qp: Mutex::new(qp),
             shared,
             send_cq: Arc::clone(&send_cq.inner),
             recv_cq: Arc::clone(&recv_cq.inner),
-            qp: Mutex::new(qp),
             raw,
             qpn,
             psn: Psn::new(rand::random::<u32>()),
@@ -463,6 +576,15 @@ impl IbvQp {
             length,
             lkey: mr.mr.lkey(),
         })
+    }
+
+    /// The pins of a WR's SGEs (checked already); a failed post drops them.
+    fn pins(sg_list: &[Sge<'_, IbvMr>], device_writes: bool) -> Result<Vec<Pin>, VerbsError> {
+        let mut pins = Vec::with_capacity(sg_list.len());
+        for sge in sg_list {
+            pins.extend(sge.mr.pin(sge.offset, sge.len, device_writes)?);
+        }
+        Ok(pins)
     }
 
     fn post_err(posted: usize, source: VerbsError) -> PostError {
@@ -648,6 +770,12 @@ impl QueuePair for IbvQp {
                     .map_err(|e| Self::post_err(i, e))?;
                 total += sge.len;
             }
+            // Inline data is copied during the call: nothing to hold.
+            let pins = if wr.inline {
+                Vec::new()
+            } else {
+                Self::pins(wr.sg_list, false).map_err(|e| Self::post_err(i, e))?
+            };
             if wr.inline && total > self.caps.max_inline_data {
                 return Err(Self::post_err(
                     i,
@@ -694,7 +822,7 @@ impl QueuePair for IbvQp {
                 };
                 return Err(Self::post_err(i, source));
             }
-            sq.ids.push_back(wr.wr_id);
+            sq.ids.push_back((wr.wr_id, pins));
         }
         Ok(())
     }
@@ -742,6 +870,7 @@ impl QueuePair for IbvQp {
                     .check_sge(sge, AccessFlags::LOCAL_WRITE)
                     .map_err(|e| Self::post_err(i, e))?;
             }
+            let pins = Self::pins(wr.sg_list, true).map_err(|e| Self::post_err(i, e))?;
             let mut raw = ibv_recv_wr {
                 wr_id: RECV_BIT | rq.next_seq(),
                 next: ptr::null_mut(),
@@ -768,7 +897,7 @@ impl QueuePair for IbvQp {
                 };
                 return Err(Self::post_err(i, source));
             }
-            rq.ids.push_back(wr.wr_id);
+            rq.ids.push_back((wr.wr_id, pins));
         }
         Ok(())
     }
@@ -776,12 +905,12 @@ impl QueuePair for IbvQp {
 
 #[cfg(test)]
 mod tests {
-    use super::Ring;
+    use super::{Posted, PostedRange, Ring};
 
     fn ring_with(ids: &[u64]) -> Ring {
         let mut r = Ring::new(8);
         for &id in ids {
-            r.ids.push_back(id);
+            r.ids.push_back((id, Vec::new()));
         }
         r
     }
@@ -804,7 +933,42 @@ mod tests {
         r.clear();
         assert_eq!(r.complete(0), None, "discarded by a reset");
         assert_eq!(r.next_seq(), 2, "sequences keep counting after a reset");
-        r.ids.push_back(7);
+        r.ids.push_back((7, Vec::new()));
         assert_eq!(r.complete(2), Some(7));
+    }
+
+    #[test]
+    fn posted_receives_refuse_reads_and_writes_posted_sends_only_writes() {
+        let recv = PostedRange {
+            start: 100,
+            end: 200,
+            device_writes: true,
+        };
+        let send = PostedRange {
+            start: 300,
+            end: 400,
+            device_writes: false,
+        };
+        let mut posted = Posted::default();
+        posted.ranges.extend([recv, send, send]);
+        for writing in [false, true] {
+            assert!(posted.refuses(150, 160, writing), "inside a receive");
+            assert!(posted.refuses(50, 101, writing), "over its first byte");
+            assert!(posted.refuses(199, 250, writing), "over its last byte");
+            assert!(!posted.refuses(0, 100, writing), "just before it");
+            assert!(!posted.refuses(200, 300, writing), "between the two");
+        }
+        assert!(
+            !posted.refuses(350, 360, false),
+            "a send's bytes may be read"
+        );
+        assert!(posted.refuses(350, 360, true), "not written");
+        // Two sends of the same bytes: the second still marks them.
+        posted.remove(send);
+        assert!(posted.refuses(350, 360, true));
+        posted.remove(send);
+        assert!(!posted.refuses(350, 360, true));
+        posted.remove(recv);
+        assert!(posted.ranges.is_empty());
     }
 }
