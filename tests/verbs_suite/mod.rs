@@ -266,6 +266,9 @@ pub async fn ping_pong<H: Harness>(h: &mut H) {
         assert_eq!(wc.byte_len as usize, ping.len());
         assert_eq!(wc.qp_num, b.qp.qp_num());
         assert_eq!(b.mr.read(4096, ping.len()).expect("read"), ping.as_bytes());
+        // The last pong's buffer is free once its send completed (a NIC
+        // may still read it before: libibverbs refuses the write then).
+        assert!(wait_wcs(h, &mut b, round as usize, round as usize + 1).await);
         let pong = format!("pong {round}");
         b.mr.write(0, pong.as_bytes()).expect("write");
         b.post_send(round, 0, pong.len(), None, true)

@@ -959,8 +959,10 @@ impl<D: Device + 'static> Shared<D> {
     fn batch_of(self: &Arc<Self>, idx: usize, len: usize, later: bool) -> RdmaBatch<D> {
         // Completed, not re-posted: the provider is done with it. A
         // receive MR is one chunk.
+        let guard = self.recv_mrs[idx].lock_chunk(0);
+        debug_assert!(guard.is_some(), "a completed receive's buffer is lent");
         RdmaBatch {
-            guard: self.recv_mrs[idx].lock_chunk(0),
+            guard,
             idx,
             len,
             later,

@@ -300,6 +300,10 @@ impl<D: Device> Lease<D> {
         };
         // Free means no WR names it, so only a closing gather can hold it.
         let guard = shared.mr.lock_chunk(idx);
+        debug_assert!(
+            guard.is_some(),
+            "a free chunk is lent (no posted WR names it)"
+        );
         Ok(PoolChunk {
             shared: shared.clone(),
             lease: self.id,

@@ -166,6 +166,14 @@ pub(crate) fn reg_mr(
     chunks: usize,
     access: AccessFlags,
 ) -> Result<IbvMr, VerbsError> {
+    // A peer's RDMA WRITE lands with no WR of ours posted, so no mark could
+    // keep it from a slice being read here; the seam posts no operation
+    // that needs it.
+    if access.contains(AccessFlags::REMOTE_WRITE) {
+        return Err(VerbsError::InvalidAttr {
+            attr: "REMOTE_WRITE: a peer's writes would bypass the posted-bytes marks",
+        });
+    }
     let len = chunk_len
         .checked_mul(chunks)
         .ok_or(VerbsError::InvalidAttr {
@@ -770,12 +778,9 @@ impl QueuePair for IbvQp {
                     .map_err(|e| Self::post_err(i, e))?;
                 total += sge.len;
             }
-            // Inline data is copied during the call: nothing to hold.
-            let pins = if wr.inline {
-                Vec::new()
-            } else {
-                Self::pins(wr.sg_list, false).map_err(|e| Self::post_err(i, e))?
-            };
+            // Marked for the call, and after it unless inline (the library
+            // copies inline data during the call).
+            let pins = Self::pins(wr.sg_list, false).map_err(|e| Self::post_err(i, e))?;
             if wr.inline && total > self.caps.max_inline_data {
                 return Err(Self::post_err(
                     i,
@@ -822,7 +827,8 @@ impl QueuePair for IbvQp {
                 };
                 return Err(Self::post_err(i, source));
             }
-            sq.ids.push_back((wr.wr_id, pins));
+            sq.ids
+                .push_back((wr.wr_id, if wr.inline { Vec::new() } else { pins }));
         }
         Ok(())
     }
