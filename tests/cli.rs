@@ -99,6 +99,13 @@ fn a_sweep_writes_its_cells_as_json_and_draws_the_plots() {
                 .all(|us| us.as_f64().is_some_and(|us| us > 0.0)),
             "{cell}"
         );
+        // What earlier cells left running (the sweep runs in `block_on`,
+        // not a task), and the process's threads: main and two workers.
+        assert!(cell["tasks_before"].as_u64().is_some(), "{cell}");
+        assert!(
+            cell["threads_before"].as_u64().is_some_and(|n| n >= 3),
+            "{cell}"
+        );
         for field in ["cpu_us_per_record", "p50_us", "p99_us", "records_per_sec"] {
             assert!(
                 cell[field].as_f64().is_some_and(|v| v > 0.0),

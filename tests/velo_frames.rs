@@ -286,9 +286,9 @@ async fn an_abandoned_bind_frees_its_pump_and_its_key() {
     .await;
 }
 
-/// A zero `stream_watch` (or `lane_sweep`) is taken as the 1 ms floor: it
-/// used to panic every bound stream's pump at its first turn (a zero
-/// interval), so velo's consumer got no frame and no terminal.
+/// A zero `stream_watch` is taken as the 1 ms floor: it used to panic
+/// every bound stream's pump at its first turn (a zero interval), so
+/// velo's consumer got no frame and no terminal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_periods_are_floored_and_a_bound_stream_still_delivers() {
     let kind = velo_nodes::Mem::new(Shape::Default);
@@ -297,7 +297,6 @@ async fn zero_periods_are_floored_and_a_bound_stream_still_delivers() {
     join(&a, &b);
     let zero = VeloConfig {
         stream_watch: Duration::ZERO,
-        lane_sweep: Duration::ZERO,
         ..VeloConfig::default()
     };
     let frames = a.transport.frame_transport(zero);
@@ -391,7 +390,7 @@ async fn an_item_past_the_receivers_record_limit_ends_its_stream_with_a_transpor
 /// velo's consumer hears an error, not a bare `Dropped`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_item_past_the_receivers_peer_window_ends_its_stream_with_a_transport_error() {
-    an_item_past_a_record_limit_is_said(1 << 20, 1 << 20, 100 * 1024, "record limit").await;
+    an_item_past_a_record_limit_is_said(1 << 20, 1 << 20, 100 * 1024, "its window").await;
 }
 
 async fn an_item_past_a_record_limit_is_said(

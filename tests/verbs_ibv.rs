@@ -97,11 +97,20 @@ verbs_suite!(match IbvHarness::new() {
 /// and a post over bytes user code holds locked fails (review 40e).
 #[tokio::test]
 async fn posted_bytes_are_refused_to_user_code_until_their_completion() {
-    use qpmux::verbs::{MemoryRegion, VerbsError};
+    use qpmux::verbs::{AccessFlags, Device, MemoryRegion, VerbsError};
     let Some(mut h) = IbvHarness::new() else {
         return;
     };
     let (mut a, mut b) = verbs_suite::connect(&mut h, verbs_suite::Params::default()).await;
+    // A peer's RDMA WRITE needs no WR of ours to mark: such regions are refused.
+    assert!(matches!(
+        a.dev.reg_mr(
+            &a.pd,
+            64,
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE
+        ),
+        Err(VerbsError::InvalidAttr { .. })
+    ));
     let busy = |r: Result<Vec<u8>, VerbsError>| matches!(r, Err(VerbsError::MemoryBusy { .. }));
     b.post_recv(1, 4096, 256);
     assert!(busy(b.mr.read(4096, 16)), "a posted receive's bytes");

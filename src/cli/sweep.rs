@@ -212,6 +212,13 @@ pub struct Cell {
     /// ([`cpu_probes_us`]; null where a probe could not run): how fast the
     /// CPUs ran then, a snapshot, not the cell's own speed.
     pub cpu_probe_us: Vec<f64>,
+    /// Tasks alive in the sweep's runtime just before the cell: what earlier
+    /// cells left running (0 when all ended; the sweep itself runs in
+    /// `block_on`, not in a task).
+    pub tasks_before: Option<usize>,
+    /// Threads in the process just before the cell (`/proc/self/status`):
+    /// what earlier cells left running outside the runtime.
+    pub threads_before: Option<usize>,
 }
 
 impl Cell {
@@ -244,6 +251,8 @@ impl Cell {
             stages_us: r.stages,
             stages_slowest_us: r.stages_slowest,
             cpu_probe_us: Vec::new(),
+            tasks_before: None,
+            threads_before: None,
         }
     }
 
@@ -276,6 +285,8 @@ impl Cell {
             stages_us: None,
             stages_slowest_us: None,
             cpu_probe_us: Vec::new(),
+            tasks_before: None,
+            threads_before: None,
         }
     }
 
@@ -494,6 +505,10 @@ async fn measure(
     ack_delay: Duration,
 ) -> Cell {
     let probe = cpu_probes_us();
+    let tasks_before = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks();
+    let threads_before = process_threads();
     crate::stages::set_enabled(stages && shape.mode == LATENCY);
     let result = match path {
         "qpmux-rdma" => rdma_cell(shape.y, shape.workload, ack_delay).await,
@@ -516,6 +531,8 @@ async fn measure(
         Err(err) => Cell::failed(round, path, shape, &err),
     };
     cell.cpu_probe_us = probe;
+    cell.tasks_before = Some(tasks_before);
+    cell.threads_before = threads_before;
     // Let the torn-down nodes' sockets close before the next cell counts.
     tokio::time::sleep(Duration::from_millis(200)).await;
     cell
@@ -566,6 +583,17 @@ fn cpu_probe_us() -> f64 {
         fastest = fastest.min(start.elapsed());
     }
     fastest.as_secs_f64() * 1e6
+}
+
+/// Threads in this process (`Threads:` in `/proc/self/status`), if readable.
+fn process_threads() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Threads:"))?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// [`cpu_probe_us`] on each CPU this process may run on, in CPU order: the

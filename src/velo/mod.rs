@@ -114,6 +114,34 @@ impl VeloConfig {
     }
 }
 
+#[cfg(test)]
+mod config_tests {
+    use super::*;
+
+    /// Both periods a transport runs on are floored (`stream_watch` is also
+    /// checked end to end in `velo_frames`; `lane_sweep` drives a loop that
+    /// would spin at zero).
+    #[test]
+    fn zero_periods_are_raised_to_the_floor_and_others_kept() {
+        let zero = VeloConfig {
+            lane_sweep: Duration::ZERO,
+            stream_watch: Duration::ZERO,
+            ..VeloConfig::default()
+        }
+        .with_periods_floored();
+        assert_eq!(
+            (zero.lane_sweep, zero.stream_watch),
+            (MIN_PERIOD, MIN_PERIOD)
+        );
+        let default = VeloConfig::default();
+        let kept = default.clone().with_periods_floored();
+        assert_eq!(
+            (kept.lane_sweep, kept.stream_watch),
+            (default.lane_sweep, default.stream_watch)
+        );
+    }
+}
+
 /// Why an adapter operation failed.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum AdapterError {

@@ -160,7 +160,8 @@ fn to_velo(frame: Frame) -> (Vec<u8>, bool) {
         // velo has no frame for it: its consumer hears why as an error.
         Frame::Dropped(DropReason::RecordTooLarge) => (
             velo_frames::transport_error(
-                "the sender's next item exceeded the transport's record limit; the stream ends"
+                "the sender's next item is larger than this receiver takes (its record limit or \
+                 its window for the sender); the stream ends"
                     .to_string(),
             ),
             true,
@@ -463,7 +464,9 @@ mod tests {
         assert!(end);
         let decoded: StreamFrame<()> = rmp_serde::from_slice(&bytes).expect("velo decodes it");
         match decoded {
-            StreamFrame::TransportError(why) => assert!(why.contains("record limit"), "{why}"),
+            StreamFrame::TransportError(why) => {
+                assert!(why.contains("record limit or its window"), "{why}")
+            }
             other => panic!("expected a transport error, got {other:?}"),
         }
     }

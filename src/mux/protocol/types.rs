@@ -147,8 +147,9 @@ pub enum CloseReason {
     ReceiverGone = 5,
     /// Sender → receiver: the stream's next record is larger than the
     /// receiver takes (its `max_record`, or its whole window for us), so
-    /// the stream ends here. Sent for a record queued before the
-    /// receiver's terms were heard; later ones are refused at `send`.
+    /// the stream ends here. Sent when the peer task finds it: a record past
+    /// `max_record` queued before the receiver's terms were heard (later
+    /// ones are refused at `send`), or any record past the window.
     TooLarge = 6,
 }
 
