@@ -212,9 +212,9 @@ pub struct Cell {
     /// ([`cpu_probes_us`]; null where a probe could not run): how fast the
     /// CPUs ran then, a snapshot, not the cell's own speed.
     pub cpu_probe_us: Vec<f64>,
-    /// Tasks alive in the sweep's runtime just before the cell: what earlier
-    /// cells left running (0 when all ended; the sweep itself runs in
-    /// `block_on`, not in a task).
+    /// Tasks alive in the sweep's runtime just before the cell, after waiting
+    /// up to 2 s for earlier cells' tasks to end: what they left running (0
+    /// when all ended; the sweep itself runs in `block_on`, not in a task).
     pub tasks_before: Option<usize>,
     /// Threads in the process just before the cell (`/proc/self/status`):
     /// what earlier cells left running outside the runtime.
@@ -504,10 +504,8 @@ async fn measure(
     stages: bool,
     ack_delay: Duration,
 ) -> Cell {
+    let tasks_before = settle().await;
     let probe = cpu_probes_us();
-    let tasks_before = tokio::runtime::Handle::current()
-        .metrics()
-        .num_alive_tasks();
     let threads_before = process_threads();
     crate::stages::set_enabled(stages && shape.mode == LATENCY);
     let result = match path {
@@ -583,6 +581,23 @@ fn cpu_probe_us() -> f64 {
         fastest = fastest.min(start.elapsed());
     }
     fastest.as_secs_f64() * 1e6
+}
+
+/// Waits (up to [`TEARDOWN`]) until no task of an earlier cell is alive in
+/// the sweep's runtime (a torn-down node's device drivers end once its last
+/// handle goes, which can be after its mux closed), so the next cell is not
+/// charged for them; returns how many are still alive.
+async fn settle() -> usize {
+    let alive = || {
+        tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks()
+    };
+    let give_up = tokio::time::Instant::now() + TEARDOWN;
+    while alive() > 0 && tokio::time::Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    alive()
 }
 
 /// Threads in this process (`Threads:` in `/proc/self/status`), if readable.
