@@ -825,3 +825,34 @@ async fn an_rdma_node_refuses_to_start_on_a_peer_window_that_holds_no_record() {
     assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
     assert!(err.to_string().contains("peer_window"), "{err}");
 }
+
+/// A node shut down and dropped leaves no task behind, its stall sweep
+/// included: the sweep used to wait out its one-second tick before it saw
+/// the node gone (the sweep harness counted 2 tasks after a cell of two
+/// nodes, 9 after nine). Real time: the tick is what this waits against.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_node_leaves_no_task_behind_its_stall_sweep_included() {
+    let alive = || {
+        tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks()
+    };
+    assert_eq!(alive(), 0, "the test's own runtime");
+    let (a, b) = (transport(A, None).await, transport(B, None).await);
+    mesh(&[&a, &b]);
+    bounded(stream(a.mux(), B, b.mux(), 1, 2)).await;
+    assert!(a.node().epochs().swept_links() > 0, "a link is being swept");
+    a.shutdown();
+    b.shutdown();
+    bounded(async {
+        a.mux().closed().await;
+        b.mux().closed().await;
+    })
+    .await;
+    drop((a, b));
+    let deadline = std::time::Instant::now() + Duration::from_millis(400);
+    while alive() > 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(alive(), 0, "tasks alive 400 ms after the nodes dropped");
+}

@@ -164,12 +164,27 @@ pub struct RdmaEpochs<D: Device + 'static> {
     swept: Arc<Mutex<Vec<Weak<Shared<D>>>>>,
     /// The stall sweep's task is running (started by the first link).
     sweeping: AtomicBool,
+    /// The stall sweep's task, ended with the epochs: left to its next
+    /// tick, it outlived the node by up to a [`STALL_SWEEP`].
+    sweep_task: Mutex<Option<tokio::task::AbortHandle>>,
     pool_buffers: usize,
     /// The device's send pool, made with the first link end (or by `pool`).
     pool: Mutex<Option<SendPool<D>>>,
     /// Why the last link end could not be made (the handshake reports only
     /// `Resources`).
     last_error: Mutex<Option<RdmaError>>,
+}
+
+impl<D: Device + 'static> Drop for RdmaEpochs<D> {
+    fn drop(&mut self) {
+        let task = self
+            .sweep_task
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(task) = task.take() {
+            task.abort();
+        }
+    }
 }
 
 impl<D: Device + 'static> RdmaEpochs<D> {
@@ -184,6 +199,7 @@ impl<D: Device + 'static> RdmaEpochs<D> {
             read_outs: ReadOutBudget::default(),
             swept: Arc::default(),
             sweeping: AtomicBool::new(false),
+            sweep_task: Mutex::new(None),
             pool_buffers: DEFAULT_POOL_BUFFERS,
             pool: Mutex::new(None),
             last_error: Mutex::new(None),
@@ -248,7 +264,11 @@ impl<D: Device + 'static> RdmaEpochs<D> {
         swept.push(Arc::downgrade(link.shared()));
         drop(swept);
         if !self.sweeping.swap(true, Ordering::AcqRel) {
-            spawn_stall_sweep(Arc::downgrade(&self.swept));
+            let task = spawn_stall_sweep(Arc::downgrade(&self.swept));
+            *self
+                .sweep_task
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(task);
         }
     }
 
@@ -494,9 +514,11 @@ const STALL_SWEEP: Duration = Duration::from_secs(1);
 /// stalled sends ([`Shared::check_stall`]): a link nothing more is written
 /// on would otherwise keep its share of the send pool until its idle
 /// retire, since only a waiting `reserve` looks. Two looks in a row end a
-/// stalled epoch. Ends with the node's table.
-fn spawn_stall_sweep<D: Device + 'static>(swept: Weak<Mutex<Vec<Weak<Shared<D>>>>>) {
-    tokio::spawn(async move {
+/// stalled epoch. Ends when the node's epochs drop.
+fn spawn_stall_sweep<D: Device + 'static>(
+    swept: Weak<Mutex<Vec<Weak<Shared<D>>>>>,
+) -> tokio::task::AbortHandle {
+    let task = tokio::spawn(async move {
         let mut tick = tokio::time::interval(STALL_SWEEP);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -515,6 +537,7 @@ fn spawn_stall_sweep<D: Device + 'static>(swept: Weak<Mutex<Vec<Weak<Shared<D>>>
             }
         }
     });
+    task.abort_handle()
 }
 
 /// Holds the bootstrap connection for the link's epoch. Its EOF is the
