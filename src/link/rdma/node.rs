@@ -795,6 +795,54 @@ mod tests {
         );
     }
 
+    /// The stall sweep's task ends when the epochs drop, not at its next
+    /// one-second tick (the sweep harness counted these as leftover tasks).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_stall_sweep_ends_with_the_epochs() {
+        let dev = SoftDevice::open_udp(UdpConfig::default())
+            .await
+            .expect("device");
+        let config = RdmaConfig {
+            recv_depth: 8,
+            max_batch: 4096,
+            send_buffers: 2,
+            ..RdmaConfig::default()
+        };
+        let epochs = RdmaEpochs::new(dev.clone(), config, TcpLinkConfig::default());
+        let pd = dev.alloc_pd().expect("pd");
+        let cq = dev.create_cq(64).expect("cq");
+        let qp = dev
+            .create_qp(&pd, &cq, &cq, crate::verbs::QpCaps::default())
+            .expect("qp");
+        let end = PreparedEnd::new(&dev, config).expect("link end");
+        let link = end
+            .connect(&QpAddress::of(&dev, &qp), Epoch(7))
+            .expect("connect");
+        epochs.sweep(&link);
+        let sweep = (epochs.sweep_task.lock().expect("sweep task").clone())
+            .expect("the first link started the sweep");
+        // The sweep's first tick prunes the dropped link: from then on it
+        // waits a whole tick.
+        drop(link);
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while epochs.swept_links() > 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the first tick pruned the link");
+        assert!(!sweep.is_finished(), "sweeping while the epochs live");
+        drop(epochs);
+        tokio::time::timeout(Duration::from_millis(500), async {
+            while !sweep.is_finished() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the sweep ended with the epochs, before its next tick");
+        drop((qp, cq, pd));
+    }
+
     /// The node's sweep task, not a waiting `reserve`, finds a link whose
     /// SENDs its peer never completes (RNR NAKs for ever, `rnr_retry = 7`)
     /// and that nothing writes on any more: the epoch ends at the stall

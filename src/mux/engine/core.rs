@@ -1194,9 +1194,10 @@ impl PeerCore {
                 .map_or(0, |slot| slot.outstanding);
             self.return_peer_credit(left, now);
             self.grants_owed.remove(&index);
-            // Past twice the slot limit only if the peer reopens and we
-            // drop streams faster than it lets us write; its next record on
-            // the slot is then answered `UnknownSlot`.
+            // Past twice the slot limit only while the peer lets us write
+            // nothing and keeps opening streams our consumers drop: that
+            // close goes untold, and the peer's stream waits for its epoch's
+            // end (it stalls only itself).
             if self.closes_owed.len() < 2 * self.config.max_slots_per_peer as usize {
                 self.closes_owed.insert(id, CloseReason::ReceiverGone);
             }
@@ -1223,6 +1224,21 @@ impl PeerCore {
         self.control
             .ingress_live
             .store(self.ingress.len(), std::sync::atomic::Ordering::Release);
+    }
+
+    /// The peer reuses an index only once it has closed the generation
+    /// before: closes still owed for other generations of `opened`'s index
+    /// are moot, and kept, one could reach a generation 256 reuses on.
+    fn forget_closes_before(&mut self, opened: SlotId) {
+        let index = opened.index() << 8;
+        let moot: Vec<SlotId> = (self.closes_owed)
+            .range(SlotId::from_wire(index)..=SlotId::from_wire(index | 0xff))
+            .map(|(&slot, _)| slot)
+            .filter(|&slot| slot != opened)
+            .collect();
+        for slot in moot {
+            self.closes_owed.remove(&slot);
+        }
     }
 
     fn owe_close(&mut self, slot: SlotId, reason: CloseReason, now: Instant) {
@@ -1401,6 +1417,7 @@ impl PeerCore {
                 got: seq,
             });
         }
+        self.forget_closes_before(id);
         if self.live_slots() >= self.config.max_slots_per_peer as usize {
             Counters::add(&self.counters.opens_refused, 1);
             self.owe_close(id, CloseReason::Refused, now);
@@ -2297,15 +2314,51 @@ mod tests {
             enc.push_data(stale, FrameSeq(1), b"late", false)
         })
         .expect("dropped, not an offence");
-        let closes: Vec<String> = next_batch(&mut core)
-            .into_iter()
-            .filter(|r| r.starts_with("close"))
-            .collect();
         assert_eq!(
-            closes,
-            ["close UnknownSlot seq 0", "close ReceiverGone seq 0"],
-            "slot 0 generation 3, then generation 4"
+            owed_closes(&mut core),
+            [
+                (stale, CloseReason::UnknownSlot),
+                (live, CloseReason::ReceiverGone)
+            ]
         );
+    }
+
+    /// A new generation's open makes the closes owed for the index's older
+    /// generations moot: they are not written.
+    #[tokio::test]
+    async fn an_open_of_a_new_generation_drops_the_closes_owed_for_older_ones() {
+        let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
+        let mut core = held_core(Epoch(1), &control, &registry, Held::default());
+        let rx = registry.bind(StreamKey::new(7, 1)).expect("bind");
+        let old = SlotId::new(0, 4).expect("a valid index");
+        let new = SlotId::new(0, 5).expect("a valid index");
+        let other = SlotId::new(1, 9).expect("a valid index");
+        feed(&mut core, |enc| enc.push_open(old, FrameSeq(0), 7, 1)).expect("an open");
+        drop(rx);
+        core.handle_control(Instant::now());
+        feed(&mut core, |enc| {
+            enc.push_data(other, FrameSeq(1), b"?", false)
+        })
+        .expect("dropped, not an offence");
+        feed(&mut core, |enc| enc.push_open(new, FrameSeq(0), 7, 2)).expect("an open");
+        assert_eq!(
+            owed_closes(&mut core),
+            [(other, CloseReason::UnknownSlot)],
+            "generation 4's close went with its index's reuse"
+        );
+    }
+
+    /// The closes in the core's next batch, with their slots.
+    fn owed_closes(core: &mut PeerCore) -> Vec<(SlotId, CloseReason)> {
+        let mut buf = vec![0u8; 4096];
+        let len = core.poll_batch(&mut buf, Instant::now());
+        let view = BatchView::new_checked(&buf[..len]).expect("the core writes valid batches");
+        view.records()
+            .filter_map(|r| match r.body {
+                RecordBody::Close(reason) => Some((r.slot, reason)),
+                _ => None,
+            })
+            .collect()
     }
 
     /// An empty fragment is only ever a whole empty record.
