@@ -46,9 +46,10 @@ const SESSION_BITS: u64 = 0xffff;
 /// How long a server waits for a client to say its run is over once the
 /// last session's reply is out, and for its link to go after that.
 const CLIENT_LINGER: Duration = Duration::from_secs(10);
-/// A client silent this long mid-run (no record, no heartbeat: an idle
-/// slot's comes every 5 s) is abandoned, so a frozen one cannot hold the
-/// server.
+/// A client that sends no record for this long mid-run, or takes no echo,
+/// is abandoned, so neither a frozen client nor a live idle one (its mux
+/// sends heartbeats on an idle slot every 5 s) holds the server. Also how
+/// long a client waits for each reply.
 const CLIENT_SILENCE: Duration = Duration::from_secs(15);
 
 /// The server's node id; a client started with `--connect` assumes it.
@@ -210,15 +211,12 @@ async fn bind_hello<N: Node>(node: &N) -> anyhow::Result<SlotReceiver> {
     }
 }
 
-/// The next frame other than a heartbeat, within [`CLIENT_SILENCE`] of the
-/// last frame of any kind.
+/// The next frame other than a heartbeat, within [`CLIENT_SILENCE`]:
+/// heartbeats prove the client's mux alive, not that its run goes on.
 async fn next_from_client(rx: &mut SlotReceiver) -> anyhow::Result<Option<Frame>> {
-    loop {
-        match tokio::time::timeout(CLIENT_SILENCE, rx.recv()).await {
-            Ok(Some(Frame::Heartbeat)) => continue,
-            Ok(frame) => return Ok(frame),
-            Err(_) => anyhow::bail!("client silent for {CLIENT_SILENCE:?}"),
-        }
+    match tokio::time::timeout(CLIENT_SILENCE, next_data(rx)).await {
+        Ok(frame) => Ok(frame),
+        Err(_) => anyhow::bail!("client silent for {CLIENT_SILENCE:?} (no record)"),
     }
 }
 
@@ -234,7 +232,13 @@ impl<N: Node> Drop for Forget<'_, N> {
 /// One client's run: its sessions in order, while its hello stream stays
 /// open; over when the client finishes that stream.
 async fn serve_client<N: Node>(node: &N, mut hello: SlotReceiver) -> anyhow::Result<()> {
-    let Some(Frame::Data(address)) = next_from_client(&mut hello).await? else {
+    // Waiting for a client is idle, not a client gone silent: the bound
+    // starts once someone opened the hello.
+    let first = match hello.recv().await {
+        Some(Frame::Heartbeat) => next_from_client(&mut hello).await?,
+        first => first,
+    };
+    let Some(Frame::Data(address)) = first else {
         anyhow::bail!("pingpong client sent no address");
     };
     let peer = node.register(&address)?;
@@ -313,14 +317,21 @@ async fn serve_session<N: Node>(node: &N, peer: PeerId, session: u64) -> anyhow:
     let mut tx = node
         .mux()
         .open(peer, StreamKey::new(PONG_ANCHOR, session))?;
-    let echo = mode.as_ref() == b"lat";
+    let echo = match mode.as_ref() {
+        b"lat" => true,
+        b"bw" => false,
+        other => anyhow::bail!("unknown pingpong mode {:?}", String::from_utf8_lossy(other)),
+    };
     let mut received = 0u64;
     while let Some(frame) = next_from_client(&mut rx).await? {
         match frame {
             Frame::Data(record) => {
                 received += 1;
                 if echo {
-                    tx.send(record).await?;
+                    let sent = tokio::time::timeout(CLIENT_SILENCE, tx.send(record)).await;
+                    sent.map_err(|_| {
+                        anyhow::anyhow!("client took no echo for {CLIENT_SILENCE:?}")
+                    })??;
                 }
             }
             Frame::Finalized => break,
@@ -378,7 +389,7 @@ async fn client<N: Node>(
             // i = 0: one of `--warmup` untimed round trips (the server echoes it too).
             for i in std::iter::repeat_n(0, warmup as usize).chain(1..=iters) {
                 let sent = Instant::now();
-                tx.send(record.clone()).await?;
+                to_server(&mut tx, record.clone()).await?;
                 match next_reply(node, dropped_before, &mut rx).await? {
                     Some(Frame::Data(echo)) if echo.len() == size => {}
                     other => anyhow::bail!("bad echo: {other:?}"),
@@ -392,7 +403,7 @@ async fn client<N: Node>(
         }
         Test::Bw => {
             for i in 1..=iters {
-                tx.send(record.clone()).await?;
+                to_server(&mut tx, record.clone()).await?;
                 step(bar, i);
             }
             tx.finish(Terminal::Finalized)?;
@@ -404,8 +415,20 @@ async fn client<N: Node>(
     }
     let elapsed = start.elapsed();
     bar.inc(iters % PROGRESS_STEP);
-    while rx.recv().await.is_some() {}
+    let ended = tokio::time::timeout(CLIENT_SILENCE, async { while rx.recv().await.is_some() {} });
+    ended
+        .await
+        .map_err(|_| anyhow::anyhow!("the server did not end the session"))?;
     Ok((one_way, elapsed))
+}
+
+/// Sends one record, failing if the server takes none for
+/// [`CLIENT_SILENCE`] (its link alive, its run stuck).
+async fn to_server(tx: &mut SlotSender, record: Bytes) -> anyhow::Result<()> {
+    match tokio::time::timeout(CLIENT_SILENCE, tx.send(record)).await {
+        Ok(sent) => Ok(sent?),
+        Err(_) => anyhow::bail!("the server took no record for {CLIENT_SILENCE:?}"),
+    }
 }
 
 /// Moves the bar on after every [`PROGRESS_STEP`]th iteration `i` (from 1).
@@ -415,20 +438,24 @@ fn step(bar: &ProgressBar, i: u64) {
     }
 }
 
-/// The server's next reply. Fails once the mux drops a slot: an epoch ended
-/// under the run, the records it carried are gone, and no reply will come.
+/// The server's next reply. Fails once the mux drops a slot (an epoch ended
+/// under the run, the records it carried are gone, and no reply will come)
+/// or after [`CLIENT_SILENCE`] without one (the link alive, the server
+/// stuck).
 async fn next_reply<N: Node>(
     node: &N,
     dropped_before: u64,
     rx: &mut SlotReceiver,
 ) -> anyhow::Result<Option<Frame>> {
-    let reply = next_data(rx);
+    let reply = tokio::time::timeout(CLIENT_SILENCE, next_data(rx));
     tokio::pin!(reply);
     let every = Duration::from_millis(50);
     let mut check = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     loop {
         tokio::select! {
-            frame = &mut reply => return Ok(frame),
+            frame = &mut reply => {
+                return frame.map_err(|_| anyhow::anyhow!("no reply from the server within {CLIENT_SILENCE:?}"));
+            }
             _ = check.tick() => {
                 let dropped = node.mux().stats().slots_dropped - dropped_before;
                 anyhow::ensure!(
@@ -453,13 +480,21 @@ async fn next_data(rx: &mut SlotReceiver) -> Option<Frame> {
 fn lat_row(size: usize, mut samples: Vec<Duration>) -> LatRow {
     samples.sort_unstable();
     let us = |d: Duration| d.as_secs_f64() * 1e6;
-    let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
+    // As perftest: the median averages the middle two of an even count,
+    // t_99 is the sample at floor(0.99 n).
+    let n = samples.len();
+    let median = if n % 2 == 0 {
+        (samples[n / 2 - 1] + samples[n / 2]) / 2
+    } else {
+        samples[n / 2]
+    };
+    let at = |q: f64| samples[((n as f64 * q) as usize).min(n - 1)];
     let total: Duration = samples.iter().sum();
     LatRow {
         bytes: size,
         iterations: samples.len() as u64,
         t_min_us: us(samples[0]),
-        t_typ_us: us(at(0.5)),
+        t_typ_us: us(median),
         t_avg_us: us(total / samples.len() as u32),
         t_99_us: us(at(0.99)),
         t_max_us: us(samples[samples.len() - 1]),
@@ -795,6 +830,76 @@ async fn run_client<N: Node>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::link::mem::{MemConfig, MemFabric, MemNode};
+
+    /// A server and a client node on one in-memory fabric; the client's
+    /// mux heartbeats an idle slot every second.
+    fn fabric_pair() -> (MemNode, MemNode) {
+        let fabric = MemFabric::new(MemConfig::default());
+        let server = fabric.node(PeerId(SERVER_ID), MuxConfig::default());
+        let chatty = MuxConfig {
+            heartbeat: Some(Duration::from_secs(1)),
+            ..MuxConfig::default()
+        };
+        (server, fabric.node(PeerId(7), chatty))
+    }
+
+    /// A client whose process lives (its mux heartbeats the hello slot)
+    /// but whose run does not go on is abandoned at the silence bound
+    /// (review 41b: heartbeats used to restart it, so it held the server).
+    #[tokio::test(start_paused = true)]
+    async fn a_live_client_that_sends_nothing_is_abandoned_despite_its_heartbeats() {
+        let (server, client) = fabric_pair();
+        let hello = bind_hello(&server).await.expect("bind");
+        let mut tx = (client.mux())
+            .open(PeerId(SERVER_ID), StreamKey::new(HELLO_ANCHOR, 0))
+            .expect("open");
+        tx.send(Bytes::from(client.address())).await.expect("sent");
+        let served = tokio::time::timeout(CLIENT_SILENCE * 4, serve_client(&server, hello)).await;
+        let err = served.expect("abandoned within its bound").unwrap_err();
+        assert!(err.to_string().contains("silent"), "{err:#}");
+    }
+
+    /// Waiting for the first client is idle, not a client gone silent.
+    #[tokio::test(start_paused = true)]
+    async fn a_server_waits_for_its_first_client_without_a_bound() {
+        let (server, _client) = fabric_pair();
+        let hello = bind_hello(&server).await.expect("bind");
+        let served = tokio::time::timeout(CLIENT_SILENCE * 4, serve_client(&server, hello)).await;
+        assert!(served.is_err(), "gave up on nobody: {served:?}");
+    }
+
+    /// A mode the server does not know ends the session by name, not as a
+    /// bandwidth run both ends then wait on for ever.
+    #[tokio::test(start_paused = true)]
+    async fn an_unknown_mode_ends_the_session_by_name() {
+        let (server, client) = fabric_pair();
+        let peer = server.register(&client.address()).expect("register");
+        let session = 1 << 16 | 1;
+        let mut tx = (client.mux())
+            .open(PeerId(SERVER_ID), StreamKey::new(PING_ANCHOR, session))
+            .expect("open");
+        tx.send(Bytes::from_static(b"latency")).await.expect("sent");
+        tx.send(Bytes::from_static(b"a record"))
+            .await
+            .expect("sent");
+        let served = tokio::time::timeout(CLIENT_SILENCE, serve_session(&server, peer, session));
+        let err = served.await.expect("ends at once").unwrap_err();
+        assert!(err.to_string().contains("unknown pingpong mode"), "{err:#}");
+    }
+
+    /// t_typ and t_99 as perftest reads them: the median averaging the
+    /// middle two, the 99th percentile at floor(0.99 n) (the maximum of 100).
+    #[test]
+    fn latency_percentiles_are_read_as_perftest_reads_them() {
+        let samples: Vec<Duration> = (1..=100).rev().map(Duration::from_micros).collect();
+        let row = lat_row(64, samples);
+        assert_eq!((row.t_min_us, row.t_max_us), (1.0, 100.0));
+        assert_eq!(row.t_typ_us, 50.5);
+        assert_eq!(row.t_99_us, 100.0);
+        let odd: Vec<Duration> = (1..=5).map(Duration::from_micros).collect();
+        assert_eq!(lat_row(64, odd).t_typ_us, 3.0);
+    }
 
     /// A refusal reads the same whether it closed the hello before its
     /// second send or after: scripts retry on "one client at a time".

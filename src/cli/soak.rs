@@ -936,7 +936,14 @@ async fn send_slot(
         };
         let stream = stream_id();
         shared.tally(|v| v.streams += 1);
-        let mut index = known.verified;
+        if known.verified > accepted_to {
+            // Only a lying peer acknowledges what we never sent.
+            shared.violation(format!(
+                "slot {slot}: acknowledged {} records, {accepted_to} sent",
+                known.verified
+            ));
+        }
+        let mut index = known.verified.min(accepted_to);
         let mut seq = 0u64;
         let ended = loop {
             let more = args.records == 0 || index < args.records;
@@ -1306,6 +1313,11 @@ async fn recv_slot(
                 ));
                 continue;
             }
+            let Some(after) = rec.seq.checked_add(1) else {
+                shared.tally(|v| v.bad_records += 1);
+                shared.violation(format!("slot {slot}: seq {} has no successor", rec.seq));
+                continue;
+            };
             stream = Some(rec.stream);
             base = rec_base;
             if rec.seq < next {
@@ -1328,7 +1340,7 @@ async fn recv_slot(
                     rec.index
                 ));
             }
-            next = rec.seq + 1;
+            next = after;
             shared.records.fetch_add(1, Ordering::Relaxed);
             if rec.index < verified {
                 shared.redelivered.fetch_add(1, Ordering::Relaxed);
