@@ -143,7 +143,7 @@ pub struct PingpongArgs {
     #[arg(long)]
     pub gid_index: Option<u8>,
     /// Bootstrap handshake timeout in seconds (raise it on emulated machines).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub handshake_timeout: u64,
 }
 
@@ -381,7 +381,11 @@ async fn client<N: Node>(
     let record = Bytes::from(vec![0xa5u8; size]);
     let dropped_before = node.mux().stats().slots_dropped;
     // Only the latency test keeps a sample per iteration.
-    let samples = if test == Test::Lat { iters as usize } else { 0 };
+    let samples = if test == Test::Lat {
+        iters.min(1 << 20) as usize
+    } else {
+        0
+    };
     let mut one_way = Vec::with_capacity(samples);
     let start = Instant::now();
     match test {
@@ -543,6 +547,10 @@ fn source_address_toward(peer: SocketAddr) -> anyhow::Result<IpAddr> {
 
 pub async fn run(args: PingpongArgs, json: bool) -> anyhow::Result<()> {
     anyhow::ensure!(args.iters > 0, "--iters must be positive");
+    let max = MuxConfig::default().max_record;
+    if let Some(size) = args.size.iter().find(|&&size| size > max) {
+        anyhow::bail!("--size {size} is past the mux's record limit of {max} bytes");
+    }
     let plan = Plan::of(&args).await?;
     let handshake = Duration::from_secs(args.handshake_timeout);
     match (args.transport, args.provider) {

@@ -58,7 +58,7 @@ pub struct RelayArgs {
     #[arg(long)]
     pub stats_file: Option<PathBuf>,
     /// Stop after this many seconds (also stops on SIGTERM / SIGINT).
-    #[arg(long, default_value_t = 3600)]
+    #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(..=31_536_000))]
     pub duration_s: u64,
     /// Datagrams waiting for their departure time; beyond it they are dropped.
     #[arg(long, default_value_t = 65_536)]

@@ -103,7 +103,7 @@ pub struct SoakArgs {
     #[arg(long, default_value_t = 64)]
     pub record_size: usize,
     /// Hard bound: the sender finishes its slots, the receiver gives up.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(..=31_536_000))]
     pub duration_s: u64,
     /// Pause between a sender's records on each slot, in microseconds.
     #[arg(long, default_value_t = 0)]
