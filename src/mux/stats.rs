@@ -112,6 +112,10 @@ pub struct Stats {
     /// OpenSlot records refused: the peer's slot limit was reached, or the
     /// stream is already fed, ended, or the node's registry is full.
     pub opens_refused: u64,
+    /// Closes owed to a peer past what is kept for it (it let us write
+    /// nothing while it kept naming unknown slots, or opening streams our
+    /// consumers dropped): not told, only counted.
+    pub closes_untold: u64,
     /// Bindings given up before any peer fed them
     /// ([`SlotReceiver::abandon`](crate::mux::SlotReceiver::abandon)): a
     /// late OpenSlot for one of their keys is refused.
@@ -164,6 +168,7 @@ impl Stats {
             ("qpmux_peer_task_panics_total", self.peer_task_panics),
             ("qpmux_links_unread_total", self.links_unread),
             ("qpmux_opens_refused_total", self.opens_refused),
+            ("qpmux_closes_untold_total", self.closes_untold),
             ("qpmux_bindings_abandoned_total", self.bindings_abandoned),
             ("qpmux_drops_unknown_slot_total", self.drops.unknown_slot),
             (
@@ -229,6 +234,7 @@ pub(crate) struct Counters {
     pub peer_task_panics: AtomicU64,
     pub links_unread: AtomicU64,
     pub opens_refused: AtomicU64,
+    pub closes_untold: AtomicU64,
     pub unknown_slot: AtomicU64,
     pub stale_generation: AtomicU64,
     pub receiver_gone: AtomicU64,
@@ -283,6 +289,7 @@ impl Counters {
             peer_task_panics: get(&self.peer_task_panics),
             links_unread: get(&self.links_unread),
             opens_refused: get(&self.opens_refused),
+            closes_untold: get(&self.closes_untold),
             // The registry's own count, filled in by `Mux::stats`.
             bindings_abandoned: 0,
             drops: DropCounts {

@@ -1200,6 +1200,8 @@ impl PeerCore {
             // end (it stalls only itself).
             if self.closes_owed.len() < 2 * self.config.max_slots_per_peer as usize {
                 self.closes_owed.insert(id, CloseReason::ReceiverGone);
+            } else {
+                Counters::add(&self.counters.closes_untold, 1);
             }
             self.registry.remove(rx);
             self.control_since.get_or_insert(now);
@@ -1254,6 +1256,8 @@ impl PeerCore {
         if self.closes_owed.len() < self.config.max_slots_per_peer as usize {
             self.closes_owed.insert(slot, reason);
             self.control_since.get_or_insert(now);
+        } else {
+            Counters::add(&self.counters.closes_untold, 1);
         }
     }
 
@@ -2321,6 +2325,35 @@ mod tests {
                 (live, CloseReason::ReceiverGone)
             ]
         );
+    }
+
+    /// Replies to unknown slots past the slot limit are counted, not kept:
+    /// a peer that lets us write nothing cannot grow what we owe it.
+    #[tokio::test]
+    async fn replies_past_the_slot_limit_are_counted_untold() {
+        let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
+        let config = MuxConfig {
+            max_slots_per_peer: 2,
+            ..MuxConfig::default()
+        };
+        let mut core = PeerCore::new(
+            Epoch(1),
+            Arc::new(config),
+            control.clone(),
+            registry,
+            Held::default(),
+            Instant::now(),
+        );
+        for index in 0..5 {
+            let unknown = SlotId::new(index, 0).expect("a valid index");
+            feed(&mut core, |enc| {
+                enc.push_data(unknown, FrameSeq(1), b"?", false)
+            })
+            .expect("dropped, not an offence");
+        }
+        let stats = core.counters.snapshot();
+        assert_eq!((stats.drops.unknown_slot, stats.closes_untold), (5, 3));
+        assert_eq!(owed_closes(&mut core).len(), 2);
     }
 
     /// A new generation's open makes the closes owed for the index's older
