@@ -1189,6 +1189,13 @@ impl SlotReceiver {
         self.rx.key
     }
 
+    /// The peer whose open feeds this stream now, if any: a peer opened it
+    /// and its epoch lives, whether or not a frame has come yet.
+    pub fn fed_by(&self) -> Option<PeerId> {
+        let state = lock(&self.rx.state);
+        state.feeder.as_ref()?.upgrade().map(|feeder| feeder.peer)
+    }
+
     /// The next frame, or `None` once the terminal has been returned.
     pub async fn recv(&mut self) -> Option<Frame> {
         std::future::poll_fn(|cx| self.poll_recv(cx)).await
