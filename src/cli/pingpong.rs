@@ -752,7 +752,7 @@ async fn run_client<N: Node>(
         welcome_wait,
     )
     .await?;
-    let bar = super::progress_bar(args.size.len() as u64 * args.iters, json);
+    let bar = super::progress_bar((args.size.len() as u64).saturating_mul(args.iters), json);
     let mut lat_rows = Vec::new();
     let mut bw_rows = Vec::new();
     for (n, &size) in (1u64..).zip(&args.size) {

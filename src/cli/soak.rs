@@ -127,7 +127,7 @@ pub struct SoakArgs {
     /// Receiver: how long, its last acknowledgements queued, it waits for
     /// the sender to say it heard them (re-sending them on every new
     /// epoch). Sender: how long it tries to say so.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(..=86_400))]
     pub linger_s: u64,
 }
 
