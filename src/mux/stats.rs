@@ -112,9 +112,10 @@ pub struct Stats {
     /// OpenSlot records refused: the peer's slot limit was reached, or the
     /// stream is already fed, ended, or the node's registry is full.
     pub opens_refused: u64,
-    /// Closes owed to a peer past what is kept for it (it let us write
-    /// nothing while it kept naming unknown slots, or opening streams our
-    /// consumers dropped): not told, only counted.
+    /// Closes a peer was owed and not kept, past what is kept for it (it
+    /// let us write nothing while it kept naming unknown slots, or opening
+    /// streams our consumers dropped): each record, heartbeat or dropped
+    /// consumer that would have owed one counts.
     pub closes_untold: u64,
     /// Bindings given up before any peer fed them
     /// ([`SlotReceiver::abandon`](crate::mux::SlotReceiver::abandon)): a
