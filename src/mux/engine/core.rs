@@ -1196,8 +1196,8 @@ impl PeerCore {
             self.grants_owed.remove(&index);
             // Past twice the slot limit only while the peer lets us write
             // nothing and keeps opening streams our consumers drop: that
-            // close goes untold, and the peer's stream waits for its epoch's
-            // end (it stalls only itself).
+            // close goes untold; its stream hears `UnknownSlot` if it sends
+            // again, or waits for its epoch's end (it stalls only itself).
             if self.closes_owed.len() < 2 * self.config.max_slots_per_peer as usize {
                 self.closes_owed.insert(id, CloseReason::ReceiverGone);
             } else {
