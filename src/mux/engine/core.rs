@@ -2308,16 +2308,10 @@ mod tests {
     async fn a_stale_generations_reply_does_not_replace_the_live_slots_close() {
         let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
         let mut core = held_core(Epoch(1), &control, &registry, Held::default());
-        let rx = registry.bind(StreamKey::new(7, 1)).expect("bind");
         let live = SlotId::new(0, 4).expect("a valid index");
         let stale = SlotId::new(0, 3).expect("a valid index");
-        feed(&mut core, |enc| enc.push_open(live, FrameSeq(0), 7, 1)).expect("an open");
-        drop(rx);
-        core.handle_control(Instant::now());
-        feed(&mut core, |enc| {
-            enc.push_data(stale, FrameSeq(1), b"late", false)
-        })
-        .expect("dropped, not an offence");
+        open_then_consumer_leaves(&mut core, &registry, live);
+        stray_record(&mut core, stale);
         assert_eq!(
             owed_closes(&mut core),
             [
@@ -2345,11 +2339,7 @@ mod tests {
             Instant::now(),
         );
         for index in 0..5 {
-            let unknown = SlotId::new(index, 0).expect("a valid index");
-            feed(&mut core, |enc| {
-                enc.push_data(unknown, FrameSeq(1), b"?", false)
-            })
-            .expect("dropped, not an offence");
+            stray_record(&mut core, SlotId::new(index, 0).expect("a valid index"));
         }
         let stats = core.counters.snapshot();
         assert_eq!((stats.drops.unknown_slot, stats.closes_untold), (5, 3));
@@ -2362,23 +2352,33 @@ mod tests {
     async fn an_open_of_a_new_generation_drops_the_closes_owed_for_older_ones() {
         let (control, registry) = (peer_control(), Registry::new(8192, 16, 16));
         let mut core = held_core(Epoch(1), &control, &registry, Held::default());
-        let rx = registry.bind(StreamKey::new(7, 1)).expect("bind");
         let old = SlotId::new(0, 4).expect("a valid index");
         let new = SlotId::new(0, 5).expect("a valid index");
         let other = SlotId::new(1, 9).expect("a valid index");
-        feed(&mut core, |enc| enc.push_open(old, FrameSeq(0), 7, 1)).expect("an open");
-        drop(rx);
-        core.handle_control(Instant::now());
-        feed(&mut core, |enc| {
-            enc.push_data(other, FrameSeq(1), b"?", false)
-        })
-        .expect("dropped, not an offence");
+        open_then_consumer_leaves(&mut core, &registry, old);
+        stray_record(&mut core, other);
         feed(&mut core, |enc| enc.push_open(new, FrameSeq(0), 7, 2)).expect("an open");
         assert_eq!(
             owed_closes(&mut core),
             [(other, CloseReason::UnknownSlot)],
             "generation 4's close went with its index's reuse"
         );
+    }
+
+    /// The peer opens `slot` for key (7, 1), whose consumer then leaves: a
+    /// `ReceiverGone` is owed for it.
+    fn open_then_consumer_leaves(core: &mut PeerCore, registry: &Arc<Registry>, slot: SlotId) {
+        let rx = registry.bind(StreamKey::new(7, 1)).expect("bind");
+        feed(core, |enc| enc.push_open(slot, FrameSeq(0), 7, 1)).expect("an open");
+        drop(rx);
+        core.handle_control(Instant::now());
+    }
+
+    /// A record for `slot`, which the core does not know: dropped, and an
+    /// `UnknownSlot` owed.
+    fn stray_record(core: &mut PeerCore, slot: SlotId) {
+        feed(core, |enc| enc.push_data(slot, FrameSeq(1), b"?", false))
+            .expect("dropped, not an offence");
     }
 
     /// The closes in the core's next batch, with their slots.
