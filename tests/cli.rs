@@ -395,3 +395,53 @@ fn pingpong_server_abandons_a_frozen_client() {
     assert!(log.contains("silent"), "{log}");
     let _ = std::fs::remove_dir_all(&log_dir);
 }
+
+/// A client that dials with the other transport is told so by the server
+/// and fails by name, both ways round, and the server keeps serving.
+#[test]
+fn pingpong_client_of_the_other_transport_is_told_so() {
+    let (log_dir, log) = server_log_path("pingpong-mismatch");
+    let (server, blob) = pingpong_server(&["--transport", "tcp"], &log);
+    let run = run_qpmux(&[
+        "pingpong", "--client", &blob, "--iters", "20", "--size", "64",
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(stderr.contains("runs the other transport"), "{stderr}");
+    let lat_run = [
+        "pingpong",
+        "--client",
+        &blob,
+        "--iters",
+        "20",
+        "--size",
+        "64",
+        "--transport",
+        "tcp",
+    ];
+    let served = served_after(
+        &lat_run,
+        std::time::Duration::from_secs(30),
+        "a mismatched client held the server",
+    );
+    assert_latency_rows(&served, &[64], 20);
+    drop(server);
+
+    let (server, blob) = pingpong_server(&[], &log);
+    let run = run_qpmux(&[
+        "pingpong",
+        "--client",
+        &blob,
+        "--iters",
+        "20",
+        "--size",
+        "64",
+        "--transport",
+        "tcp",
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(stderr.contains("runs the other transport"), "{stderr}");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&log_dir);
+}

@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use qpmux::link::bootstrap::{
-    ClusterKey, Endpoint, Handshake, HelloFields, RdmaEndpoint, fresh_nonce,
+    BootstrapError, ClusterKey, DeclineReason, Endpoint, Handshake, HelloFields, RdmaEndpoint,
+    fresh_nonce,
 };
 use qpmux::link::rdma::{RdmaConfig, RdmaLink, RdmaNodeConfig, RdmaTransport};
-use qpmux::link::tcp::ConnectError;
+use qpmux::link::tcp::{ConnectError, TcpNodeConfig, TcpTransport};
 use qpmux::link::{EpochEnd, Node};
 use qpmux::mux::{
     DropReason, Epoch, Frame, Mux, MuxConfig, MuxTransport, PeerId, SendError, StreamKey, Terminal,
@@ -483,9 +484,56 @@ async fn a_peer_with_another_receive_depth_is_refused_without_a_qp_and_not_hamme
             0,
             "checked before resources"
         );
+        // The dialer hears why, not a bare close or "unavailable", and
+        // counts it a failed dial.
+        assert_eq!(
+            a.last_dial_failure(),
+            Some(ConnectError::DeclinedByPeer(DeclineReason::Incompatible))
+        );
+        assert!(a.node().stats().dial_failures >= 1);
         // The decline backs the dialer off (50 ms doubling) instead of spinning.
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(a.node().stats().declined < 20, "{:?}", a.node().stats());
+        assert_eq!(a.mux().epoch(B), None);
+    })
+    .await;
+}
+
+/// A TCP node given an RDMA node's address (the blobs do not say which
+/// transport) is told so, makes nothing there, and backs off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcp_node_dialing_an_rdma_node_is_declined_as_another_transport() {
+    bounded(async {
+        let b = transport(B, None).await;
+        let a = TcpTransport::bind(
+            TcpNodeConfig::new(A),
+            "127.0.0.1:0".parse().expect("an address"),
+            MuxConfig::default(),
+        )
+        .await
+        .expect("bind");
+        assert_eq!(a.register(&b.address()), Ok(B));
+        let mut tx = a.mux().open(B, StreamKey::new(3, 1)).expect("open");
+        tx.send(Bytes::from_static(b"x")).await.expect("queued");
+        until(|| a.last_dial_failure().is_some()).await;
+        assert_eq!(
+            a.last_dial_failure(),
+            Some(ConnectError::DeclinedByPeer(DeclineReason::WrongTransport))
+        );
+        until(|| b.node().stats().refused >= 1).await;
+        assert!(matches!(
+            b.node().last_refusal(),
+            Some(ConnectError::Handshake(
+                BootstrapError::WrongTransport { .. }
+            ))
+        ));
+        assert_eq!(b.device().stats().qps_created, 0, "nothing made for it");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            a.node().stats().dial_failures < 20,
+            "{:?}",
+            a.node().stats()
+        );
         assert_eq!(a.mux().epoch(B), None);
     })
     .await;

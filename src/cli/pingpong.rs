@@ -28,8 +28,9 @@ use serde::Serialize;
 
 use super::{hex, unhex};
 use crate::link::Node;
+use crate::link::bootstrap::DeclineReason;
 use crate::link::rdma::{RdmaNodeConfig, RdmaTransport};
-use crate::link::tcp::{TcpNodeConfig, TcpTransport};
+use crate::link::tcp::{ConnectError, TcpNodeConfig, TcpTransport};
 use crate::mux::{
     CloseReason, Frame, MuxConfig, MuxError, MuxTransport, PeerId, SendError, SlotReceiver,
     SlotSender, StreamKey, Terminal,
@@ -480,6 +481,21 @@ async fn next_reply<N: Node>(
     }
 }
 
+/// Resolves when a dial is declined in a way no redial mends: the server
+/// runs another transport, or cannot work with our endpoint.
+async fn declined_for_good<N: Node>(node: &N) -> DeclineReason {
+    let mut check = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        check.tick().await;
+        if let Some(ConnectError::DeclinedByPeer(
+            reason @ (DeclineReason::WrongTransport | DeclineReason::Incompatible),
+        )) = node.last_dial_failure()
+        {
+            return reason;
+        }
+    }
+}
+
 /// The next frame that is not a heartbeat (an idle slot's keepalive).
 async fn next_data(rx: &mut SlotReceiver) -> Option<Frame> {
     loop {
@@ -683,12 +699,26 @@ async fn start_run<N: Node>(
         hello.send(part).await.map_err(refused_or)?;
     }
     let dropped_before = node.mux().stats().slots_dropped;
+    let no_welcome = |why: String| match node.last_dial_failure() {
+        Some(dial) => {
+            anyhow::anyhow!("no welcome from the pingpong server: {why} (last dial: {dial})")
+        }
+        None => anyhow::anyhow!("no welcome from the pingpong server: {why}"),
+    };
     tokio::select! {
         reply = next_reply(node, dropped_before, &mut welcome, wait) => match reply {
             Ok(Some(Frame::Data(ok))) if ok.as_ref() == WELCOME => Ok((hello, welcome)),
-            Ok(other) => anyhow::bail!("no welcome from the pingpong server: {other:?}"),
-            Err(err) => anyhow::bail!("no welcome from the pingpong server: {err:#}"),
+            Ok(other) => Err(no_welcome(format!("{other:?}"))),
+            Err(err) => Err(no_welcome(format!("{err:#}"))),
         },
+        declined = declined_for_good(node) => Err(match declined {
+            DeclineReason::WrongTransport => anyhow::anyhow!(
+                "the pingpong server runs the other transport: give the client the server's --transport"
+            ),
+            reason => anyhow::anyhow!(
+                "the pingpong server declined the link: {reason}; give both ends the same settings"
+            ),
+        }),
         closed = hello.closed() => match closed {
             SendError::PeerClosed(CloseReason::Refused | CloseReason::UnknownSlot) => {
                 Err(refused_or(closed))

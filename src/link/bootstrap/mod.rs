@@ -253,7 +253,9 @@ impl Handshake {
         }
     }
 
-    /// Bytes to send, if any (all that is queued).
+    /// Bytes to send, if any (all that is queued). Also after an error: a
+    /// listener that refuses an authenticated dialer's transport queues a
+    /// decline saying so, to be written before the connection closes.
     pub fn poll_transmit(&mut self) -> Option<Vec<u8>> {
         (!self.out.is_empty()).then(|| std::mem::take(&mut self.out))
     }
@@ -517,7 +519,14 @@ impl Handshake {
         if hello.nonce == self.my_nonce {
             return Err(BootstrapError::ReflectedNonce);
         }
-        self.check_peer(&hello.fields)?;
+        if let Err(err) = self.check_peer(&hello.fields) {
+            // Authenticated, so it may learn why: told nothing, it would
+            // redial into the same refusal.
+            if let BootstrapError::WrongTransport { .. } = err {
+                wire::frame(&mut self.out, &wire::decline(DeclineReason::WrongTransport));
+            }
+            return Err(err);
+        }
         self.dialer_hello = signed.to_vec();
         self.peer_nonce = Some(hello.nonce);
         self.events.push_back(Event::PeerHello(hello.fields));

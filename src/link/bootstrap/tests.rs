@@ -436,15 +436,56 @@ fn identity_checks() {
             got: PeerId(77)
         })
     );
-    // A TCP listener refuses an RDMA dialer.
+    // A TCP listener refuses an RDMA dialer, and leaves it a decline that
+    // says why (it proved its key, so it may know).
     let mut fields = tcp(D, 0);
     fields.endpoint = Endpoint::Rdma(rdma());
+    let mut l = listener_after_challenge();
     assert_eq!(
-        listener_error(&framed(&dialer_hello_body(&fields))),
-        BootstrapError::WrongTransport {
+        l.handle_input(&framed(&dialer_hello_body(&fields))),
+        Err(BootstrapError::WrongTransport {
             expected: EndpointKind::Tcp,
             got: EndpointKind::Rdma
-        }
+        })
+    );
+    assert_eq!(
+        l.poll_transmit(),
+        Some(framed(&wire::decline(DeclineReason::WrongTransport)))
+    );
+    // A dialer that proves nothing is told nothing.
+    let mut d = Handshake::dialer(key(1), fields, Some(L), [1; 32]);
+    let mut l = Handshake::listener(key(2), L, EndpointKind::Tcp, [2; 32]);
+    feed_all(&mut d, &l.poll_transmit().expect("challenge")).expect("challenge");
+    assert_eq!(
+        feed_all(&mut l, &d.poll_transmit().expect("hello")),
+        Err(BootstrapError::BadMac)
+    );
+    assert_eq!(l.poll_transmit(), None);
+}
+
+#[test]
+fn every_decline_reason_round_trips_and_an_unknown_one_is_named() {
+    for reason in [
+        DeclineReason::CrossedDial,
+        DeclineReason::StaleDial,
+        DeclineReason::Unavailable,
+        DeclineReason::WrongTransport,
+        DeclineReason::Incompatible,
+    ] {
+        let (mut d, mut l) = pair(None, None, tcp(D, 0));
+        feed_all(&mut d, &l.poll_transmit().expect("challenge")).expect("challenge");
+        feed_all(&mut l, &d.poll_transmit().expect("hello")).expect("hello");
+        l.decline(reason).expect("decline");
+        feed_all(&mut d, &l.poll_transmit().expect("decline")).expect("decline");
+        assert_eq!(d.poll_event(), Some(Event::Declined(reason)));
+    }
+    let (mut d, mut l) = pair(None, None, tcp(D, 0));
+    feed_all(&mut d, &l.poll_transmit().expect("challenge")).expect("challenge");
+    let mut decline = wire::decline(DeclineReason::Unavailable);
+    *decline.last_mut().expect("a reason byte") = 6;
+    assert_eq!(
+        feed_all(&mut d, &framed(&decline)),
+        Err(BootstrapError::BadField("decline reason"))
     );
 }
 

@@ -5,6 +5,8 @@
 //! the body's first byte is its [`MessageKind`]. All integers are big-endian.
 //! Byte layouts are tabled in `docs/bootstrap.md`.
 
+use std::fmt;
+
 use super::error::BootstrapError;
 use crate::mux::PeerId;
 use crate::mux::protocol::Epoch;
@@ -64,8 +66,28 @@ pub enum DeclineReason {
     CrossedDial,
     /// The dial predates the epoch already running between the two nodes.
     StaleDial,
-    /// The listener is not ready to take connections (no mux yet, shutting down).
+    /// The listener is not ready to take connections (no mux yet, shutting
+    /// down, at a limit, out of resources).
     Unavailable,
+    /// The dialer's endpoint is for another transport (a TCP node dialed by
+    /// an RDMA one, or the other way round). Asking again will not help.
+    WrongTransport,
+    /// The dialer's endpoint cannot work with the listener's (e.g. another
+    /// receive depth or buffer size; the listener logs which field). Asking
+    /// again will not help until one side is configured like the other.
+    Incompatible,
+}
+
+impl fmt::Display for DeclineReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DeclineReason::CrossedDial => "crossed dial",
+            DeclineReason::StaleDial => "stale dial",
+            DeclineReason::Unavailable => "unavailable",
+            DeclineReason::WrongTransport => "the listener runs another transport",
+            DeclineReason::Incompatible => "incompatible endpoint (see the listener's log)",
+        })
+    }
 }
 
 impl DeclineReason {
@@ -74,6 +96,8 @@ impl DeclineReason {
             DeclineReason::CrossedDial => 1,
             DeclineReason::StaleDial => 2,
             DeclineReason::Unavailable => 3,
+            DeclineReason::WrongTransport => 4,
+            DeclineReason::Incompatible => 5,
         }
     }
 
@@ -82,6 +106,8 @@ impl DeclineReason {
             1 => Ok(DeclineReason::CrossedDial),
             2 => Ok(DeclineReason::StaleDial),
             3 => Ok(DeclineReason::Unavailable),
+            4 => Ok(DeclineReason::WrongTransport),
+            5 => Ok(DeclineReason::Incompatible),
             _ => Err(BootstrapError::BadField("decline reason")),
         }
     }

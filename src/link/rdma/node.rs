@@ -756,6 +756,10 @@ impl<D: Device + 'static> Node for RdmaTransport<D> {
     fn shutdown(&self) {
         self.node.shutdown_after(&self.mux);
     }
+
+    fn last_dial_failure(&self) -> Option<ConnectError> {
+        self.node.last_dial_failure()
+    }
 }
 
 #[cfg(test)]

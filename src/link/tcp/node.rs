@@ -180,15 +180,16 @@ pub enum ConnectError {
     /// The handshake failed (the peer is broken, misconfigured or hostile).
     #[error("handshake failed: {0}")]
     Handshake(#[from] BootstrapError),
-    /// The peer declined our dial (crossed or stale dial; not a fault).
-    #[error("declined by the peer: {0:?}")]
+    /// The peer declined our dial (not a fault, unless for another
+    /// transport or an incompatible endpoint: [`ConnectError::is_benign`]).
+    #[error("declined by the peer: {0}")]
     DeclinedByPeer(DeclineReason),
     /// The dialer closed after our answer and before its ready: it gave
     /// the dial up there, superseded or its peer forgotten (not a fault).
     #[error("the dialer withdrew before its ready")]
     Withdrawn,
     /// We declined the peer's dial (not a fault).
-    #[error("declined the peer's dial: {0:?}")]
+    #[error("declined the peer's dial: {0}")]
     DeclinedLocally(DeclineReason),
     /// A newer epoch with the peer was installed while this one was set up.
     #[error("superseded by epoch {0}")]
@@ -259,12 +260,17 @@ impl From<io::Error> for ConnectError {
 
 impl ConnectError {
     /// True for outcomes that are part of normal operation (declines, races).
+    /// A decline for another transport or an incompatible endpoint is not:
+    /// asking again fails the same way until someone changes a setting.
     pub fn is_benign(&self) -> bool {
         match self {
-            ConnectError::DeclinedByPeer(_)
-            | ConnectError::DeclinedLocally(_)
-            | ConnectError::Withdrawn
-            | ConnectError::Superseded(_) => true,
+            ConnectError::DeclinedByPeer(reason) | ConnectError::DeclinedLocally(reason) => {
+                !matches!(
+                    reason,
+                    DeclineReason::WrongTransport | DeclineReason::Incompatible
+                )
+            }
+            ConnectError::Withdrawn | ConnectError::Superseded(_) => true,
             ConnectError::Io(_)
             | ConnectError::Timeout
             | ConnectError::Handshake(_)
@@ -290,7 +296,8 @@ pub struct NodeStats {
     pub refused: u64,
     /// Dials that failed with an error.
     pub dial_failures: u64,
-    /// Declines, sent or received (crossed or stale dials).
+    /// Declines, sent or received (any reason; those for another transport
+    /// or an incompatible endpoint count in `dial_failures` or `refused` too).
     pub declined: u64,
     /// Times a peer showed a new incarnation (it restarted).
     pub restarts_seen: u64,
@@ -556,6 +563,8 @@ struct NodeInner<E: EpochMaker> {
 #[derive(Debug, Default)]
 struct Refusals {
     last: Option<ConnectError>,
+    /// Why our last dial that failed did (declines in a race left out).
+    last_dial_failure: Option<ConnectError>,
     refused: WarnGate,
     shed: WarnGate,
     accept_failed: WarnGate,
@@ -1186,6 +1195,19 @@ impl<E: EpochMaker> Connector<E> {
             .last
     }
 
+    /// Why the last dial the node made for its mux failed (races settled
+    /// by a decline left out; [`Connector::connect`] returns its own), e.g.
+    /// a peer declining it for another transport. Those dials run in the
+    /// background, so this is where a caller waiting on a peer learns why
+    /// no link comes.
+    pub fn last_dial_failure(&self) -> Option<ConnectError> {
+        self.inner
+            .refusals
+            .lock()
+            .expect("node state poisoned")
+            .last_dial_failure
+    }
+
     /// Dials `peer` now (ignoring backoff) and installs the link. While it
     /// runs, the peer's crossing dials are settled as for mux-driven dials.
     pub async fn connect(&self, peer: PeerId) -> Result<Epoch, ConnectError> {
@@ -1310,12 +1332,14 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     ) {
         state.declines = 0;
     }
+    if let Err(ConnectError::DeclinedByPeer(_)) = result {
+        bump(&inner.counters.declined);
+    }
     match result {
         Ok(epoch) => tracing::debug!(?peer, %epoch, "dialed"),
         Err(err) if err.is_benign() => {
             let mut warned = false;
             if let ConnectError::DeclinedByPeer(reason) = err {
-                bump(&inner.counters.declined);
                 if reason == DeclineReason::Unavailable {
                     // Not a fault, but asking again at once would spin
                     // (shutting down, no mux, at one of its limits, or no
@@ -1344,6 +1368,11 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
             }
         }
         Err(err) => {
+            inner
+                .refusals
+                .lock()
+                .expect("node state poisoned")
+                .last_dial_failure = Some(err);
             bump(&inner.counters.dial_failures);
             inner.back_off(state);
             tracing::warn!(?peer, %err, backoff = ?state.backoff, "dial failed");
@@ -1483,7 +1512,17 @@ async fn drive(
             });
         }
         if hs.wants_input() && !pending.is_empty() {
-            let used = hs.handle_input(&pending)?;
+            let used = match hs.handle_input(&pending) {
+                Ok(used) => used,
+                Err(err) => {
+                    // A refusal the peer may hear (a decline) goes out first;
+                    // the connection closes either way.
+                    if let Some(out) = hs.poll_transmit() {
+                        let _ = stream.write_all(&out).await;
+                    }
+                    return Err(err.into());
+                }
+            };
             pending.drain(..used);
             continue;
         }
@@ -1774,7 +1813,13 @@ async fn accept_once<E: EpochMaker>(
                 }
                 Err(err) => {
                     local_failure = Some(err);
-                    Some(Err(DeclineReason::Unavailable))
+                    Some(Err(match err {
+                        ConnectError::Incompatible(_) => DeclineReason::Incompatible,
+                        ConnectError::Handshake(BootstrapError::WrongTransport { .. }) => {
+                            DeclineReason::WrongTransport
+                        }
+                        _ => DeclineReason::Unavailable,
+                    }))
                 }
             }
         },

@@ -3,7 +3,7 @@
 use std::io;
 use std::net::SocketAddr;
 
-use super::{TcpLink, TcpNode, TcpNodeConfig};
+use super::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
 use crate::link::{Node, RegisterError};
 use crate::mux::{Mux, MuxConfig, PeerId};
 
@@ -51,5 +51,9 @@ impl Node for TcpTransport {
 
     fn shutdown(&self) {
         self.node.shutdown_after(&self.mux);
+    }
+
+    fn last_dial_failure(&self) -> Option<ConnectError> {
+        self.node.last_dial_failure()
     }
 }
