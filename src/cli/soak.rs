@@ -1259,6 +1259,94 @@ async fn hear_done(node: Arc<Soft>, mut rx: crate::mux::SlotReceiver) -> bool {
     }
 }
 
+/// One stream's place in its slot's check: the stream id and numbering its
+/// first good record fixed, and the seq it owes next.
+#[derive(Debug, Default)]
+struct StreamCheck {
+    stream: Option<u32>,
+    next: u64,
+    /// The stream's index minus its seq.
+    base: Option<u64>,
+}
+
+impl StreamCheck {
+    /// Checks one record on slot `slot`, whose indices below `verified` are
+    /// verified (by this stream or an earlier one), and tallies what it
+    /// finds; returns the acknowledgement due, if any. A hostile or broken
+    /// sender's record is a violation, never a panic.
+    fn take(&mut self, shared: &Shared, slot: u32, verified: &mut u64, data: &[u8]) -> Option<Ack> {
+        let Some(rec) = parse(data) else {
+            shared.tally(|v| v.bad_records += 1);
+            shared.violation(format!("slot {slot}: corrupt record at seq {}", self.next));
+            return None;
+        };
+        if rec.slot != slot || self.stream.is_some_and(|s| s != rec.stream) {
+            shared.tally(|v| v.bad_records += 1);
+            shared.violation(format!(
+                "slot {slot}: record of slot {} stream {:08x}",
+                rec.slot, rec.stream
+            ));
+            return None;
+        }
+        let rec_base = rec.index.checked_sub(rec.seq);
+        if rec_base.is_none() || self.base.is_some_and(|b| Some(b) != rec_base) {
+            shared.tally(|v| v.bad_records += 1);
+            shared.violation(format!(
+                "slot {slot}: seq {} at index {} breaks the stream's numbering",
+                rec.seq, rec.index
+            ));
+            return None;
+        }
+        let Some(after) = rec.seq.checked_add(1) else {
+            shared.tally(|v| v.bad_records += 1);
+            shared.violation(format!("slot {slot}: seq {} has no successor", rec.seq));
+            return None;
+        };
+        self.stream = Some(rec.stream);
+        self.base = rec_base;
+        if rec.seq < self.next {
+            shared.tally(|v| v.duplicates += 1);
+            shared.violation(format!(
+                "slot {slot}: seq {} again (expected {})",
+                rec.seq, self.next
+            ));
+            return None;
+        }
+        if rec.seq > self.next {
+            shared.tally(|v| v.gaps += 1);
+            shared.violation(format!(
+                "slot {slot}: seq {}, expected {}",
+                rec.seq, self.next
+            ));
+        } else if rec.index > *verified {
+            // In order within its stream, but the stream started past what
+            // this slot has verified.
+            shared.tally(|v| v.holes += 1);
+            shared.violation(format!(
+                "slot {slot}: stream starts at index {}, verified only below {}",
+                rec.index, *verified
+            ));
+        }
+        self.next = after;
+        shared.records.fetch_add(1, Ordering::Relaxed);
+        if rec.index < *verified {
+            shared.redelivered.fetch_add(1, Ordering::Relaxed);
+        } else if rec.index == *verified {
+            *verified += 1;
+            shared.unique.fetch_add(1, Ordering::Relaxed);
+            if *verified % ACK_EVERY == 0 {
+                return Some(Ack {
+                    slot,
+                    stream: rec.stream,
+                    verified: *verified,
+                    state: AckState::Open,
+                });
+            }
+        }
+        None
+    }
+}
+
 /// Verifies one slot's streams until one ends `Finalized`; true if one did.
 async fn recv_slot(
     node: Arc<Soft>,
@@ -1273,91 +1361,24 @@ async fn recv_slot(
     let mut verified = 0u64;
     loop {
         shared.tally(|v| v.streams += 1);
-        let mut stream: Option<u32> = None;
-        let mut next = 0u64;
-        // The stream's index minus its seq, fixed by its first record.
-        let mut base: Option<u64> = None;
+        let mut check = StreamCheck::default();
         let terminal = loop {
             let Some(frame) = rx.recv().await else {
                 break None;
             };
-            let data = match frame {
-                Frame::Data(data) => data,
+            match frame {
+                Frame::Data(data) => {
+                    if let Some(ack) = check.take(&shared, slot, &mut verified, &data) {
+                        board.publish(ack, false);
+                    }
+                }
                 Frame::Heartbeat => continue,
                 terminal => break Some(terminal),
-            };
-            let Some(rec) = parse(&data) else {
-                shared.tally(|v| v.bad_records += 1);
-                shared.violation(format!("slot {slot}: corrupt record at seq {next}"));
-                continue;
-            };
-            if rec.slot != slot || stream.is_some_and(|s| s != rec.stream) {
-                shared.tally(|v| v.bad_records += 1);
-                shared.violation(format!(
-                    "slot {slot}: record of slot {} stream {:08x}",
-                    rec.slot, rec.stream
-                ));
-                continue;
-            }
-            let rec_base = rec.index.checked_sub(rec.seq);
-            if rec_base.is_none() || base.is_some_and(|b| Some(b) != rec_base) {
-                shared.tally(|v| v.bad_records += 1);
-                shared.violation(format!(
-                    "slot {slot}: seq {} at index {} breaks the stream's numbering",
-                    rec.seq, rec.index
-                ));
-                continue;
-            }
-            let Some(after) = rec.seq.checked_add(1) else {
-                shared.tally(|v| v.bad_records += 1);
-                shared.violation(format!("slot {slot}: seq {} has no successor", rec.seq));
-                continue;
-            };
-            stream = Some(rec.stream);
-            base = rec_base;
-            if rec.seq < next {
-                shared.tally(|v| v.duplicates += 1);
-                shared.violation(format!(
-                    "slot {slot}: seq {} again (expected {next})",
-                    rec.seq
-                ));
-                continue;
-            }
-            if rec.seq > next {
-                shared.tally(|v| v.gaps += 1);
-                shared.violation(format!("slot {slot}: seq {}, expected {next}", rec.seq));
-            } else if rec.index > verified {
-                // In order within its stream, but the stream started past
-                // what this slot has verified.
-                shared.tally(|v| v.holes += 1);
-                shared.violation(format!(
-                    "slot {slot}: stream starts at index {}, verified only below {verified}",
-                    rec.index
-                ));
-            }
-            next = after;
-            shared.records.fetch_add(1, Ordering::Relaxed);
-            if rec.index < verified {
-                shared.redelivered.fetch_add(1, Ordering::Relaxed);
-            } else if rec.index == verified {
-                verified += 1;
-                shared.unique.fetch_add(1, Ordering::Relaxed);
-                if verified % ACK_EVERY == 0 {
-                    board.publish(
-                        Ack {
-                            slot,
-                            stream: rec.stream,
-                            verified,
-                            state: AckState::Open,
-                        },
-                        false,
-                    );
-                }
             }
         };
         let mut ack = Ack {
             slot,
-            stream: stream.unwrap_or(0),
+            stream: check.stream.unwrap_or(0),
             verified,
             state: AckState::Dropped,
         };
@@ -1442,6 +1463,112 @@ mod tests {
         let mut flipped = bytes.to_vec();
         flipped[5] ^= 1;
         assert_eq!(parse_ack(&flipped), None);
+    }
+
+    fn receiver() -> Shared {
+        Shared {
+            started: Instant::now(),
+            json: true,
+            verdict: Mutex::default(),
+            records: AtomicU64::new(0),
+            unique: AtomicU64::new(0),
+            redelivered: AtomicU64::new(0),
+            counters: Mutex::default(),
+            phases: Vec::new(),
+            slots_sent: AtomicU64::new(0),
+            finishing: AtomicBool::new(false),
+        }
+    }
+
+    fn rec(slot: u32, stream: u32, seq: u64, index: u64) -> Bytes {
+        record(
+            Rec {
+                slot,
+                stream,
+                seq,
+                index,
+            },
+            64,
+        )
+    }
+
+    /// (bad records, duplicates, gaps, holes, violations) so far.
+    fn faults(shared: &Shared) -> (u64, u64, u64, u64, u64) {
+        let v = shared.verdict.lock().expect("verdict");
+        (
+            v.bad_records,
+            v.duplicates,
+            v.gaps,
+            v.holes,
+            v.violation_count,
+        )
+    }
+
+    /// A slot's streams verified record by record: in order, acknowledged
+    /// every `ACK_EVERY`; an earlier epoch's records again are counted
+    /// redelivered, not faults.
+    #[test]
+    fn in_order_streams_verify_their_slot_and_repeats_across_streams_are_redelivered() {
+        let shared = receiver();
+        let mut verified = 0;
+        let mut first = StreamCheck::default();
+        let acks: Vec<Ack> = (0..ACK_EVERY + 10)
+            .filter_map(|i| first.take(&shared, 3, &mut verified, &rec(3, 1, i, i)))
+            .collect();
+        assert_eq!(verified, ACK_EVERY + 10);
+        assert_eq!(acks.len(), 1);
+        assert_eq!(
+            (acks[0].verified, acks[0].state),
+            (ACK_EVERY, AckState::Open)
+        );
+        // The next epoch's stream resends from the acknowledged prefix.
+        let mut second = StreamCheck::default();
+        for seq in 0..20 {
+            second.take(&shared, 3, &mut verified, &rec(3, 2, seq, ACK_EVERY + seq));
+        }
+        assert_eq!(verified, ACK_EVERY + 20);
+        assert_eq!(shared.redelivered.load(Ordering::Relaxed), 10);
+        assert_eq!(shared.unique.load(Ordering::Relaxed), ACK_EVERY + 20);
+        assert_eq!(faults(&shared), (0, 0, 0, 0, 0));
+    }
+
+    /// Every way a sender can get a record wrong is a counted violation;
+    /// a seq at `u64::MAX` (no successor) included, which used to overflow.
+    #[test]
+    fn a_broken_or_hostile_senders_records_are_violations_never_a_panic() {
+        let shared = receiver();
+        let mut verified = 0;
+        let mut check = StreamCheck::default();
+        check.take(&shared, 3, &mut verified, &rec(3, 1, 0, 0));
+        let mut corrupt = rec(3, 1, 1, 1).to_vec();
+        corrupt[30] ^= 1;
+        check.take(&shared, 3, &mut verified, &corrupt);
+        check.take(&shared, 3, &mut verified, &rec(4, 1, 1, 1)); // another slot's
+        check.take(&shared, 3, &mut verified, &rec(3, 9, 1, 1)); // another stream's
+        check.take(&shared, 3, &mut verified, &rec(3, 1, 1, 7)); // index - seq moved
+        check.take(&shared, 3, &mut verified, &rec(3, 1, 5, 2)); // index below seq
+        assert_eq!(faults(&shared), (5, 0, 0, 0, 5));
+        check.take(&shared, 3, &mut verified, &rec(3, 1, 0, 0));
+        assert_eq!(faults(&shared), (5, 1, 0, 0, 6), "a duplicate");
+        check.take(&shared, 3, &mut verified, &rec(3, 1, 2, 2));
+        assert_eq!(faults(&shared), (5, 1, 1, 0, 7), "a gap");
+        assert_eq!(verified, 1, "index 1 never came");
+        // A stream numbered to the top of u64 (its base 0 keeps index = seq).
+        let mut top = StreamCheck::default();
+        let mut top_verified = u64::MAX;
+        top.take(
+            &shared,
+            5,
+            &mut top_verified,
+            &rec(5, 1, u64::MAX, u64::MAX),
+        );
+        assert_eq!(faults(&shared), (6, 1, 1, 0, 8), "no successor");
+        // A new stream that starts past the verified prefix leaves a hole.
+        let mut late = StreamCheck::default();
+        let mut slot_verified = 4;
+        late.take(&shared, 6, &mut slot_verified, &rec(6, 2, 0, 9));
+        assert_eq!(faults(&shared), (6, 1, 1, 1, 9), "a hole");
+        assert_eq!(slot_verified, 4);
     }
 
     #[test]
