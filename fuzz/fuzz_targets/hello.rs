@@ -155,10 +155,12 @@ fn pump(input: &Input, listener: &mut Side, dialer: &mut Side, wires: &mut [Vec<
                     if input.keyed {
                         assert_eq!(peer, dialer_fields(input));
                     }
-                    let r = match input.decline.map(|c| c % 3) {
+                    let r = match input.decline.map(|c| c % 5) {
                         Some(0) => side.hs.decline(DeclineReason::CrossedDial),
                         Some(1) => side.hs.decline(DeclineReason::StaleDial),
-                        Some(_) => side.hs.decline(DeclineReason::Unavailable),
+                        Some(2) => side.hs.decline(DeclineReason::Unavailable),
+                        Some(3) => side.hs.decline(DeclineReason::WrongTransport),
+                        Some(_) => side.hs.decline(DeclineReason::Incompatible),
                         None => side.hs.respond(listener_fields(input)),
                     };
                     r.expect("the driver's answer is in order after PeerHello");

@@ -483,13 +483,13 @@ async fn next_reply<N: Node>(
 
 /// Resolves when a dial is declined in a way no redial mends: the server
 /// runs another transport, or cannot work with our endpoint.
-async fn declined_for_good<N: Node>(node: &N) -> DeclineReason {
+async fn declined_for_good<N: Node>(node: &N, server: PeerId) -> DeclineReason {
     let mut check = tokio::time::interval(Duration::from_millis(50));
     loop {
         check.tick().await;
         if let Some(ConnectError::DeclinedByPeer(
             reason @ (DeclineReason::WrongTransport | DeclineReason::Incompatible),
-        )) = node.last_dial_failure()
+        )) = node.last_dial_failure(server)
         {
             return reason;
         }
@@ -699,7 +699,7 @@ async fn start_run<N: Node>(
         hello.send(part).await.map_err(refused_or)?;
     }
     let dropped_before = node.mux().stats().slots_dropped;
-    let no_welcome = |why: String| match node.last_dial_failure() {
+    let no_welcome = |why: String| match node.last_dial_failure(server) {
         Some(dial) => {
             anyhow::anyhow!("no welcome from the pingpong server: {why} (last dial: {dial})")
         }
@@ -711,7 +711,7 @@ async fn start_run<N: Node>(
             Ok(other) => Err(no_welcome(format!("{other:?}"))),
             Err(err) => Err(no_welcome(format!("{err:#}"))),
         },
-        declined = declined_for_good(node) => Err(match declined {
+        declined = declined_for_good(node, server) => Err(match declined {
             DeclineReason::WrongTransport => anyhow::anyhow!(
                 "the pingpong server runs the other transport: give the client the server's --transport"
             ),

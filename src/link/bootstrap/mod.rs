@@ -253,9 +253,9 @@ impl Handshake {
         }
     }
 
-    /// Bytes to send, if any (all that is queued). Also after an error: a
-    /// listener that refuses an authenticated dialer's transport queues a
-    /// decline saying so, to be written before the connection closes.
+    /// Bytes to send, if any (all that is queued). After an error only a
+    /// listener's decline of a dialer that passed every check but its
+    /// transport, to be written before the connection closes.
     pub fn poll_transmit(&mut self) -> Option<Vec<u8>> {
         (!self.out.is_empty()).then(|| std::mem::take(&mut self.out))
     }
@@ -376,6 +376,13 @@ impl Handshake {
     fn fail(&mut self, err: BootstrapError) -> BootstrapError {
         self.state = State::Failed;
         self.inbuf = Vec::new();
+        // Nothing queued before the failure goes out, except a listener's
+        // word to a dialer that passed every check but its transport: told
+        // nothing, it would redial into the same refusal.
+        self.out.clear();
+        if let (Role::Listener, BootstrapError::WrongTransport { .. }) = (&self.role, &err) {
+            wire::frame(&mut self.out, &wire::decline(DeclineReason::WrongTransport));
+        }
         err
     }
 
@@ -519,14 +526,8 @@ impl Handshake {
         if hello.nonce == self.my_nonce {
             return Err(BootstrapError::ReflectedNonce);
         }
-        if let Err(err) = self.check_peer(&hello.fields) {
-            // Authenticated, so it may learn why: told nothing, it would
-            // redial into the same refusal.
-            if let BootstrapError::WrongTransport { .. } = err {
-                wire::frame(&mut self.out, &wire::decline(DeclineReason::WrongTransport));
-            }
-            return Err(err);
-        }
+        // A wrong transport fails here and is declined by `fail`.
+        self.check_peer(&hello.fields)?;
         self.dialer_hello = signed.to_vec();
         self.peer_nonce = Some(hello.nonce);
         self.events.push_back(Event::PeerHello(hello.fields));

@@ -437,22 +437,35 @@ fn identity_checks() {
         })
     );
     // A TCP listener refuses an RDMA dialer, and leaves it a decline that
-    // says why (it proved its key, so it may know).
+    // says why: keyless, as it answers anyone, and to a dialer that proved
+    // the key.
     let mut fields = tcp(D, 0);
     fields.endpoint = Endpoint::Rdma(rdma());
+    let wrong_transport = BootstrapError::WrongTransport {
+        expected: EndpointKind::Tcp,
+        got: EndpointKind::Rdma,
+    };
     let mut l = listener_after_challenge();
     assert_eq!(
         l.handle_input(&framed(&dialer_hello_body(&fields))),
-        Err(BootstrapError::WrongTransport {
-            expected: EndpointKind::Tcp,
-            got: EndpointKind::Rdma
-        })
+        Err(wrong_transport)
     );
+    let decline = framed(&wire::decline(DeclineReason::WrongTransport));
+    assert_eq!(l.poll_transmit(), Some(decline.clone()));
+    let mut d = Handshake::dialer(key(1), fields, Some(L), [1; 32]);
+    let mut l = Handshake::listener(key(1), L, EndpointKind::Tcp, [2; 32]);
+    feed_all(&mut d, &l.poll_transmit().expect("challenge")).expect("challenge");
     assert_eq!(
-        l.poll_transmit(),
-        Some(framed(&wire::decline(DeclineReason::WrongTransport)))
+        feed_all(&mut l, &d.poll_transmit().expect("hello")),
+        Err(wrong_transport)
     );
-    // A dialer that proves nothing is told nothing.
+    assert_eq!(l.poll_transmit(), Some(decline.clone()));
+    feed_all(&mut d, &decline).expect("a decline");
+    assert_eq!(
+        d.poll_event(),
+        Some(Event::Declined(DeclineReason::WrongTransport))
+    );
+    // A dialer that proves nothing under a key is told nothing.
     let mut d = Handshake::dialer(key(1), fields, Some(L), [1; 32]);
     let mut l = Handshake::listener(key(2), L, EndpointKind::Tcp, [2; 32]);
     feed_all(&mut d, &l.poll_transmit().expect("challenge")).expect("challenge");
@@ -461,6 +474,18 @@ fn identity_checks() {
         Err(BootstrapError::BadMac)
     );
     assert_eq!(l.poll_transmit(), None);
+}
+
+/// What was queued when input failed stays unsent: a dialer whose
+/// challenge came with garbage does not send its hello.
+#[test]
+fn a_failure_leaves_nothing_to_send() {
+    let mut d = Handshake::dialer(None, tcp(D, 0), Some(L), [1; 32]);
+    let mut l = Handshake::listener(None, L, EndpointKind::Tcp, [2; 32]);
+    let mut input = l.poll_transmit().expect("challenge");
+    input.extend_from_slice(&framed(&[0xee; 8]));
+    assert!(d.handle_input(&input).is_err());
+    assert_eq!(d.poll_transmit(), None);
 }
 
 #[test]

@@ -7,7 +7,6 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use super::{MemConfig, MemLink, pair};
-use crate::link::tcp::ConnectError;
 use crate::link::{EpochEnd, Link, Node, RegisterError};
 use crate::mux::protocol::Epoch;
 use crate::mux::{Dialer, Mux, MuxConfig, PeerId, PeerTerms};
@@ -181,10 +180,5 @@ impl Node for MemNode {
 
     fn shutdown(&self) {
         self.mux.shutdown();
-    }
-
-    fn last_dial_failure(&self) -> Option<ConnectError> {
-        // Links are made by the fabric, not dialed.
-        None
     }
 }

@@ -296,8 +296,9 @@ pub struct NodeStats {
     pub refused: u64,
     /// Dials that failed with an error.
     pub dial_failures: u64,
-    /// Declines, sent or received (any reason; those for another transport
-    /// or an incompatible endpoint count in `dial_failures` or `refused` too).
+    /// Declines, sent or received. Our dials declined for another transport
+    /// or an incompatible endpoint count in `dial_failures` too; such dials
+    /// of the peer's count in `refused` only.
     pub declined: u64,
     /// Times a peer showed a new incarnation (it restarted).
     pub restarts_seen: u64,
@@ -502,6 +503,9 @@ struct PeerState<L> {
     retry_at: Option<Instant>,
     /// Our dials the peer declined `Unavailable` in a row.
     declines: u32,
+    /// Why our last dial failed, unless one succeeded since (races settled
+    /// by a decline left out).
+    last_failure: Option<ConnectError>,
 }
 
 impl<L> Default for PeerState<L> {
@@ -520,6 +524,7 @@ impl<L> Default for PeerState<L> {
             backoff: Duration::ZERO,
             retry_at: None,
             declines: 0,
+            last_failure: None,
         }
     }
 }
@@ -563,8 +568,6 @@ struct NodeInner<E: EpochMaker> {
 #[derive(Debug, Default)]
 struct Refusals {
     last: Option<ConnectError>,
-    /// Why our last dial that failed did (declines in a race left out).
-    last_dial_failure: Option<ConnectError>,
     refused: WarnGate,
     shed: WarnGate,
     accept_failed: WarnGate,
@@ -1195,17 +1198,16 @@ impl<E: EpochMaker> Connector<E> {
             .last
     }
 
-    /// Why the last dial the node made for its mux failed (races settled
-    /// by a decline left out; [`Connector::connect`] returns its own), e.g.
-    /// a peer declining it for another transport. Those dials run in the
-    /// background, so this is where a caller waiting on a peer learns why
-    /// no link comes.
-    pub fn last_dial_failure(&self) -> Option<ConnectError> {
+    /// Why the last dial the node made to `peer` for its mux failed, unless
+    /// one succeeded since (races settled by a decline left out;
+    /// [`Connector::connect`] returns its own), e.g. the peer declining it
+    /// for another transport. Those dials run in the background, so this is
+    /// where a caller waiting on a peer learns why no link comes.
+    pub fn last_dial_failure(&self, peer: PeerId) -> Option<ConnectError> {
         self.inner
-            .refusals
-            .lock()
-            .expect("node state poisoned")
-            .last_dial_failure
+            .peers()
+            .get(&peer)
+            .and_then(|state| state.last_failure)
     }
 
     /// Dials `peer` now (ignoring backoff) and installs the link. While it
@@ -1332,6 +1334,13 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     ) {
         state.declines = 0;
     }
+    // Kept before anything is counted: whoever sees a count reads this
+    // dial's outcome.
+    match &result {
+        Ok(_) => state.last_failure = None,
+        Err(err) if !err.is_benign() => state.last_failure = Some(*err),
+        Err(_) => {}
+    }
     if let Err(ConnectError::DeclinedByPeer(_)) = result {
         bump(&inner.counters.declined);
     }
@@ -1368,11 +1377,6 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
             }
         }
         Err(err) => {
-            inner
-                .refusals
-                .lock()
-                .expect("node state poisoned")
-                .last_dial_failure = Some(err);
             bump(&inner.counters.dial_failures);
             inner.back_off(state);
             tracing::warn!(?peer, %err, backoff = ?state.backoff, "dial failed");
@@ -1815,9 +1819,6 @@ async fn accept_once<E: EpochMaker>(
                     local_failure = Some(err);
                     Some(Err(match err {
                         ConnectError::Incompatible(_) => DeclineReason::Incompatible,
-                        ConnectError::Handshake(BootstrapError::WrongTransport { .. }) => {
-                            DeclineReason::WrongTransport
-                        }
                         _ => DeclineReason::Unavailable,
                     }))
                 }

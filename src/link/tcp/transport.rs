@@ -53,7 +53,7 @@ impl Node for TcpTransport {
         self.node.shutdown_after(&self.mux);
     }
 
-    fn last_dial_failure(&self) -> Option<ConnectError> {
-        self.node.last_dial_failure()
+    fn last_dial_failure(&self, peer: PeerId) -> Option<ConnectError> {
+        self.node.last_dial_failure(peer)
     }
 }
