@@ -487,7 +487,7 @@ async fn a_peer_with_another_receive_depth_is_refused_without_a_qp_and_not_hamme
         // The dialer hears why, not a bare close or "unavailable", and
         // counts it a failed dial.
         assert_eq!(
-            a.last_dial_failure(B),
+            a.last_dial_failure(B).map(|failure| failure.error),
             Some(ConnectError::DeclinedByPeer(DeclineReason::Incompatible))
         );
         assert!(a.node().stats().dial_failures >= 1);
@@ -517,7 +517,7 @@ async fn a_tcp_node_dialing_an_rdma_node_is_declined_as_another_transport() {
         tx.send(Bytes::from_static(b"x")).await.expect("queued");
         until(|| a.last_dial_failure(B).is_some()).await;
         assert_eq!(
-            a.last_dial_failure(B),
+            a.last_dial_failure(B).map(|failure| failure.error),
             Some(ConnectError::DeclinedByPeer(DeclineReason::WrongTransport))
         );
         until(|| b.node().stats().refused >= 1).await;

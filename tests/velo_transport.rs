@@ -490,6 +490,55 @@ async fn frames_for_an_unreachable_peer_are_reported<K: Kind>() {
     }
 }
 
+/// A peer of the other transport declines every dial as such, a refusal
+/// no redial mends: the frames queued for it are reported at the first
+/// declined dial, not after `dial_wait` (an hour here), and so are the
+/// next send's, after the node's backoff.
+async fn frames_for_a_peer_of_the_other_transport_are_reported_at_once<K: Kind, O: Kind>() {
+    const N: u8 = 4;
+    let config = VeloConfig {
+        dial_wait: Duration::from_secs(3600),
+        ..VeloConfig::default()
+    };
+    let a = end_on(K::new(Shape::Default).node(1).await, config).await;
+    let other = end_on(O::new(Shape::Default).node(2).await, VeloConfig::default()).await;
+    a.transport.register(info(&other)).expect("registers");
+    for attempt in 0..2 {
+        let errors = Arc::new(Errors::default());
+        for i in 0..N {
+            drop(send(&a, other.id, MessageType::Message, &[i], &errors));
+        }
+        until("the frames reported", || errors.count() == usize::from(N)).await;
+        assert_eq!(errors.twice(), 0, "attempt {attempt}: each reported once");
+        let said = errors
+            .last
+            .lock()
+            .expect("lock")
+            .clone()
+            .unwrap_or_default();
+        assert!(said.contains("unreachable"), "attempt {attempt}: {said}");
+    }
+    assert!(other.streams.message_stream.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_from_tcp_to_an_rdma_peer_are_reported_at_once() {
+    frames_for_a_peer_of_the_other_transport_are_reported_at_once::<
+        velo_nodes::Tcp,
+        velo_nodes::Rdma,
+    >()
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_from_rdma_to_a_tcp_peer_are_reported_at_once() {
+    frames_for_a_peer_of_the_other_transport_are_reported_at_once::<
+        velo_nodes::Rdma,
+        velo_nodes::Tcp,
+    >()
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_frames_for_an_unreachable_peer_are_reported() {
     frames_for_an_unreachable_peer_are_reported::<velo_nodes::Tcp>().await;

@@ -481,17 +481,16 @@ async fn next_reply<N: Node>(
     }
 }
 
-/// Resolves when a dial is declined in a way no redial mends: the server
-/// runs another transport, or cannot work with our endpoint.
-async fn declined_for_good<N: Node>(node: &N, server: PeerId) -> DeclineReason {
+/// Resolves when a dial to the server fails in a way no redial mends: it
+/// runs another transport, or one end cannot work with the other's endpoint.
+async fn dial_failed_for_good<N: Node>(node: &N, server: PeerId) -> ConnectError {
     let mut check = tokio::time::interval(Duration::from_millis(50));
     loop {
         check.tick().await;
-        if let Some(ConnectError::DeclinedByPeer(
-            reason @ (DeclineReason::WrongTransport | DeclineReason::Incompatible),
-        )) = node.last_dial_failure(server)
+        if let Some(failure) = node.last_dial_failure(server)
+            && failure.error.is_permanent()
         {
-            return reason;
+            return failure.error;
         }
     }
 }
@@ -701,7 +700,10 @@ async fn start_run<N: Node>(
     let dropped_before = node.mux().stats().slots_dropped;
     let no_welcome = |why: String| match node.last_dial_failure(server) {
         Some(dial) => {
-            anyhow::anyhow!("no welcome from the pingpong server: {why} (last dial: {dial})")
+            anyhow::anyhow!(
+                "no welcome from the pingpong server: {why} (last dial: {})",
+                dial.error
+            )
         }
         None => anyhow::anyhow!("no welcome from the pingpong server: {why}"),
     };
@@ -711,12 +713,12 @@ async fn start_run<N: Node>(
             Ok(other) => Err(no_welcome(format!("{other:?}"))),
             Err(err) => Err(no_welcome(format!("{err:#}"))),
         },
-        declined = declined_for_good(node, server) => Err(match declined {
-            DeclineReason::WrongTransport => anyhow::anyhow!(
+        failed = dial_failed_for_good(node, server) => Err(match failed {
+            ConnectError::DeclinedByPeer(DeclineReason::WrongTransport) => anyhow::anyhow!(
                 "the pingpong server runs the other transport: give the client the server's --transport"
             ),
-            reason => anyhow::anyhow!(
-                "the pingpong server declined the link: {reason}; give both ends the same settings"
+            err => anyhow::anyhow!(
+                "no link to the pingpong server: {err}; give both ends the same settings"
             ),
         }),
         closed = hello.closed() => match closed {

@@ -583,10 +583,10 @@ pub trait Node: Send + Sync + 'static {
     /// Stops accepting, ends every epoch, and stops the mux. Does not wait.
     fn shutdown(&self);
 
-    /// Why the node's last dial to `peer` failed, unless one succeeded
-    /// since (links come up in the background, so a caller waiting on a
-    /// peer asks here). `None` where the node does not dial.
-    fn last_dial_failure(&self, _peer: PeerId) -> Option<tcp::ConnectError> {
+    /// The node's last failed dial to `peer`, unless one succeeded since
+    /// (links come up in the background, so a caller waiting on a peer asks
+    /// here). `None` where the node does not dial.
+    fn last_dial_failure(&self, _peer: PeerId) -> Option<tcp::DialFailure> {
         None
     }
 }

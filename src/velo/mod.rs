@@ -70,6 +70,8 @@ pub struct VeloConfig {
     /// (the node keeps redialing a refused or misconfigured peer forever);
     /// then they are reported through `on_error`, and the next send waits
     /// afresh. Default 10 s, two of the nodes' default handshake timeouts.
+    /// A dial no redial mends (the peer runs another transport, or an
+    /// incompatible endpoint) reports them sooner, at the next sweep.
     pub dial_wait: Duration,
     /// How often a bound stream with no frame to hand over looks whether
     /// velo still holds its receiver: velo may abandon a bind whose sender

@@ -31,6 +31,7 @@ use super::fate::{Fate, Report};
 use super::wire::{self, Envelope};
 use super::{AdapterError, TRANSPORT_KEY, VeloConfig, decode_endpoint, encode_address};
 use crate::link::Node;
+use crate::link::tcp::ConnectError;
 use crate::mux::{AsMux, EpochLosses, MessageSink, MuxTransport, OutboundMessage, PeerId};
 use crate::warn_gate::WarnGate;
 
@@ -80,6 +81,9 @@ struct Lane {
     gate: AdmissionGate<OutboundMessage>,
     /// Since when frames have waited here with no epoch to the peer.
     unreached_since: Option<Instant>,
+    /// When the lane was made: a failed dial that ended before it is not
+    /// about its frames.
+    made: Instant,
     /// The sweep has seen this lane's epoch up (the peer is connected).
     seen_up: bool,
 }
@@ -247,6 +251,7 @@ impl<N: Node> Inner<N> {
                 tx,
                 gate: gate.clone(),
                 unreached_since: None,
+                made: Instant::now(),
                 seen_up: false,
             },
         );
@@ -293,19 +298,26 @@ impl<N: Node> Inner<N> {
                 lane.unreached_since = None;
             } else {
                 let since = *lane.unreached_since.get_or_insert(now);
-                if now.duration_since(since) >= self.config.dial_wait {
-                    unreached.push(*peer);
+                // A dial no redial mends, ended since the lane was made,
+                // reports its frames at once, not after `dial_wait`.
+                let for_good = self
+                    .node
+                    .last_dial_failure(*peer)
+                    .filter(|failure| failure.at >= lane.made && failure.error.is_permanent())
+                    .map(|failure| failure.error);
+                if for_good.is_some() || now.duration_since(since) >= self.config.dial_wait {
+                    unreached.push((*peer, for_good));
                 }
             }
         }
         let dead: Vec<Lane> = dead.iter().filter_map(|peer| lanes.remove(peer)).collect();
         // The channel is withdrawn under the lock, so a send racing this
         // sweep builds its fresh lane after it, never before.
-        let unreached: Vec<(PeerId, Lane, Unserved)> = unreached
+        let unreached: Vec<(PeerId, Option<ConnectError>, Lane, Unserved)> = unreached
             .into_iter()
-            .filter_map(|peer| {
+            .filter_map(|(peer, for_good)| {
                 let lane = lanes.remove(&peer)?;
-                Some((peer, lane, mux.withdraw_messages(peer)))
+                Some((peer, for_good, lane, mux.withdraw_messages(peer)))
             })
             .collect();
         // Failing a gate resolves velo's tickets, and a dropped frame
@@ -320,8 +332,15 @@ impl<N: Node> Inner<N> {
         for lane in dead {
             lane.gate.fail_all(AdmissionError::ChannelClosed);
         }
-        for (peer, lane, unserved) in unreached {
-            tracing::warn!(?peer, wait = ?self.config.dial_wait, "peer not reached; its queued frames are reported");
+        for (peer, for_good, lane, unserved) in unreached {
+            match for_good {
+                Some(err) => {
+                    tracing::warn!(?peer, %err, "peer cannot be reached; its queued frames are reported")
+                }
+                None => {
+                    tracing::warn!(?peer, wait = ?self.config.dial_wait, "peer not reached; its queued frames are reported")
+                }
+            }
             lane.gate.fail_all(AdmissionError::ChannelClosed);
             drop(unserved);
         }

@@ -91,6 +91,15 @@ impl fmt::Display for DeclineReason {
 }
 
 impl DeclineReason {
+    /// True for a decline no redial mends until a setting changes (another
+    /// transport, an incompatible endpoint); false for races and limits.
+    pub fn is_permanent(self) -> bool {
+        matches!(
+            self,
+            DeclineReason::WrongTransport | DeclineReason::Incompatible
+        )
+    }
+
     fn code(self) -> u8 {
         match self {
             DeclineReason::CrossedDial => 1,

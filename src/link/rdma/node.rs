@@ -36,7 +36,7 @@ use super::registered::{MemlockLimit, RegisteredBudget};
 use super::{PreparedEnd, RdmaConfig, RdmaError, RdmaLink, Shared};
 use crate::link::bootstrap::{BootstrapError, ClusterKey, Endpoint, EndpointKind, RdmaEndpoint};
 use crate::link::tcp::{
-    ConnectError, Connector, ConnectorConfig, EpochMaker, TcpLinkConfig, configure,
+    ConnectError, Connector, ConnectorConfig, DialFailure, EpochMaker, TcpLinkConfig, configure,
 };
 use crate::link::{EpochEnd, Link, Node, ReadOutBudget, ReadOutOwner, ReadOutTier, RegisterError};
 use crate::mux::engine::ProtocolError;
@@ -757,7 +757,7 @@ impl<D: Device + 'static> Node for RdmaTransport<D> {
         self.node.shutdown_after(&self.mux);
     }
 
-    fn last_dial_failure(&self, peer: PeerId) -> Option<ConnectError> {
+    fn last_dial_failure(&self, peer: PeerId) -> Option<DialFailure> {
         self.node.last_dial_failure(peer)
     }
 }

@@ -20,7 +20,7 @@ pub use crate::link::ReadOutBudget;
 pub(crate) use link::configure;
 pub use link::{TcpBatch, TcpLink, TcpLinkConfig, TcpLinkStats, TcpSendBuf};
 pub use node::{
-    ConnectError, Connector, ConnectorConfig, EpochMaker, MAX_ACCEPTS_PER_PEER, NodeStats,
-    TcpEpochs, TcpNode, TcpNodeConfig,
+    ConnectError, Connector, ConnectorConfig, DialFailure, EpochMaker, MAX_ACCEPTS_PER_PEER,
+    NodeStats, TcpEpochs, TcpNode, TcpNodeConfig,
 };
 pub use transport::TcpTransport;

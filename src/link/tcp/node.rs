@@ -252,6 +252,16 @@ pub enum ConnectError {
     },
 }
 
+/// A dial that failed: why, and when it ended (so a caller can tell it
+/// from one that ended before what it waits for began).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DialFailure {
+    /// Why it failed.
+    pub error: ConnectError,
+    /// When it ended.
+    pub at: std::time::Instant,
+}
+
 impl From<io::Error> for ConnectError {
     fn from(err: io::Error) -> Self {
         ConnectError::Io(err.kind())
@@ -259,16 +269,24 @@ impl From<io::Error> for ConnectError {
 }
 
 impl ConnectError {
+    /// True for a failure no redial mends until a setting changes at one
+    /// end: the peer declined our dial for another transport or an
+    /// incompatible endpoint, or we found its endpoint incompatible.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            ConnectError::DeclinedByPeer(reason) => reason.is_permanent(),
+            ConnectError::Incompatible(_) => true,
+            _ => false,
+        }
+    }
+
     /// True for outcomes that are part of normal operation (declines, races).
     /// A decline for another transport or an incompatible endpoint is not:
     /// asking again fails the same way until someone changes a setting.
     pub fn is_benign(&self) -> bool {
         match self {
             ConnectError::DeclinedByPeer(reason) | ConnectError::DeclinedLocally(reason) => {
-                !matches!(
-                    reason,
-                    DeclineReason::WrongTransport | DeclineReason::Incompatible
-                )
+                !reason.is_permanent()
             }
             ConnectError::Withdrawn | ConnectError::Superseded(_) => true,
             ConnectError::Io(_)
@@ -503,9 +521,9 @@ struct PeerState<L> {
     retry_at: Option<Instant>,
     /// Our dials the peer declined `Unavailable` in a row.
     declines: u32,
-    /// Why our last dial failed, unless one succeeded since (races settled
+    /// Our last dial's failure, unless one succeeded since (races settled
     /// by a decline left out).
-    last_failure: Option<ConnectError>,
+    last_failure: Option<DialFailure>,
 }
 
 impl<L> Default for PeerState<L> {
@@ -1203,7 +1221,7 @@ impl<E: EpochMaker> Connector<E> {
     /// [`Connector::connect`] returns its own), e.g. the peer declining it
     /// for another transport. Those dials run in the background, so this is
     /// where a caller waiting on a peer learns why no link comes.
-    pub fn last_dial_failure(&self, peer: PeerId) -> Option<ConnectError> {
+    pub fn last_dial_failure(&self, peer: PeerId) -> Option<DialFailure> {
         self.inner
             .peers()
             .get(&peer)
@@ -1338,7 +1356,12 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     // dial's outcome.
     match &result {
         Ok(_) => state.last_failure = None,
-        Err(err) if !err.is_benign() => state.last_failure = Some(*err),
+        Err(err) if !err.is_benign() => {
+            state.last_failure = Some(DialFailure {
+                error: *err,
+                at: std::time::Instant::now(),
+            });
+        }
         Err(_) => {}
     }
     if let Err(ConnectError::DeclinedByPeer(_)) = result {

@@ -3,7 +3,7 @@
 use std::io;
 use std::net::SocketAddr;
 
-use super::{ConnectError, TcpLink, TcpNode, TcpNodeConfig};
+use super::{DialFailure, TcpLink, TcpNode, TcpNodeConfig};
 use crate::link::{Node, RegisterError};
 use crate::mux::{Mux, MuxConfig, PeerId};
 
@@ -53,7 +53,7 @@ impl Node for TcpTransport {
         self.node.shutdown_after(&self.mux);
     }
 
-    fn last_dial_failure(&self, peer: PeerId) -> Option<ConnectError> {
+    fn last_dial_failure(&self, peer: PeerId) -> Option<DialFailure> {
         self.node.last_dial_failure(peer)
     }
 }
