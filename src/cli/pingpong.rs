@@ -958,6 +958,91 @@ mod tests {
         assert!(err.to_string().contains("unknown pingpong mode"), "{err:#}");
     }
 
+    /// A client that sends records and takes no echo (its pong stream bound
+    /// and never read) is abandoned once an echo has waited for the
+    /// silence bound; it used to hold the server for good.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_takes_no_echo_is_abandoned() {
+        let (server, client) = fabric_pair();
+        let peer = server.register(&client.address()).expect("register");
+        let session = 1 << 16 | 1;
+        let _unread = (client.mux())
+            .bind(StreamKey::new(PONG_ANCHOR, session))
+            .expect("bind");
+        let mut tx = (client.mux())
+            .open(PeerId(SERVER_ID), StreamKey::new(PING_ANCHOR, session))
+            .expect("open");
+        tx.send(Bytes::from_static(b"lat")).await.expect("sent");
+        let record = Bytes::from(vec![7u8; 64 * 1024]);
+        // Sends until the server, stuck on an echo, takes no more.
+        let feed = async { while tx.send(record.clone()).await.is_ok() {} };
+        let served =
+            tokio::time::timeout(CLIENT_SILENCE * 4, serve_session(&server, peer, session));
+        let err = tokio::select! {
+            served = served => served.expect("abandoned within its bound").unwrap_err(),
+            () = feed => panic!("the client's stream ended first"),
+        };
+        assert!(err.to_string().contains("took no echo"), "{err:#}");
+    }
+
+    /// The server end of a stuck run: binds the session's ping stream and
+    /// never reads it or answers.
+    fn stuck_server(server: &MemNode, session: u64) -> SlotReceiver {
+        (server.mux())
+            .bind(StreamKey::new(PING_ANCHOR, session))
+            .expect("bind")
+    }
+
+    fn measure(test: Test, size: usize) -> Measure {
+        Measure {
+            test,
+            size,
+            iters: 1000,
+            warmup: 0,
+            patience: Duration::from_secs(20),
+        }
+    }
+
+    /// A latency run against a server that takes its records and never
+    /// answers fails after its patience, naming the missing reply.
+    #[tokio::test(start_paused = true)]
+    async fn a_server_that_never_echoes_fails_the_latency_run() {
+        let (server, node) = fabric_pair();
+        let server_peer = node.register(&server.address()).expect("register");
+        let session = 1 << 16 | 1;
+        let _stuck = stuck_server(&server, session);
+        let bar = ProgressBar::hidden();
+        let run = client(&node, server_peer, session, measure(Test::Lat, 64), &bar);
+        let err = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .expect("fails within its patience")
+            .unwrap_err();
+        assert!(err.to_string().contains("no reply"), "{err:#}");
+    }
+
+    /// A bandwidth run against a server that takes no record fails once a
+    /// send has waited its patience, not held for good.
+    #[tokio::test(start_paused = true)]
+    async fn a_server_that_takes_no_record_fails_the_bandwidth_run() {
+        let (server, node) = fabric_pair();
+        let server_peer = node.register(&server.address()).expect("register");
+        let session = 1 << 16 | 1;
+        let _stuck = stuck_server(&server, session);
+        let bar = ProgressBar::hidden();
+        let run = client(
+            &node,
+            server_peer,
+            session,
+            measure(Test::Bw, 64 * 1024),
+            &bar,
+        );
+        let err = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .expect("fails within its patience")
+            .unwrap_err();
+        assert!(err.to_string().contains("took no record"), "{err:#}");
+    }
+
     /// t_typ is the median, averaging the middle two; t_99 the sample at
     /// perftest's index, floor(0.99 (n - 1)) (of 100, the second largest).
     #[test]
