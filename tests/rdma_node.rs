@@ -535,6 +535,19 @@ async fn a_tcp_node_dialing_an_rdma_node_is_declined_as_another_transport() {
             a.node().stats()
         );
         assert_eq!(a.mux().epoch(B), None);
+        // B comes back as a TCP node at another address: the failure at
+        // the old one is forgotten, and the waiting stream gets its link.
+        let b_tcp = TcpTransport::bind(
+            TcpNodeConfig::new(B),
+            "127.0.0.1:0".parse().expect("an address"),
+            MuxConfig::default(),
+        )
+        .await
+        .expect("bind");
+        assert_eq!(a.register(&b_tcp.address()), Ok(B));
+        assert_eq!(a.last_dial_failure(B), None);
+        until(|| a.mux().epoch(B).is_some()).await;
+        assert_eq!(a.last_dial_failure(B), None);
     })
     .await;
 }

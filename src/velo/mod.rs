@@ -71,7 +71,9 @@ pub struct VeloConfig {
     /// then they are reported through `on_error`, and the next send waits
     /// afresh. Default 10 s, two of the nodes' default handshake timeouts.
     /// A dial no redial mends (the peer runs another transport, or an
-    /// incompatible endpoint) reports them sooner, at the next sweep.
+    /// incompatible endpoint) that ends after their lane was made reports
+    /// them sooner, at the next sweep (a lane made while the node backs off
+    /// from such a failure waits for its retry).
     pub dial_wait: Duration,
     /// How often a bound stream with no frame to hand over looks whether
     /// velo still holds its receiver: velo may abandon a bind whose sender

@@ -243,6 +243,8 @@ impl<N: Node> Inner<N> {
             return Ok(lane.gate.clone());
         }
         let (tx, rx) = flume::bounded(self.config.message_channel);
+        // Before the install, which asks for the lane's first dial.
+        let made = Instant::now();
         let unserved = self.node.mux().install_messages(peer, rx);
         let gate = AdmissionGate::new(tx.clone(), rt.clone());
         let stale = lanes.insert(
@@ -251,7 +253,7 @@ impl<N: Node> Inner<N> {
                 tx,
                 gate: gate.clone(),
                 unreached_since: None,
-                made: Instant::now(),
+                made,
                 seen_up: false,
             },
         );
@@ -285,6 +287,14 @@ impl<N: Node> Inner<N> {
                 dead.push(*peer);
                 continue;
             }
+            // Read before the epoch: an install clears it before the mux
+            // holds the link, so a failure seen here with no epoch after it
+            // was not answered by an epoch meanwhile.
+            let failure = if lane.has_frames() {
+                self.node.last_dial_failure(*peer)
+            } else {
+                None
+            };
             // Asked once per lane until its epoch is seen, and while frames wait.
             let epoch_up = (!lane.seen_up || lane.has_frames()) && mux.epoch(*peer).is_some();
             if epoch_up && !lane.seen_up {
@@ -300,9 +310,7 @@ impl<N: Node> Inner<N> {
                 let since = *lane.unreached_since.get_or_insert(now);
                 // A dial no redial mends, ended since the lane was made,
                 // reports its frames at once, not after `dial_wait`.
-                let for_good = self
-                    .node
-                    .last_dial_failure(*peer)
+                let for_good = failure
                     .filter(|failure| failure.at >= lane.made && failure.error.is_permanent())
                     .map(|failure| failure.error);
                 if for_good.is_some() || now.duration_since(since) >= self.config.dial_wait {

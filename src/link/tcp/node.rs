@@ -271,7 +271,7 @@ impl From<io::Error> for ConnectError {
 impl ConnectError {
     /// True for a failure no redial mends until a setting changes at one
     /// end: the peer declined our dial for another transport or an
-    /// incompatible endpoint, or we found its endpoint incompatible.
+    /// incompatible endpoint, or we found an endpoint one end cannot use.
     pub fn is_permanent(&self) -> bool {
         match self {
             ConnectError::DeclinedByPeer(reason) => reason.is_permanent(),
@@ -521,8 +521,8 @@ struct PeerState<L> {
     retry_at: Option<Instant>,
     /// Our dials the peer declined `Unavailable` in a row.
     declines: u32,
-    /// Our last dial's failure, unless one succeeded since (races settled
-    /// by a decline left out).
+    /// Our last mux-driven dial's failure (benign outcomes left out),
+    /// until an epoch is installed or the address changes.
     last_failure: Option<DialFailure>,
 }
 
@@ -875,6 +875,10 @@ impl<E: EpochMaker> NodeInner<E> {
     /// counted. Called under the `peers` lock.
     fn readdress(&self, state: &mut PeerState<E::Link>, addr: Option<SocketAddr>) {
         let old = std::mem::replace(&mut state.addr, addr);
+        if old != addr {
+            // A failure at the old address says nothing about the new one.
+            state.last_failure = None;
+        }
         if addr.is_some() {
             // A registered peer counts against no source.
             state.source = None;
@@ -1216,8 +1220,9 @@ impl<E: EpochMaker> Connector<E> {
             .last
     }
 
-    /// Why the last dial the node made to `peer` for its mux failed, unless
-    /// one succeeded since (races settled by a decline left out;
+    /// Why the last dial the node made to `peer` for its mux failed, until
+    /// an epoch with the peer is installed (dialed or accepted) or its
+    /// address changes (benign outcomes such as a crossed dial left out;
     /// [`Connector::connect`] returns its own), e.g. the peer declining it
     /// for another transport. Those dials run in the background, so this is
     /// where a caller waiting on a peer learns why no link comes.
@@ -1355,7 +1360,8 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     // Kept before anything is counted: whoever sees a count reads this
     // dial's outcome.
     match &result {
-        Ok(_) => state.last_failure = None,
+        // Cleared at the install (under this lock), as for an accepted epoch.
+        Ok(_) => {}
         Err(err) if !err.is_benign() => {
             state.last_failure = Some(DialFailure {
                 error: *err,
@@ -1678,6 +1684,8 @@ fn install<E: EpochMaker>(
     }
     state.wanted = false;
     state.declines = 0;
+    // Any epoch, dialed or accepted, answers the last failed dial.
+    state.last_failure = None;
     if let Side::Accepted { counted, .. } = side {
         // Settled with the install: a mux asking for a link once this one
         // dies must not find the handshake still under way and be ignored.
@@ -1945,6 +1953,34 @@ mod tests {
 
     fn ip(text: &str) -> IpAddr {
         text.parse().expect("an address")
+    }
+
+    /// Only a refusal no redial mends is permanent; races, limits and
+    /// transient faults are asked again.
+    #[test]
+    fn permanent_failures_are_the_other_transport_and_incompatible_endpoints() {
+        use super::{ConnectError, DeclineReason};
+        for reason in [DeclineReason::WrongTransport, DeclineReason::Incompatible] {
+            assert!(ConnectError::DeclinedByPeer(reason).is_permanent());
+            assert!(!ConnectError::DeclinedByPeer(reason).is_benign());
+        }
+        for reason in [
+            DeclineReason::CrossedDial,
+            DeclineReason::StaleDial,
+            DeclineReason::Unavailable,
+        ] {
+            assert!(!ConnectError::DeclinedByPeer(reason).is_permanent());
+            assert!(ConnectError::DeclinedByPeer(reason).is_benign());
+        }
+        assert!(ConnectError::Incompatible("recv_depth").is_permanent());
+        for transient in [
+            ConnectError::Timeout,
+            ConnectError::Io(std::io::ErrorKind::ConnectionRefused),
+            ConnectError::Resources,
+            ConnectError::Handshake(crate::link::bootstrap::BootstrapError::BadMac),
+        ] {
+            assert!(!transient.is_permanent(), "{transient}");
+        }
     }
 
     #[test]
