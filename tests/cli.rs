@@ -396,52 +396,39 @@ fn pingpong_server_abandons_a_frozen_client() {
     let _ = std::fs::remove_dir_all(&log_dir);
 }
 
+/// `qpmux pingpong --client blob` for a short latency run, then `extra`.
+fn short_client_run<'a>(blob: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let plain = [
+        "pingpong", "--client", blob, "--iters", "20", "--size", "64",
+    ];
+    [&plain[..], extra].concat()
+}
+
+/// Runs a client the server must refuse as the other transport.
+fn refused_as_the_other_transport(args: &[&str]) {
+    let run = run_qpmux(args);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(stderr.contains("runs the other transport"), "{stderr}");
+}
+
 /// A client that dials with the other transport is told so by the server
 /// and fails by name, both ways round, and the server keeps serving.
 #[test]
 fn pingpong_client_of_the_other_transport_is_told_so() {
     let (log_dir, log) = server_log_path("pingpong-mismatch");
-    let (server, blob) = pingpong_server(&["--transport", "tcp"], &log);
-    let run = run_qpmux(&[
-        "pingpong", "--client", &blob, "--iters", "20", "--size", "64",
-    ]);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(!run.status.success());
-    assert!(stderr.contains("runs the other transport"), "{stderr}");
-    let lat_run = [
-        "pingpong",
-        "--client",
-        &blob,
-        "--iters",
-        "20",
-        "--size",
-        "64",
-        "--transport",
-        "tcp",
-    ];
+    let tcp = ["--transport", "tcp"];
+    let (server, blob) = pingpong_server(&tcp, &log);
+    refused_as_the_other_transport(&short_client_run(&blob, &[]));
     let served = served_after(
-        &lat_run,
+        &short_client_run(&blob, &tcp),
         std::time::Duration::from_secs(30),
         "a mismatched client held the server",
     );
     assert_latency_rows(&served, &[64], 20);
     drop(server);
-
     let (server, blob) = pingpong_server(&[], &log);
-    let run = run_qpmux(&[
-        "pingpong",
-        "--client",
-        &blob,
-        "--iters",
-        "20",
-        "--size",
-        "64",
-        "--transport",
-        "tcp",
-    ]);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(!run.status.success());
-    assert!(stderr.contains("runs the other transport"), "{stderr}");
+    refused_as_the_other_transport(&short_client_run(&blob, &tcp));
     drop(server);
     let _ = std::fs::remove_dir_all(&log_dir);
 }

@@ -499,19 +499,24 @@ async fn a_peer_with_another_receive_depth_is_refused_without_a_qp_and_not_hamme
     .await;
 }
 
+/// A TCP node on loopback, for a peer of the other transport.
+async fn tcp_node(id: PeerId) -> TcpTransport {
+    TcpTransport::bind(
+        TcpNodeConfig::new(id),
+        "127.0.0.1:0".parse().expect("an address"),
+        MuxConfig::default(),
+    )
+    .await
+    .expect("bind")
+}
+
 /// A TCP node given an RDMA node's address (the blobs do not say which
 /// transport) is told so, makes nothing there, and backs off.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tcp_node_dialing_an_rdma_node_is_declined_as_another_transport() {
     bounded(async {
         let b = transport(B, None).await;
-        let a = TcpTransport::bind(
-            TcpNodeConfig::new(A),
-            "127.0.0.1:0".parse().expect("an address"),
-            MuxConfig::default(),
-        )
-        .await
-        .expect("bind");
+        let a = tcp_node(A).await;
         assert_eq!(a.register(&b.address()), Ok(B));
         let mut tx = a.mux().open(B, StreamKey::new(3, 1)).expect("open");
         tx.send(Bytes::from_static(b"x")).await.expect("queued");
@@ -537,13 +542,7 @@ async fn a_tcp_node_dialing_an_rdma_node_is_declined_as_another_transport() {
         assert_eq!(a.mux().epoch(B), None);
         // B comes back as a TCP node at another address: the failure at
         // the old one is forgotten, and the waiting stream gets its link.
-        let b_tcp = TcpTransport::bind(
-            TcpNodeConfig::new(B),
-            "127.0.0.1:0".parse().expect("an address"),
-            MuxConfig::default(),
-        )
-        .await
-        .expect("bind");
+        let b_tcp = tcp_node(B).await;
         assert_eq!(a.register(&b_tcp.address()), Ok(B));
         assert_eq!(a.last_dial_failure(B), None);
         until(|| a.mux().epoch(B).is_some()).await;

@@ -472,12 +472,7 @@ async fn frames_for_an_unreachable_peer_are_reported<K: Kind>() {
         assert_eq!(&got.expect("delivered").payload[..], b"hi");
         until(why, || errors.count() == usize::from(N)).await;
         assert_eq!(errors.twice(), 0, "{why}: each reported once");
-        let said = errors
-            .last
-            .lock()
-            .expect("lock")
-            .clone()
-            .unwrap_or_default();
+        let said = errors.last_said();
         assert!(said.contains("unreachable"), "{why}: {said}");
         assert_eq!(ok.count(), 0, "{why}: the reachable peer lost nothing");
         assert_eq!(
@@ -510,12 +505,7 @@ async fn frames_for_a_peer_of_the_other_transport_are_reported_at_once<K: Kind, 
         }
         until("the frames reported", || errors.count() == usize::from(N)).await;
         assert_eq!(errors.twice(), 0, "attempt {attempt}: each reported once");
-        let said = errors
-            .last
-            .lock()
-            .expect("lock")
-            .clone()
-            .unwrap_or_default();
+        let said = errors.last_said();
         assert!(said.contains("unreachable"), "attempt {attempt}: {said}");
     }
     assert!(other.streams.message_stream.is_empty());
@@ -819,12 +809,7 @@ async fn a_failed_start_leaves_the_transport_unstarted() {
     let errors = Arc::new(Errors::default());
     assert!(send(&second, b.id, MessageType::Event, b"nowhere", &errors).is_admitted());
     assert_eq!(errors.count(), 1);
-    let said = errors
-        .last
-        .lock()
-        .expect("lock")
-        .clone()
-        .unwrap_or_default();
+    let said = errors.last_said();
     assert!(said.contains("not started"), "{said}");
     assert!(b.streams.event_stream.is_empty());
     assert_eq!(

@@ -316,6 +316,11 @@ impl Errors {
         self.twice.load(Ordering::SeqCst)
     }
 
+    /// What the last report said ("" before any).
+    pub fn last_said(&self) -> String {
+        self.last.lock().expect("lock").clone().unwrap_or_default()
+    }
+
     /// The payloads reported so far.
     pub fn reported(&self) -> std::collections::HashSet<Bytes> {
         self.seen.lock().expect("lock").clone()
