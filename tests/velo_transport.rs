@@ -13,8 +13,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use qpmux::link::Node;
-use qpmux::link::bootstrap::ClusterKey;
+use qpmux::link::bootstrap::{ClusterKey, DeclineReason};
 use qpmux::link::mem::{MemConfig, MemFabric, MemNode};
+use qpmux::link::tcp::{ConnectError, DialFailure};
 use qpmux::mux::{MuxConfig, MuxTransport, OutboundMessage, PeerId};
 use qpmux::velo::wire::Envelope;
 use qpmux::velo::{QpmuxTransport, VeloConfig};
@@ -509,6 +510,80 @@ async fn frames_for_a_peer_of_the_other_transport_are_reported_at_once<K: Kind, 
         assert!(said.contains("unreachable"), "attempt {attempt}: {said}");
     }
     assert!(other.streams.message_stream.is_empty());
+}
+
+/// A mem node whose last failed dial to every peer is scripted.
+struct Scripted {
+    node: MemNode,
+    failure: Mutex<Option<DialFailure>>,
+}
+
+impl Node for Scripted {
+    type Link = <MemNode as Node>::Link;
+
+    fn mux(&self) -> &qpmux::mux::Mux<Self::Link> {
+        self.node.mux()
+    }
+
+    fn address(&self) -> Vec<u8> {
+        self.node.address()
+    }
+
+    fn register(&self, address: &[u8]) -> Result<PeerId, qpmux::link::RegisterError> {
+        self.node.register(address)
+    }
+
+    fn unregister(&self, peer: PeerId) {
+        self.node.unregister(peer);
+    }
+
+    fn shutdown(&self) {
+        self.node.shutdown();
+    }
+
+    fn last_dial_failure(&self, _peer: PeerId) -> Option<DialFailure> {
+        *self.failure.lock().expect("lock")
+    }
+}
+
+/// A permanent failure from before a lane was made says nothing about its
+/// frames (the peer may have been set right since): they wait; one that
+/// ends after reports them at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_failed_dial_after_the_lane_was_made_reports_its_frames() {
+    const N: u8 = 4;
+    let fabric = MemFabric::new(MemConfig::default());
+    let declined = |at| DialFailure {
+        error: ConnectError::DeclinedByPeer(DeclineReason::WrongTransport),
+        at,
+    };
+    let node = Arc::new(Scripted {
+        node: fabric.node(PeerId(1), MuxConfig::default()),
+        failure: Mutex::new(Some(declined(std::time::Instant::now()))),
+    });
+    let config = VeloConfig {
+        dial_wait: Duration::from_secs(3600),
+        ..VeloConfig::default()
+    };
+    let a = end_on(node.clone(), config).await;
+    // A peer on no fabric node: nothing ever links to it.
+    let nowhere = PeerInfo::new(
+        InstanceId::new_v4(),
+        worker_address(99u64.to_be_bytes().to_vec()),
+    );
+    let id = nowhere.instance_id();
+    a.transport.register(nowhere).expect("registers");
+    let errors = Arc::new(Errors::default());
+    for i in 0..N {
+        drop(send(&a, id, MessageType::Message, &[i], &errors));
+    }
+    // Ten sweeps (20 ms each) with the stale failure: nothing reported.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(errors.count(), 0, "{}", errors.last_said());
+    *node.failure.lock().expect("lock") = Some(declined(std::time::Instant::now()));
+    until("the frames reported", || errors.count() == usize::from(N)).await;
+    assert_eq!(errors.twice(), 0);
+    assert!(errors.last_said().contains("unreachable"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
