@@ -518,6 +518,10 @@ async fn a_tcp_node_dialing_an_rdma_node_is_declined_as_another_transport() {
         let b = transport(B, None).await;
         let a = tcp_node(A).await;
         assert_eq!(a.register(&b.address()), Ok(B));
+        let declined = ConnectError::DeclinedByPeer(DeclineReason::WrongTransport);
+        // An explicit dial hears it, and leaves it for whoever waits on B.
+        assert_eq!(a.node().connect(B).await, Err(declined));
+        assert_eq!(a.last_dial_failure(B).map(|f| f.error), Some(declined));
         let mut tx = a.mux().open(B, StreamKey::new(3, 1)).expect("open");
         tx.send(Bytes::from_static(b"x")).await.expect("queued");
         until(|| a.last_dial_failure(B).is_some()).await;

@@ -521,9 +521,24 @@ struct PeerState<L> {
     retry_at: Option<Instant>,
     /// Our dials the peer declined `Unavailable` in a row.
     declines: u32,
-    /// Our last mux-driven dial's failure (benign outcomes left out),
-    /// until an epoch is installed or the address changes.
+    /// Our last dial's failure (benign outcomes left out), until an epoch
+    /// is installed or the address changes.
     last_failure: Option<DialFailure>,
+}
+
+impl<L> PeerState<L> {
+    /// Keeps a failed dial's verdict (benign outcomes left out); a dial that
+    /// succeeded is answered by its install, which clears it.
+    fn note_failed_dial(&mut self, result: &Result<Epoch, ConnectError>) {
+        if let Err(err) = result
+            && !err.is_benign()
+        {
+            self.last_failure = Some(DialFailure {
+                error: *err,
+                at: std::time::Instant::now(),
+            });
+        }
+    }
 }
 
 impl<L> Default for PeerState<L> {
@@ -1220,12 +1235,12 @@ impl<E: EpochMaker> Connector<E> {
             .last
     }
 
-    /// Why the last dial the node made to `peer` for its mux failed, until
-    /// an epoch with the peer is installed (dialed or accepted) or its
-    /// address changes (benign outcomes such as a crossed dial left out;
-    /// [`Connector::connect`] returns its own), e.g. the peer declining it
-    /// for another transport. Those dials run in the background, so this is
-    /// where a caller waiting on a peer learns why no link comes.
+    /// Why the node's last dial to `peer` failed (its mux's or
+    /// [`Connector::connect`]'s), until an epoch with the peer is installed
+    /// (dialed or accepted) or its address changes (benign outcomes such as
+    /// a crossed dial left out), e.g. the peer declining it for another
+    /// transport. The mux's dials run in the background, so this is where a
+    /// caller waiting on a peer learns why no link comes.
     pub fn last_dial_failure(&self, peer: PeerId) -> Option<DialFailure> {
         self.inner
             .peers()
@@ -1246,11 +1261,14 @@ impl<E: EpochMaker> Connector<E> {
             idle
         };
         let result = dial_once(&self.inner, peer).await;
-        if owned {
-            let mut peers = self.inner.peers();
-            if let Some(state) = peers.get_mut(&peer) {
+        let mut peers = self.inner.peers();
+        if let Some(state) = peers.get_mut(&peer) {
+            if owned {
                 state.dial = Dial::Idle;
             }
+            state.note_failed_dial(&result);
+        }
+        if owned {
             // A peer connected without being registered leaves with its link.
             self.inner.release(peers, peer);
         }
@@ -1359,17 +1377,7 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     }
     // Kept before anything is counted: whoever sees a count reads this
     // dial's outcome.
-    match &result {
-        // Cleared at the install (under this lock), as for an accepted epoch.
-        Ok(_) => {}
-        Err(err) if !err.is_benign() => {
-            state.last_failure = Some(DialFailure {
-                error: *err,
-                at: std::time::Instant::now(),
-            });
-        }
-        Err(_) => {}
-    }
+    state.note_failed_dial(&result);
     if let Err(ConnectError::DeclinedByPeer(_)) = result {
         bump(&inner.counters.declined);
     }
