@@ -524,7 +524,11 @@ async fn a_tcp_node_dialing_an_rdma_node_is_declined_as_another_transport() {
         assert_eq!(a.last_dial_failure(B).map(|f| f.error), Some(declined));
         let mut tx = a.mux().open(B, StreamKey::new(3, 1)).expect("open");
         tx.send(Bytes::from_static(b"x")).await.expect("queued");
-        until(|| a.last_dial_failure(B).is_some()).await;
+        // The stream waiting for a link that cannot come ends, told why.
+        assert_eq!(
+            tx.closed().await,
+            SendError::Dropped(DropReason::Unreachable)
+        );
         assert_eq!(
             a.last_dial_failure(B).map(|failure| failure.error),
             Some(ConnectError::DeclinedByPeer(DeclineReason::WrongTransport))
@@ -545,10 +549,12 @@ async fn a_tcp_node_dialing_an_rdma_node_is_declined_as_another_transport() {
         );
         assert_eq!(a.mux().epoch(B), None);
         // B comes back as a TCP node at another address: the failure at
-        // the old one is forgotten, and the waiting stream gets its link.
+        // the old one is forgotten, and a new stream gets its link.
         let b_tcp = tcp_node(B).await;
         assert_eq!(a.register(&b_tcp.address()), Ok(B));
         assert_eq!(a.last_dial_failure(B), None);
+        let mut again = a.mux().open(B, StreamKey::new(3, 2)).expect("open");
+        again.send(Bytes::from_static(b"y")).await.expect("queued");
         until(|| a.mux().epoch(B).is_some()).await;
         assert_eq!(a.last_dial_failure(B), None);
     })

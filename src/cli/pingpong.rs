@@ -30,10 +30,10 @@ use super::{hex, unhex};
 use crate::link::Node;
 use crate::link::bootstrap::DeclineReason;
 use crate::link::rdma::{RdmaNodeConfig, RdmaTransport};
-use crate::link::tcp::{ConnectError, TcpNodeConfig, TcpTransport};
+use crate::link::tcp::{ConnectError, DialFailure, TcpNodeConfig, TcpTransport};
 use crate::mux::{
-    CloseReason, Frame, MuxConfig, MuxError, MuxTransport, PeerId, SendError, SlotReceiver,
-    SlotSender, StreamKey, Terminal,
+    CloseReason, DropReason, Frame, MuxConfig, MuxError, MuxTransport, PeerId, SendError,
+    SlotReceiver, SlotSender, StreamKey, Terminal,
 };
 use crate::verbs::Device;
 use crate::verbs::soft::SoftDevice;
@@ -481,20 +481,6 @@ async fn next_reply<N: Node>(
     }
 }
 
-/// Resolves when a dial to the server fails in a way no redial mends: it
-/// runs another transport, or one end cannot work with the other's endpoint.
-async fn dial_failed_for_good<N: Node>(node: &N, server: PeerId) -> ConnectError {
-    let mut check = tokio::time::interval(Duration::from_millis(50));
-    loop {
-        check.tick().await;
-        if let Some(failure) = node.last_dial_failure(server)
-            && failure.error.is_permanent()
-        {
-            return failure.error;
-        }
-    }
-}
-
 /// The next frame that is not a heartbeat (an idle slot's keepalive).
 async fn next_data(rx: &mut SlotReceiver) -> Option<Frame> {
     loop {
@@ -695,7 +681,9 @@ async fn start_run<N: Node>(
     let mut hello = node.mux().open(server, StreamKey::new(HELLO_ANCHOR, 0))?;
     // The server's refusal can arrive before the second send.
     for part in [Bytes::from(node.address()), encode_plan(run, sessions)] {
-        hello.send(part).await.map_err(refused_or)?;
+        if let Err(err) = hello.send(part).await {
+            return Err(hello_closed(node, server, err));
+        }
     }
     let dropped_before = node.mux().stats().slots_dropped;
     let no_welcome = |why: String| match node.last_dial_failure(server) {
@@ -708,25 +696,38 @@ async fn start_run<N: Node>(
         None => anyhow::anyhow!("no welcome from the pingpong server: {why}"),
     };
     tokio::select! {
+        // First: a hello ended as unreachable also counts a dropped slot,
+        // which `next_reply` would report as a link lost.
+        biased;
+        closed = hello.closed() => Err(hello_closed(node, server, closed)),
         reply = next_reply(node, dropped_before, &mut welcome, wait) => match reply {
             Ok(Some(Frame::Data(ok))) if ok.as_ref() == WELCOME => Ok((hello, welcome)),
             Ok(other) => Err(no_welcome(format!("{other:?}"))),
             Err(err) => Err(no_welcome(format!("{err:#}"))),
         },
-        failed = dial_failed_for_good(node, server) => Err(match failed {
-            ConnectError::DeclinedByPeer(DeclineReason::WrongTransport) => anyhow::anyhow!(
+    }
+}
+
+/// Why the hello ended before the welcome: the server busy, or no link to
+/// it for good (the mux ends the hello when a dial fails so; the node says
+/// why), or whatever else ended it.
+fn hello_closed<N: Node>(node: &N, server: PeerId, err: SendError) -> anyhow::Error {
+    match err {
+        SendError::PeerClosed(CloseReason::Refused | CloseReason::UnknownSlot) => refused_or(err),
+        SendError::Dropped(DropReason::Unreachable) => match node.last_dial_failure(server) {
+            Some(DialFailure {
+                error: ConnectError::DeclinedByPeer(DeclineReason::WrongTransport),
+                ..
+            }) => anyhow::anyhow!(
                 "the pingpong server runs the other transport: give the client the server's --transport"
             ),
-            err => anyhow::anyhow!(
-                "no link to the pingpong server: {err}; give both ends the same settings"
+            Some(failure) => anyhow::anyhow!(
+                "no link to the pingpong server: {}; give both ends the same settings",
+                failure.error
             ),
-        }),
-        closed = hello.closed() => match closed {
-            SendError::PeerClosed(CloseReason::Refused | CloseReason::UnknownSlot) => {
-                Err(refused_or(closed))
-            }
-            other => anyhow::bail!("the pingpong server ended the run before its welcome: {other}"),
+            None => anyhow::anyhow!("no link to the pingpong server: {err}"),
         },
+        other => anyhow::anyhow!("the pingpong server ended the run before its welcome: {other}"),
     }
 }
 

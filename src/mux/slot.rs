@@ -123,8 +123,9 @@ pub(crate) struct PeerControl {
     /// The peer's `max_slots_per_peer`, as its latest epoch's terms said;
     /// `usize::MAX` before any.
     pub peer_max_slots: AtomicUsize,
-    /// How often the connector has forgotten the peer (unregistered it).
-    pub forgets: AtomicU64,
+    /// How often the connector has said no link to the peer will come (it
+    /// forgot the peer, or found it unreachable for good).
+    pub waits_ended: AtomicU64,
 }
 
 /// A peer task's offer, while it waits with nothing to write, to let a
@@ -147,10 +148,11 @@ pub(crate) struct ControlState {
     /// The newest Ping nonce callers wait on (coalesced: one Ping answers all).
     pub ping_wanted: Option<u64>,
     pub retired: bool,
-    /// The connector forgot the peer: the peer task ends the slots opened
-    /// before it and waiting for a link when it next waits for one
-    /// ([`crate::mux::Mux::forget_peer`]).
-    pub forgotten: bool,
+    /// The connector said no link will come, and why: the peer task ends
+    /// the slots opened before it and waiting for a link with this reason
+    /// when it next waits for one ([`crate::mux::Mux::forget_peer`],
+    /// [`crate::mux::Mux::peer_unreachable`]).
+    pub end_waiting: Option<DropReason>,
     /// The connector let the peer go (it only dialled in, and its last link
     /// is over): the peer task retires as soon as it holds nothing, not an
     /// idle period later ([`crate::mux::Mux::let_go_peer`]). A link handed
@@ -179,7 +181,7 @@ impl PeerControl {
             unserved_grants: AtomicU64::new(0),
             peer_max_record: AtomicUsize::new(0),
             peer_max_slots: AtomicUsize::new(usize::MAX),
-            forgets: AtomicU64::new(0),
+            waits_ended: AtomicU64::new(0),
         }
     }
 
@@ -297,9 +299,9 @@ enum Room {
 pub(crate) struct Inlet {
     pub key: StreamKey,
     pub control: Arc<PeerControl>,
-    /// The peer's [`PeerControl::forgets`] when this slot opened: a forget
-    /// after it ends the slot if it still waits for a link.
-    pub opened_after_forgets: u64,
+    /// The peer's [`PeerControl::waits_ended`] when this slot opened: a
+    /// later word that no link will come ends the slot if it still waits.
+    pub opened_after_waits_ended: u64,
     slot_budget: usize,
     max_record: usize,
     state: Mutex<InletState>,
@@ -352,7 +354,7 @@ impl Inlet {
     ) -> Arc<Inlet> {
         Arc::new(Inlet {
             key,
-            opened_after_forgets: control.forgets.load(Ordering::Acquire),
+            opened_after_waits_ended: control.waits_ended.load(Ordering::Acquire),
             control,
             slot_budget,
             max_record,

@@ -67,6 +67,11 @@ pub enum DropReason {
     /// The peer was unregistered while the stream waited for a link to it:
     /// none will come, and nothing of the stream went out.
     Unregistered,
+    /// No link to the peer can come until a setting changes at one end (it
+    /// runs another transport, or one end cannot use the other's endpoint:
+    /// `ConnectError::is_permanent`) while the stream waited for one;
+    /// nothing of the stream went out.
+    Unreachable,
     /// The sender's next record was larger than this end takes (its
     /// `max_record` or its window for that peer); the records before it
     /// were delivered, the stream ends here.

@@ -914,6 +914,16 @@ impl<E: EpochMaker> NodeInner<E> {
         }
     }
 
+    /// A dial to `peer` failed in a way no redial mends: the mux ends the
+    /// slots waiting for a link to it. Called with no table lock held, as
+    /// `forget` calls the mux (the mux's tasks call the dialer, which takes
+    /// that lock).
+    fn unreachable(&self, peer: PeerId) {
+        if let Some(mux) = self.mux.get() {
+            mux.peer_unreachable(peer);
+        }
+    }
+
     /// One more failed attempt: the wait doubles, within the configured
     /// bounds, and up to half of it more at random, so dialers shed or
     /// refused together do not come back in step.
@@ -1271,6 +1281,11 @@ impl<E: EpochMaker> Connector<E> {
         if owned {
             // A peer connected without being registered leaves with its link.
             self.inner.release(peers, peer);
+        } else {
+            drop(peers);
+        }
+        if matches!(&result, Err(err) if err.is_permanent()) {
+            self.inner.unreachable(peer);
         }
         if let Err(ConnectError::DeclinedByPeer(_)) = result {
             bump(&self.inner.counters.declined);
@@ -1378,6 +1393,7 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     // Kept before anything is counted: whoever sees a count reads this
     // dial's outcome.
     state.note_failed_dial(&result);
+    let permanent = matches!(&result, Err(err) if err.is_permanent());
     if let Err(ConnectError::DeclinedByPeer(_)) = result {
         bump(&inner.counters.declined);
     }
@@ -1422,6 +1438,9 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     // Forgotten after the install, its link already released: nothing else
     // would let it go.
     inner.release(peers, peer);
+    if permanent {
+        inner.unreachable(peer);
+    }
 }
 
 async fn dial_once<E: EpochMaker>(

@@ -347,12 +347,26 @@ impl<L: Link> Mux<L> {
     /// epoch then end so too). Slots opened after it wait as any do (the
     /// peer may be registered again). Messages keep their own deadlines.
     pub fn forget_peer(&self, peer: PeerId) {
+        self.end_waiting_slots(peer, DropReason::Unregistered);
+    }
+
+    /// The connector found `peer` unreachable until a setting changes at
+    /// one end (a dial no redial mends: another transport, an endpoint one
+    /// end cannot use). As for [`Mux::forget_peer`], its slots opened
+    /// before this call and waiting for a link end, with
+    /// [`DropReason::Unreachable`]; later ones wait as any do (the peer may
+    /// be set right).
+    pub fn peer_unreachable(&self, peer: PeerId) {
+        self.end_waiting_slots(peer, DropReason::Unreachable);
+    }
+
+    fn end_waiting_slots(&self, peer: PeerId, reason: DropReason) {
         let Some(entry) = lock(&self.shared.peers).get(&peer).cloned() else {
             return;
         };
         let mut control = entry.control.state();
-        entry.control.forgets.fetch_add(1, Ordering::AcqRel);
-        control.forgotten = true;
+        entry.control.waits_ended.fetch_add(1, Ordering::AcqRel);
+        control.end_waiting = Some(reason);
         drop(control);
         entry.control.wake.notify_one();
     }
@@ -770,7 +784,7 @@ async fn wait_for_link<L: Link>(
         let shutdown = shared.shutdown_notify.notified();
         tokio::pin!(shutdown);
         shutdown.as_mut().enable();
-        end_forgotten(entry);
+        end_waiting(entry);
         let now = Instant::now();
         let (wants_link, let_go) = {
             let control = entry.control.state();
@@ -915,27 +929,27 @@ fn mark_served<L: Link>(entry: &PeerEntry<L>, epoch: Epoch) {
     *served = (*served).max(Some(epoch));
 }
 
-/// Ends what waits for a link to a peer the connector forgot
-/// ([`Mux::forget_peer`]).
-fn end_forgotten<L: Link>(entry: &PeerEntry<L>) {
+/// Ends what waits for a link to a peer the connector said none will come
+/// to ([`Mux::forget_peer`], [`Mux::peer_unreachable`]).
+fn end_waiting<L: Link>(entry: &PeerEntry<L>) {
     let mut control = entry.control.state();
-    if !std::mem::take(&mut control.forgotten) {
+    let Some(reason) = control.end_waiting.take() else {
         return;
-    }
+    };
     // A link waiting to be served (the peer dialled in, or was registered
     // again and dialled): the peer is back, and the slots go with it.
     if lock(&entry.incoming).is_some() {
         return;
     }
-    let forgets = entry.control.forgets.load(Ordering::Acquire);
+    let ended = entry.control.waits_ended.load(Ordering::Acquire);
     let (before, after) = std::mem::take(&mut control.dirty_inlets)
         .into_iter()
-        .partition::<Vec<_>, _>(|inlet| inlet.opened_after_forgets < forgets);
+        .partition::<Vec<_>, _>(|inlet| inlet.opened_after_waits_ended < ended);
     control.dirty_inlets = after;
     drop(control);
     Counters::add(&entry.control.counters.slots_dropped, before.len() as u64);
     for inlet in before {
-        inlet.close(crate::mux::SendError::Dropped(DropReason::Unregistered));
+        inlet.close(crate::mux::SendError::Dropped(reason));
     }
 }
 
