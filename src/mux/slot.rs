@@ -606,11 +606,12 @@ impl Inlet {
         }
     }
 
-    /// Ends the slot for its producer; discards what it had queued.
-    pub fn close(&self, err: SendError) {
+    /// Ends the slot for its producer with `err` and discards what it had
+    /// queued; false if it had ended already.
+    pub fn close(&self, err: SendError) -> bool {
         let mut state = lock(&self.state);
         if state.closed.is_some() {
-            return;
+            return false;
         }
         state.closed = Some(err);
         state.terminal = None;
@@ -622,6 +623,7 @@ impl Inlet {
         drop(state);
         self.control.release_budget(discarded);
         self.space.notify_waiters();
+        true
     }
 }
 

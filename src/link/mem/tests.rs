@@ -313,4 +313,60 @@ mod node {
         .await;
         bounded.expect("timed out");
     }
+
+    /// The connector's word that a peer is unreachable for good ends the
+    /// slots already waiting for a link to it with `Dropped(Unreachable)`;
+    /// one opened after waits, and a live epoch makes the word nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slot_waiting_for_an_unreachable_peer_ends_and_a_later_one_waits() {
+        let bounded = tokio::time::timeout(Duration::from_secs(20), async {
+            let fabric = MemFabric::new(crate::link::mem::MemConfig::default());
+            let a = fabric.node(A, MuxConfig::default());
+            let absent = PeerId(77);
+            assert_eq!(a.register(&absent.0.to_be_bytes()), Ok(absent));
+            let mut early = a.mux().open(absent, StreamKey::new(9, 3)).expect("open");
+            early
+                .send(Bytes::from_static(b"never"))
+                .await
+                .expect("queued");
+            let dropped = a.mux().stats().slots_dropped;
+            a.mux().peer_unreachable(absent);
+            assert_eq!(
+                sent_until_ended(&mut early).await,
+                SendError::Dropped(DropReason::Unreachable)
+            );
+            assert_eq!(a.mux().stats().slots_dropped, dropped + 1);
+            let mut later = a.mux().open(absent, StreamKey::new(9, 4)).expect("open");
+            later
+                .send(Bytes::from_static(b"wait"))
+                .await
+                .expect("queued");
+            let waited = tokio::time::timeout(Duration::from_millis(200), later.closed()).await;
+            assert!(
+                waited.is_err(),
+                "a slot opened after the word ended: {waited:?}"
+            );
+
+            // With an epoch up the peer is reachable: its slots go on.
+            let b = fabric.node(B, MuxConfig::default());
+            assert_eq!(a.register(&b.address()), Ok(B));
+            let mut rx = b.mux().bind(StreamKey::new(9, 5)).expect("bind");
+            let mut tx = a.mux().open(B, StreamKey::new(9, 5)).expect("open");
+            tx.send(Bytes::from_static(b"one")).await.expect("queued");
+            assert_eq!(
+                rx.recv().await,
+                Some(Frame::Data(Bytes::from_static(b"one")))
+            );
+            a.mux().peer_unreachable(B);
+            tx.send(Bytes::from_static(b"two"))
+                .await
+                .expect("still open");
+            assert_eq!(
+                rx.recv().await,
+                Some(Frame::Data(Bytes::from_static(b"two")))
+            );
+        })
+        .await;
+        bounded.expect("timed out");
+    }
 }

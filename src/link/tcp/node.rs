@@ -526,21 +526,6 @@ struct PeerState<L> {
     last_failure: Option<DialFailure>,
 }
 
-impl<L> PeerState<L> {
-    /// Keeps a failed dial's verdict (benign outcomes left out); a dial that
-    /// succeeded is answered by its install, which clears it.
-    fn note_failed_dial(&mut self, result: &Result<Epoch, ConnectError>) {
-        if let Err(err) = result
-            && !err.is_benign()
-        {
-            self.last_failure = Some(DialFailure {
-                error: *err,
-                at: std::time::Instant::now(),
-            });
-        }
-    }
-}
-
 impl<L> Default for PeerState<L> {
     fn default() -> Self {
         PeerState {
@@ -716,6 +701,35 @@ impl<E: EpochMaker> NodeInner<E> {
             .current
             .as_ref()
             .is_some_and(|l| E::end_reason(l).is_none())
+    }
+
+    /// Keeps a failed dial's verdict (benign outcomes left out) while it is
+    /// still about the peer: dialled at the address it has now (a dial to
+    /// an old one says nothing of the new), with no link up or being
+    /// accepted meanwhile. A dial that succeeded is answered by its install,
+    /// which clears it. True when the kept verdict is permanent: the caller
+    /// then tells the mux ([`NodeInner::unreachable`]).
+    fn note_failed_dial(
+        state: &mut PeerState<E::Link>,
+        result: &Result<Epoch, ConnectError>,
+        dialed: Option<SocketAddr>,
+    ) -> bool {
+        let Err(err) = result else {
+            return false;
+        };
+        if err.is_benign()
+            || dialed.is_none()
+            || state.addr != dialed
+            || Self::live(state)
+            || state.accepting > 0
+        {
+            return false;
+        }
+        state.last_failure = Some(DialFailure {
+            error: *err,
+            at: std::time::Instant::now(),
+        });
+        err.is_permanent()
     }
 
     /// `peer`'s entry, made if there is none. A new entry's epochs start
@@ -1260,6 +1274,10 @@ impl<E: EpochMaker> Connector<E> {
 
     /// Dials `peer` now (ignoring backoff) and installs the link. While it
     /// runs, the peer's crossing dials are settled as for mux-driven dials.
+    /// Its failure is kept for the peer ([`Connector::last_dial_failure`])
+    /// as a mux-driven dial's is, and a permanent one ends the mux's slots
+    /// waiting for a link to the peer ([`crate::mux::Mux::peer_unreachable`]);
+    /// it is not counted in `dial_failures` and starts no backoff.
     pub async fn connect(&self, peer: PeerId) -> Result<Epoch, ConnectError> {
         let owned = {
             let mut peers = self.inner.peers();
@@ -1270,13 +1288,15 @@ impl<E: EpochMaker> Connector<E> {
             }
             idle
         };
-        let result = dial_once(&self.inner, peer).await;
+        let mut dialed = None;
+        let result = dial_once(&self.inner, peer, &mut dialed).await;
         let mut peers = self.inner.peers();
+        let mut permanent = false;
         if let Some(state) = peers.get_mut(&peer) {
             if owned {
                 state.dial = Dial::Idle;
             }
-            state.note_failed_dial(&result);
+            permanent = NodeInner::<E>::note_failed_dial(state, &result, dialed);
         }
         if owned {
             // A peer connected without being registered leaves with its link.
@@ -1284,7 +1304,7 @@ impl<E: EpochMaker> Connector<E> {
         } else {
             drop(peers);
         }
-        if matches!(&result, Err(err) if err.is_permanent()) {
+        if permanent {
             self.inner.unreachable(peer);
         }
         if let Err(ConnectError::DeclinedByPeer(_)) = result {
@@ -1374,7 +1394,8 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
         }
         state.dial = Dial::Connecting;
     }
-    let result = dial_once(&inner, peer).await;
+    let mut dialed = None;
+    let result = dial_once(&inner, peer, &mut dialed).await;
     let mut peers = inner.peers();
     let state = inner.entry(&mut peers, peer);
     state.dial = Dial::Idle;
@@ -1392,8 +1413,7 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     }
     // Kept before anything is counted: whoever sees a count reads this
     // dial's outcome.
-    state.note_failed_dial(&result);
-    let permanent = matches!(&result, Err(err) if err.is_permanent());
+    let permanent = NodeInner::<E>::note_failed_dial(state, &result, dialed);
     if let Err(ConnectError::DeclinedByPeer(_)) = result {
         bump(&inner.counters.declined);
     }
@@ -1443,9 +1463,11 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     }
 }
 
+/// One dial to `peer`'s registered address, set in `dialed` once read.
 async fn dial_once<E: EpochMaker>(
     inner: &Arc<NodeInner<E>>,
     peer: PeerId,
+    dialed: &mut Option<SocketAddr>,
 ) -> Result<Epoch, ConnectError> {
     if inner.shutdown.load(Ordering::Acquire) {
         return Err(ConnectError::NotServing);
@@ -1460,6 +1482,7 @@ async fn dial_once<E: EpochMaker>(
         }
         (addr, state.last_epoch)
     };
+    *dialed = Some(addr);
     // The credit our hello gives the peer, for the mux at install.
     let mut granted = 0;
     let attempt = async {

@@ -354,10 +354,14 @@ impl<L: Link> Mux<L> {
     /// one end (a dial no redial mends: another transport, an endpoint one
     /// end cannot use). As for [`Mux::forget_peer`], its slots opened
     /// before this call and waiting for a link end, with
-    /// [`DropReason::Unreachable`]; later ones wait as any do (the peer may
-    /// be set right).
+    /// [`DropReason::Unreachable`]; later ones wait for a link, and end so
+    /// too if the next dial (after the connector's backoff) fails the same
+    /// way. Nothing while an epoch with the peer is up: it is reachable.
     pub fn peer_unreachable(&self, peer: PeerId) {
-        self.end_waiting_slots(peer, DropReason::Unreachable);
+        // A served epoch proves the peer reachable; its slots go on with it.
+        if self.epoch(peer).is_none() {
+            self.end_waiting_slots(peer, DropReason::Unreachable);
+        }
     }
 
     fn end_waiting_slots(&self, peer: PeerId, reason: DropReason) {
@@ -947,10 +951,13 @@ fn end_waiting<L: Link>(entry: &PeerEntry<L>) {
         .partition::<Vec<_>, _>(|inlet| inlet.opened_after_waits_ended < ended);
     control.dirty_inlets = after;
     drop(control);
-    Counters::add(&entry.control.counters.slots_dropped, before.len() as u64);
-    for inlet in before {
-        inlet.close(crate::mux::SendError::Dropped(reason));
-    }
+    // Closed first, then counted: whoever sees the count finds the slots
+    // ended; one that had ended already is not counted again.
+    let closed = before
+        .into_iter()
+        .filter(|inlet| inlet.close(crate::mux::SendError::Dropped(reason)))
+        .count();
+    Counters::add(&entry.control.counters.slots_dropped, closed as u64);
 }
 
 /// After a peer task panicked outside an epoch's catch: the epoch it served
