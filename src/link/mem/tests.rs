@@ -335,6 +335,10 @@ mod node {
                 sent_until_ended(&mut early).await,
                 SendError::Dropped(DropReason::Unreachable)
             );
+            // Counted just after the close.
+            while a.mux().stats().slots_dropped == dropped {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
             assert_eq!(a.mux().stats().slots_dropped, dropped + 1);
             let mut later = a.mux().open(absent, StreamKey::new(9, 4)).expect("open");
             later

@@ -706,7 +706,7 @@ impl<E: EpochMaker> NodeInner<E> {
     /// Keeps a failed dial's verdict (benign outcomes left out) while it is
     /// still about the peer: dialled at the address it has now (a dial to
     /// an old one says nothing of the new), with no link up or being
-    /// accepted meanwhile. A dial that succeeded is answered by its install,
+    /// accepted when the dial ended. A dial that succeeded is answered by its install,
     /// which clears it. True when the kept verdict is permanent: the caller
     /// then tells the mux ([`NodeInner::unreachable`]).
     fn note_failed_dial(
@@ -1277,7 +1277,8 @@ impl<E: EpochMaker> Connector<E> {
     /// Its failure is kept for the peer ([`Connector::last_dial_failure`])
     /// as a mux-driven dial's is, and a permanent one ends the mux's slots
     /// waiting for a link to the peer ([`crate::mux::Mux::peer_unreachable`]);
-    /// it is not counted in `dial_failures` and starts no backoff.
+    /// it is not counted in `dial_failures` (a decline is, in `declined`)
+    /// and starts no backoff.
     pub async fn connect(&self, peer: PeerId) -> Result<Epoch, ConnectError> {
         let owned = {
             let mut peers = self.inner.peers();
@@ -1411,8 +1412,8 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
     ) {
         state.declines = 0;
     }
-    // Kept before anything is counted: whoever sees a count reads this
-    // dial's outcome.
+    // Kept (where still about the peer) before anything is counted: whoever
+    // sees a count reads this dial's outcome.
     let permanent = NodeInner::<E>::note_failed_dial(state, &result, dialed);
     if let Err(ConnectError::DeclinedByPeer(_)) = result {
         bump(&inner.counters.declined);
@@ -1476,13 +1477,13 @@ async fn dial_once<E: EpochMaker>(
         let peers = inner.peers();
         let state = peers.get(&peer).ok_or(ConnectError::UnknownPeer(peer))?;
         let addr = state.addr.ok_or(ConnectError::UnknownPeer(peer))?;
+        *dialed = Some(addr);
         if let Some(refusal) = inner.peer_limit(&peers, peer, None) {
             bump(&inner.counters.peer_limit_refusals);
             return Err(refusal);
         }
         (addr, state.last_epoch)
     };
-    *dialed = Some(addr);
     // The credit our hello gives the peer, for the mux at install.
     let mut granted = 0;
     let attempt = async {

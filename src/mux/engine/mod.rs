@@ -356,7 +356,8 @@ impl<L: Link> Mux<L> {
     /// before this call and waiting for a link end, with
     /// [`DropReason::Unreachable`]; later ones wait for a link, and end so
     /// too if the next dial (after the connector's backoff) fails the same
-    /// way. Nothing while an epoch with the peer is up: it is reachable.
+    /// way (the mux's or an explicit connect). Nothing while the mux serves
+    /// or reads out an epoch with the peer: it is reachable.
     pub fn peer_unreachable(&self, peer: PeerId) {
         // A served epoch proves the peer reachable; its slots go on with it.
         if self.epoch(peer).is_none() {
