@@ -551,8 +551,14 @@ async fn a_tcp_node_dialing_an_rdma_node_is_declined_as_another_transport() {
         // B comes back as a TCP node at another address: the failure at
         // the old one is forgotten, and a new stream gets its link.
         let b_tcp = tcp_node(B).await;
+        assert!(a.node().backoff(B) > Duration::ZERO);
         assert_eq!(a.register(&b_tcp.address()), Ok(B));
         assert_eq!(a.last_dial_failure(B), None);
+        assert_eq!(
+            a.node().backoff(B),
+            Duration::ZERO,
+            "no backoff carried over"
+        );
         let mut again = a.mux().open(B, StreamKey::new(3, 2)).expect("open");
         again.send(Bytes::from_static(b"y")).await.expect("queued");
         until(|| a.mux().epoch(B).is_some()).await;

@@ -905,8 +905,11 @@ impl<E: EpochMaker> NodeInner<E> {
     fn readdress(&self, state: &mut PeerState<E::Link>, addr: Option<SocketAddr>) {
         let old = std::mem::replace(&mut state.addr, addr);
         if old != addr {
-            // A failure at the old address says nothing about the new one.
+            // Failures at the old address say nothing about the new one:
+            // neither their verdict nor their backoff carries over.
             state.last_failure = None;
+            state.backoff = Duration::ZERO;
+            state.retry_at = None;
         }
         if addr.is_some() {
             // A registered peer counts against no source.
@@ -1449,6 +1452,11 @@ async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: 
             if !warned {
                 tracing::debug!(?peer, %err, "dial settled elsewhere");
             }
+        }
+        Err(err) if dialed.is_some() && state.addr != dialed => {
+            // Dialled at an address since replaced: the new one owes nothing.
+            bump(&inner.counters.dial_failures);
+            tracing::debug!(?peer, %err, "a dial to a replaced address failed");
         }
         Err(err) => {
             bump(&inner.counters.dial_failures);
