@@ -986,38 +986,35 @@ mod tests {
         assert!(err.to_string().contains("took no echo"), "{err:#}");
     }
 
-    /// The server end of a stuck run: binds the session's ping stream and
-    /// never reads it or answers.
-    fn stuck_server(server: &MemNode, session: u64) -> SlotReceiver {
-        (server.mux())
+    /// A client run of `test` at `size` against a server that binds the
+    /// session's ping stream and never reads it or answers: its error.
+    async fn run_against_a_stuck_server(test: Test, size: usize) -> anyhow::Error {
+        let (server, node) = fabric_pair();
+        let server_peer = node.register(&server.address()).expect("register");
+        let session = 1 << 16 | 1;
+        let _stuck = (server.mux())
             .bind(StreamKey::new(PING_ANCHOR, session))
-            .expect("bind")
-    }
-
-    fn measure(test: Test, size: usize) -> Measure {
-        Measure {
+            .expect("bind");
+        let measure = Measure {
             test,
             size,
             iters: 1000,
             warmup: 0,
             patience: Duration::from_secs(20),
-        }
+        };
+        let bar = ProgressBar::hidden();
+        let run = client(&node, server_peer, session, measure, &bar);
+        tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .expect("fails within its patience")
+            .unwrap_err()
     }
 
     /// A latency run against a server that takes its records and never
     /// answers fails after its patience, naming the missing reply.
     #[tokio::test(start_paused = true)]
     async fn a_server_that_never_echoes_fails_the_latency_run() {
-        let (server, node) = fabric_pair();
-        let server_peer = node.register(&server.address()).expect("register");
-        let session = 1 << 16 | 1;
-        let _stuck = stuck_server(&server, session);
-        let bar = ProgressBar::hidden();
-        let run = client(&node, server_peer, session, measure(Test::Lat, 64), &bar);
-        let err = tokio::time::timeout(Duration::from_secs(60), run)
-            .await
-            .expect("fails within its patience")
-            .unwrap_err();
+        let err = run_against_a_stuck_server(Test::Lat, 64).await;
         assert!(err.to_string().contains("no reply"), "{err:#}");
     }
 
@@ -1025,22 +1022,7 @@ mod tests {
     /// send has waited its patience, not held for good.
     #[tokio::test(start_paused = true)]
     async fn a_server_that_takes_no_record_fails_the_bandwidth_run() {
-        let (server, node) = fabric_pair();
-        let server_peer = node.register(&server.address()).expect("register");
-        let session = 1 << 16 | 1;
-        let _stuck = stuck_server(&server, session);
-        let bar = ProgressBar::hidden();
-        let run = client(
-            &node,
-            server_peer,
-            session,
-            measure(Test::Bw, 64 * 1024),
-            &bar,
-        );
-        let err = tokio::time::timeout(Duration::from_secs(60), run)
-            .await
-            .expect("fails within its patience")
-            .unwrap_err();
+        let err = run_against_a_stuck_server(Test::Bw, 64 * 1024).await;
         assert!(err.to_string().contains("took no record"), "{err:#}");
     }
 
