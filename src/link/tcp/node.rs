@@ -2042,6 +2042,77 @@ mod tests {
         }
     }
 
+    /// A failed dial's verdict is kept only while it is about the peer as
+    /// it is now, and only a permanent one is reported to the mux.
+    #[tokio::test]
+    async fn a_failed_dials_verdict_is_kept_only_while_it_speaks_for_the_peer() {
+        use super::{ConnectError, DeclineReason, NodeInner, PeerState, TcpEpochs};
+        use crate::link::tcp::{TcpLink, TcpLinkConfig};
+        use crate::mux::protocol::Epoch;
+        type Inner = NodeInner<TcpEpochs>;
+        let here: std::net::SocketAddr = "10.0.0.7:4000".parse().expect("an address");
+        let moved: std::net::SocketAddr = "10.0.0.8:4000".parse().expect("an address");
+        let declined = Err(ConnectError::DeclinedByPeer(DeclineReason::WrongTransport));
+        let refused = Err(ConnectError::Io(std::io::ErrorKind::ConnectionRefused));
+        let at_here = || PeerState::<TcpLink> {
+            addr: Some(here),
+            ..PeerState::default()
+        };
+
+        // Kept: permanent and transient failures at the present address.
+        let mut state = at_here();
+        assert!(Inner::note_failed_dial(&mut state, &declined, Some(here)));
+        assert_eq!(state.last_failure.map(|f| f.error), declined.err());
+        let mut state = at_here();
+        assert!(!Inner::note_failed_dial(&mut state, &refused, Some(here)));
+        assert_eq!(state.last_failure.map(|f| f.error), refused.err());
+
+        // Not kept: a success, a benign outcome, no address dialled, a dial
+        // to an address the peer has since left, an accept under way.
+        let crossed = Err(ConnectError::DeclinedByPeer(DeclineReason::CrossedDial));
+        let cases: [(&str, PeerState<TcpLink>, Result<Epoch, ConnectError>, Option<_>); 5] = [
+            ("success", at_here(), Ok(Epoch(3)), Some(here)),
+            ("benign", at_here(), crossed, Some(here)),
+            ("no address to dial", PeerState::default(), refused, None),
+            ("moved", at_here(), declined, Some(moved)),
+            (
+                "accepting",
+                PeerState {
+                    accepting: 1,
+                    ..at_here()
+                },
+                declined,
+                Some(here),
+            ),
+        ];
+        for (name, mut state, result, dialed) in cases {
+            assert!(!Inner::note_failed_dial(&mut state, &result, dialed), "{name}");
+            assert!(state.last_failure.is_none(), "{name}");
+        }
+
+        // Not kept while a link is live: the peer is reachable.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let dialing = tokio::net::TcpStream::connect(listener.local_addr().expect("address"));
+        let (dialed, accepted) = tokio::join!(dialing, listener.accept());
+        let _other_end = accepted.expect("accept");
+        let link = TcpLink::new(
+            dialed.expect("connect"),
+            Vec::new(),
+            Epoch(2),
+            &TcpLinkConfig::default(),
+            usize::MAX,
+        )
+        .expect("link");
+        let mut state = PeerState {
+            current: Some(link),
+            ..at_here()
+        };
+        assert!(!Inner::note_failed_dial(&mut state, &declined, Some(here)));
+        assert!(state.last_failure.is_none());
+    }
+
     #[test]
     fn a_handshake_source_is_an_ipv4_address_or_an_ipv6_slash_64() {
         assert_eq!(source_of(ip("10.0.0.7")), ip("10.0.0.7"));
