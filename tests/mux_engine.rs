@@ -510,6 +510,45 @@ async fn a_slot_opened_while_its_epoch_dies_is_never_lost() {
     assert_eq!(a.stats().slots_dropped, 0, "no slot had an Open out");
 }
 
+/// Word that the peer is unreachable, given while an epoch with it is
+/// live, is stale: a slot that epoch's death carries (its Open never left)
+/// goes on to the next epoch and never ends `Unreachable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn word_of_an_unreachable_peer_during_a_live_epoch_ends_no_slot() {
+    let (fabric, muxes) = fabric(&[A, B], MuxConfig::default(), MemConfig::default());
+    let (a, b) = (&muxes[0], &muxes[1]);
+    let mut delivered = 0;
+    for round in 0..100u64 {
+        let key = StreamKey::new(23, round);
+        let mut rx = b.bind(key).expect("bind");
+        // A slot of its own brings the next epoch up.
+        let _pilot_rx = b.bind(StreamKey::new(24, round)).expect("bind");
+        let mut pilot = a.open(B, StreamKey::new(24, round)).expect("open");
+        pilot.send(record(round, 0, 64)).await.expect("send");
+        tokio::time::timeout(Duration::from_secs(20), until(|| a.epoch(B).is_some()))
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: no epoch"));
+        let mut tx = a.open(B, key).expect("open");
+        tx.send(record(round, 0, 64)).await.expect("send");
+        a.peer_unreachable(B);
+        assert!(fabric.kill(A, B, EpochEnd::Fault(LinkFault::Injected)));
+        let outcome = tokio::time::timeout(Duration::from_secs(20), async {
+            tokio::select! {
+                frame = rx.recv() => Ok(frame),
+                ended = tx.closed() => Err(ended),
+            }
+        });
+        match outcome.await.expect("an outcome") {
+            Ok(Some(Frame::Data(_))) => delivered += 1,
+            Ok(Some(Frame::Dropped(DropReason::EpochEnded { .. })))
+            | Err(SendError::Dropped(DropReason::EpochEnded { .. })) => {}
+            other => panic!("round {round}: {other:?}"),
+        }
+    }
+    let carried = a.stats().slots_carried;
+    println!("{delivered} of 100 delivered, {carried} carried to the next epoch");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_4_mib_record_crosses_64_kib_batches_intact() {
     let link = MemConfig {
