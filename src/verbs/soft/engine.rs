@@ -778,6 +778,12 @@ impl QpEngine {
         if progressed {
             self.seq_nak_psn = None;
             self.rnr_probe = false;
+            // The refused PSN got through (a copy reached the responder
+            // after it posted): the RNR wait is over.
+            if self.rnr_waiting {
+                self.rnr_waiting = false;
+                self.timers.stop(Timer::RnrRetry);
+            }
             if let Some(r) = self.rts {
                 self.retry_left = r.retry_cnt;
                 self.rnr_left = r.rnr_retry;

@@ -553,6 +553,39 @@ fn after_an_rnr_wait_one_packet_probes_until_an_ack_shows_progress() {
 }
 
 #[test]
+fn an_ack_past_the_refused_psn_ends_the_rnr_wait() {
+    // B's RNR timer is the longest (code 0, 655 ms): nothing else moves A.
+    let mut p = Pair::new(rts(14, 7, 7), 0);
+    p.send(1, 8);
+    p.send(2, 8);
+    let burst = p.transmit_a();
+    assert_eq!(burst.len(), 2);
+    p.deliver_b(&burst[..1]);
+    let rnr = p.transmit_b();
+    // B posts, and a copy of the first request (a network duplicate or a
+    // resend) reaches it before the RNR NAK reaches A.
+    p.recv(1, 64);
+    p.recv(2, 64);
+    p.deliver_b(&burst[..1]);
+    let ack = p.transmit_b();
+    p.deliver_a(&rnr);
+    assert!(p.transmit_a().is_empty(), "waiting on the RNR NAK");
+    p.deliver_a(&ack);
+    let rest = p.transmit_a();
+    assert_eq!(rest.len(), 1, "the second request goes at once");
+    assert_eq!(parse(&rest[0]).bth.psn, parse(&burst[1]).bth.psn);
+    p.deliver_b(&rest);
+    let ack = p.transmit_b();
+    p.deliver_a(&ack);
+    let sent: Vec<_> = Pair::completions(&mut p.a.qp)
+        .into_iter()
+        .map(|(_, wc)| (wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(sent, [(1, WcStatus::Success), (2, WcStatus::Success)]);
+    assert_eq!(p.a.qp.poll_timeout(), None, "no RNR timer left armed");
+}
+
+#[test]
 fn an_answered_rnr_nak_restores_the_retry_budget() {
     // retry_cnt 1: two unanswered timeouts in a row would end the QP.
     let mut p = Pair::new(rts(14, 1, 7), 14);
