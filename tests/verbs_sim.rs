@@ -139,6 +139,11 @@ async fn messages_survive_loss_duplication_reordering_and_ack_delay() {
 }
 
 #[tokio::test]
+async fn a_full_recv_cq_refuses_the_message_it_would_lose() {
+    verbs_suite::a_full_recv_cq_refuses_the_message_it_would_lose(&mut SimHarness::new(1)).await;
+}
+
+#[tokio::test]
 async fn same_seed_same_run() {
     let mut traces = Vec::new();
     for _ in 0..2 {

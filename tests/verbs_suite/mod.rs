@@ -56,6 +56,8 @@ pub struct BulkPlan {
 #[derive(Clone, Copy, Debug)]
 pub struct Params {
     pub caps: QpCaps,
+    /// Entries of each endpoint's receive CQ.
+    pub recv_cq_depth: usize,
     pub mr_len: usize,
     pub mtu: Mtu,
     pub min_rnr_timer: u8,
@@ -73,6 +75,7 @@ impl Default for Params {
                 max_sge: 4,
                 max_inline_data: 128,
             },
+            recv_cq_depth: 4096,
             mr_len: 1 << 16,
             mtu: Mtu::Mtu1024,
             min_rnr_timer: 1,
@@ -99,7 +102,7 @@ impl<D: Device> Endpoint<D> {
     fn new(dev: D, p: &Params) -> Endpoint<D> {
         let pd = dev.alloc_pd().expect("alloc_pd");
         let send_cq = dev.create_cq(4096).expect("create send cq");
-        let recv_cq = dev.create_cq(4096).expect("create recv cq");
+        let recv_cq = dev.create_cq(p.recv_cq_depth).expect("create recv cq");
         let qp = dev
             .create_qp(&pd, &send_cq, &recv_cq, p.caps)
             .expect("create_qp");
@@ -525,6 +528,41 @@ pub async fn message_too_long<H: Harness>(h: &mut H) {
     assert!(b.recvs.iter().all(|w| w.qp_num == b.qp.qp_num()));
     assert_eq!(a.qp.state(), QpState::Err);
     assert_eq!(b.qp.state(), QpState::Err);
+}
+
+/// A message whose receive completion the full CQ could not take is
+/// refused, not ACKed: its send ends in error (never `Success`), what came
+/// before keeps its ACK, and the receiver's QP errs.
+pub async fn a_full_recv_cq_refuses_the_message_it_would_lose<H: Harness>(h: &mut H) {
+    let (mut a, b) = connect(
+        h,
+        Params {
+            recv_cq_depth: 1,
+            ..Params::default()
+        },
+    )
+    .await;
+    for i in 0..3 {
+        b.post_recv(i, i as usize * 100, 100);
+    }
+    for i in 0..3 {
+        a.post_send(10 + i, 0, 10, None, true).expect("send");
+    }
+    assert!(wait_wcs(h, &mut a, 3, 0).await);
+    let sent: Vec<_> = a.sends.iter().map(|w| (w.wr_id, w.status)).collect();
+    assert_eq!(
+        sent,
+        [
+            (10, WcStatus::Success),
+            (11, WcStatus::RemOpErr),
+            (12, WcStatus::WrFlushErr)
+        ]
+    );
+    assert_eq!(b.qp.state(), QpState::Err);
+    // The CQ holds the one completion it had room for, then reports the
+    // flushes it lost.
+    let mut buf = [blank_wc(); 4];
+    assert_eq!(b.recv_cq.poll(&mut buf), Err(VerbsError::CqOverrun));
 }
 
 /// The peer's QP is killed: sends fail with RETRY_EXC_ERR after the retries.

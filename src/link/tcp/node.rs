@@ -2070,7 +2070,7 @@ mod tests {
         // Not kept: a success, a benign outcome, no address dialled, a dial
         // to an address the peer has since left, an accept under way.
         let crossed = Err(ConnectError::DeclinedByPeer(DeclineReason::CrossedDial));
-        let cases: [(&str, PeerState<TcpLink>, Result<Epoch, ConnectError>, Option<_>); 5] = [
+        let cases = [
             ("success", at_here(), Ok(Epoch(3)), Some(here)),
             ("benign", at_here(), crossed, Some(here)),
             ("no address to dial", PeerState::default(), refused, None),
@@ -2086,7 +2086,10 @@ mod tests {
             ),
         ];
         for (name, mut state, result, dialed) in cases {
-            assert!(!Inner::note_failed_dial(&mut state, &result, dialed), "{name}");
+            assert!(
+                !Inner::note_failed_dial(&mut state, &result, dialed),
+                "{name}"
+            );
             assert!(state.last_failure.is_none(), "{name}");
         }
 

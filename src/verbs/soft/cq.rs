@@ -72,6 +72,12 @@ impl CqShared {
         false
     }
 
+    /// No room for another completion (or already overrun).
+    pub fn is_full(&self) -> bool {
+        let inner = self.lock();
+        inner.overrun || inner.entries.len() >= inner.depth
+    }
+
     /// As after a handler's panic: the CQ notifies from now on (tests).
     #[cfg(test)]
     pub fn disable_handler(&self) {

@@ -256,6 +256,7 @@ impl DeviceCore {
             t.retransmit_rewinds += c.retransmit_rewinds;
             t.ack_timeouts += c.ack_timeouts;
             t.duplicates_received += c.duplicates_received;
+            t.recv_cq_full_refusals += c.recv_cq_full_refusals;
         }
         t
     }
@@ -299,6 +300,7 @@ impl DeviceCore {
         match Packet::parse(&ctx, bytes) {
             Ok(pkt) => {
                 let was_cold = entry.engine.rq_head_cold();
+                entry.engine.set_recv_cq_full(entry.recv_cq.is_full());
                 entry.engine.handle_packet(now, &pkt);
                 if !was_cold && entry.engine.rq_head_cold() {
                     self.warm_due.push(bth.dest_qp());

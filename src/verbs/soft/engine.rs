@@ -228,6 +228,8 @@ pub struct QpCounters {
     pub ack_timeouts: u64,
     /// Duplicate request packets received (re-ACKed, not re-delivered).
     pub duplicates_received: u64,
+    /// Messages refused because the receive CQ was full (the QP then errs).
+    pub recv_cq_full_refusals: u64,
 }
 
 /// Where packets go once the QP is connected.
@@ -278,6 +280,9 @@ pub(crate) struct QpEngine {
     epsn: Psn,
     msn: u32,
     nak_outstanding: bool,
+    /// The receive CQ has no room (the device says so before each packet):
+    /// a message that would complete into it is refused.
+    recv_cq_full: bool,
     in_message: bool,
     msg_offset: usize,
     responses: VecDeque<Response>,
@@ -318,6 +323,7 @@ impl QpEngine {
             epsn: Psn::new(0),
             msn: 0,
             nak_outstanding: false,
+            recv_cq_full: false,
             in_message: false,
             msg_offset: 0,
             responses: VecDeque::new(),
@@ -658,6 +664,11 @@ impl QpEngine {
         self.rq_head_cold
     }
 
+    /// Whether the receive CQ is full, for the next packet to see.
+    pub fn set_recv_cq_full(&mut self, full: bool) {
+        self.recv_cq_full = full;
+    }
+
     pub fn handle_packet(&mut self, now: Instant, pkt: &Packet<'_>) {
         match self.state {
             QpState::Rtr | QpState::Rts => {}
@@ -941,6 +952,15 @@ impl QpEngine {
             self.push_error(CqSide::Recv, wr_id, WcStatus::LocLenErr);
             self.enter_error(None);
             self.respond(bth.psn, AethKind::Nak(NakCode::InvalidRequest));
+            return;
+        }
+        if op.ends_message() && self.recv_cq_full {
+            // Its completion would be lost: the message is refused, never
+            // ACKed; what came before keeps its ACKs. The requester's WR
+            // ends REM_OP_ERR (rxe errs the QP and stays silent instead).
+            self.counters.recv_cq_full_refusals += 1;
+            self.enter_error(None);
+            self.respond(bth.psn, AethKind::Nak(NakCode::RemoteOperationalError));
             return;
         }
         scatter(&recv.segs, self.msg_offset, pkt.payload);
