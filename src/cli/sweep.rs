@@ -1046,8 +1046,10 @@ pub async fn run(args: SweepArgs, json: bool) -> anyhow::Result<()> {
         } else {
             failed
         };
+        // Three places: a median at its line reads 0.500, not a bare 0.50
+        // beside either verdict.
         println!(
-            "{holds:<13} {:<15} {:.2} ({}{spread}): {}",
+            "{holds:<13} {:<15} {:.3} ({}{spread}): {}",
             v.path, v.ratio, v.measure, v.criterion
         );
     }

@@ -226,9 +226,19 @@ async fn run(producer: &Velo, targets: &[Velo], workload: Workload) -> anyhow::R
     for tx in senders {
         tx.finalize()?;
     }
-    for task in tasks {
-        task.await?;
+    // A stream whose end never arrives fails the cell, not the whole run.
+    let ended = tokio::time::timeout(patience, async {
+        for task in &mut tasks {
+            task.await?;
+        }
+        anyhow::Ok(())
+    })
+    .await;
+    if ended.is_err() {
+        abort_all(&tasks);
+        anyhow::bail!("a stream's end did not arrive within {patience:?}");
     }
+    ended.expect("checked")?;
     let (p50, p99) = percentiles(std::mem::take(&mut *latencies.lock().await));
     Ok(Report {
         records: total,
