@@ -833,7 +833,19 @@ impl QpEngine {
                 .is_some_and(|r| matches!(r.aeth.kind, AethKind::Ack { .. }));
         self.respond(psn, AethKind::Ack { credit: 0x1f });
         let hold = self.ack_hold();
-        if now_due || due_ack_queued || hold.is_zero() || self.psns_since_ack >= ACK_COALESCE_PSNS {
+        // A NAK queued ahead is due (see `respond`), and a hold armed now
+        // would keep it, behind the ACKs before it, for the whole delay.
+        let nak_queued = || {
+            self.responses
+                .iter()
+                .any(|r| !matches!(r.aeth.kind, AethKind::Ack { .. }))
+        };
+        if now_due
+            || due_ack_queued
+            || hold.is_zero()
+            || self.psns_since_ack >= ACK_COALESCE_PSNS
+            || nak_queued()
+        {
             self.timers.stop(Timer::AckCoalesce);
         } else if self.timers.get(Timer::AckCoalesce).is_none() {
             self.timers.set(Timer::AckCoalesce, now + hold);

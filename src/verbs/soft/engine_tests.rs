@@ -357,6 +357,28 @@ fn a_held_ack_covers_later_packets_and_goes_when_its_timer_fires() {
 }
 
 #[test]
+fn an_ack_after_a_queued_nak_does_not_hold_it_back() {
+    let (mut p, pkts) = held_pair(14, 3);
+    // One receive turn: the first request (its ACK held), the third (out of
+    // order: a sequence NAK, which releases the hold), then the second.
+    p.deliver_b(&pkts[..1]);
+    p.deliver_b(&pkts[2..]);
+    p.deliver_b(&pkts[1..2]);
+    assert_eq!(
+        kinds(&p.transmit_b()),
+        [
+            (ACK, parse(&pkts[0]).bth.psn),
+            (
+                Some(AethKind::Nak(NakCode::PsnSequenceError)),
+                parse(&pkts[1]).bth.psn
+            ),
+            (ACK, parse(&pkts[1]).bth.psn),
+        ],
+        "nothing waits out the hold behind the NAK"
+    );
+}
+
+#[test]
 fn a_held_ack_goes_at_once_when_it_covers_a_quarter_window() {
     let (mut p, pkts) = held_pair(14, ACK_COALESCE_PSNS as u64);
     assert_eq!(pkts.len() as u32, ACK_COALESCE_PSNS);
