@@ -51,7 +51,8 @@ impl CqShared {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Add a completion; an overflowing CQ is marked overrun and unusable.
+    /// Add a completion; an overflowing CQ is marked overrun and the entry
+    /// lost. What it holds stays pollable; then it reports the overrun.
     /// With `defer` (the driver's turn) and a handler installed, the handler
     /// is owed a call instead of the notification firing: returns true when
     /// this CQ just became due, and the caller must [`dispatch`] it once the
@@ -169,7 +170,9 @@ impl SoftCq {
 impl CompletionQueue for SoftCq {
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, VerbsError> {
         let mut inner = self.shared.lock();
-        if inner.overrun {
+        // What was stored before the overrun is delivered first (as rxe
+        // keeps it pollable): a completion the peer saw ACKed is not lost.
+        if inner.overrun && inner.entries.is_empty() {
             return Err(VerbsError::CqOverrun);
         }
         let n = out.len().min(inner.entries.len());
@@ -181,7 +184,7 @@ impl CompletionQueue for SoftCq {
 
     fn req_notify(&self) -> Result<(), VerbsError> {
         let mut inner = self.shared.lock();
-        if inner.overrun {
+        if inner.overrun && inner.entries.is_empty() {
             return Err(VerbsError::CqOverrun);
         }
         inner.armed = true;

@@ -300,7 +300,11 @@ impl DeviceCore {
         match Packet::parse(&ctx, bytes) {
             Ok(pkt) => {
                 let was_cold = entry.engine.rq_head_cold();
-                entry.engine.set_recv_cq_full(entry.recv_cq.is_full());
+                // Only a request that ends a message completes a receive.
+                let completes = pkt.repr.bth.opcode.ends_message();
+                entry
+                    .engine
+                    .set_recv_cq_full(completes && entry.recv_cq.is_full());
                 entry.engine.handle_packet(now, &pkt);
                 if !was_cold && entry.engine.rq_head_cold() {
                     self.warm_due.push(bth.dest_qp());
