@@ -2099,7 +2099,7 @@ mod tests {
             .expect("bind");
         let dialing = tokio::net::TcpStream::connect(listener.local_addr().expect("address"));
         let (dialed, accepted) = tokio::join!(dialing, listener.accept());
-        let _other_end = accepted.expect("accept");
+        let other_end = accepted.expect("accept");
         let link = TcpLink::new(
             dialed.expect("connect"),
             Vec::new(),
@@ -2114,6 +2114,19 @@ mod tests {
         };
         assert!(!Inner::note_failed_dial(&mut state, &declined, Some(here)));
         assert!(state.last_failure.is_none());
+
+        // Kept once that link has ended.
+        drop(other_end);
+        let link = state.current.as_ref().expect("the link");
+        tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            while link.end_reason().is_none() {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the link ends with its peer's socket");
+        assert!(Inner::note_failed_dial(&mut state, &declined, Some(here)));
+        assert_eq!(state.last_failure.map(|f| f.error), declined.err());
     }
 
     #[test]

@@ -379,6 +379,51 @@ fn an_ack_after_a_queued_nak_does_not_hold_it_back() {
 }
 
 #[test]
+fn a_message_a_full_receive_cq_would_lose_fails_alone_at_its_last_packet() {
+    // One single-packet message, then a three-packet one whose last packet
+    // finds the receive CQ full; the first message's ACK is being held.
+    let mut p = Pair::with_ack_delay(rts(14, 7, 7), 12, HOLD);
+    p.recv(1, 64);
+    p.recv(2, 4 * MTU.bytes());
+    p.send(1, 8);
+    p.send(2, 2 * MTU.bytes() + 8);
+    let pkts = p.transmit_a();
+    assert_eq!(pkts.len(), 4);
+    p.deliver_b(&pkts[..3]);
+    p.b.qp.set_recv_cq_full(true);
+    p.deliver_b(&pkts[3..]);
+    let answers = p.transmit_b();
+    assert_eq!(
+        kinds(&answers),
+        [
+            (ACK, parse(&pkts[0]).bth.psn),
+            (
+                Some(AethKind::Nak(NakCode::RemoteOperationalError)),
+                parse(&pkts[3]).bth.psn
+            ),
+        ],
+        "the held ACK first, then the NAK at the refused message's last PSN"
+    );
+    assert_eq!(p.b.qp.state(), QpState::Err);
+    assert_eq!(p.b.qp.counters.recv_cq_full_refusals, 1);
+    let received: Vec<_> = Pair::completions(&mut p.b.qp)
+        .into_iter()
+        .map(|(_, wc)| (wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(
+        received,
+        [(1, WcStatus::Success), (2, WcStatus::WrFlushErr)]
+    );
+    // The sender: the first message succeeded, the refused one failed.
+    p.deliver_a(&answers);
+    let sent: Vec<_> = Pair::completions(&mut p.a.qp)
+        .into_iter()
+        .map(|(_, wc)| (wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(sent, [(1, WcStatus::Success), (2, WcStatus::RemOpErr)]);
+}
+
+#[test]
 fn a_held_ack_goes_at_once_when_it_covers_a_quarter_window() {
     let (mut p, pkts) = held_pair(14, ACK_COALESCE_PSNS as u64);
     assert_eq!(pkts.len() as u32, ACK_COALESCE_PSNS);
