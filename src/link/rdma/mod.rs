@@ -318,9 +318,10 @@ struct State<D: Device> {
     tearing_down: bool,
     /// The poller is done: every completion the CQ will ever hold was handled.
     drained: bool,
-    /// The stall deadline a look found passed: a second look finding the
-    /// same one ends the epoch ([`Shared::check_stall`]).
-    stall_suspect: Option<tokio::time::Instant>,
+    /// The stall deadline a look found passed, and when that look was: a
+    /// look at least [`STALL_GRACE`] later finding the same deadline ends
+    /// the epoch ([`Shared::check_stall`]).
+    stall_suspect: Option<(tokio::time::Instant, tokio::time::Instant)>,
     stats: LinkStats,
 }
 
@@ -640,9 +641,11 @@ impl<D: Device + 'static> Shared<D> {
     }
 
     /// One look for stalled sends: if the oldest signaled SEND is past
-    /// [`stall_limit`] once its completions are taken, and it was at the
-    /// last look too, the epoch ends as [`LinkFault::SendsStalled`]; true
-    /// then. A poller at work, or a first look, defers the verdict.
+    /// [`stall_limit`] once its completions are taken, and it was at a look
+    /// [`STALL_GRACE`] or more before, the epoch ends as
+    /// [`LinkFault::SendsStalled`]; true then. A poller at work, a first
+    /// look, or a second one sooner (two lookers, the sweep and a waiting
+    /// `reserve`, can wake together after a pause) defers the verdict.
     fn check_stall(&self) -> bool {
         let now = tokio::time::Instant::now();
         let over = |st: &State<D>| self.stall_at_locked(st).filter(|&at| at <= now);
@@ -653,8 +656,16 @@ impl<D: Device + 'static> Shared<D> {
         let Some(at) = over(&st).filter(|_| st.ended.is_none()) else {
             return false;
         };
-        if st.stall_suspect.replace(at) != Some(at) {
-            return false;
+        match st.stall_suspect {
+            Some((suspect, first_look)) if suspect == at => {
+                if now < first_look + STALL_GRACE {
+                    return false;
+                }
+            }
+            _ => {
+                st.stall_suspect = Some((at, now));
+                return false;
+            }
         }
         drop(st);
         tracing::warn!(parent: &self.span, "a signaled SEND outlived the stall limit; ending the epoch");

@@ -337,6 +337,9 @@ async fn poll_until_done<D: Device + 'static>(shared: &Shared<D>) {
         match shared.poll_locked() {
             Polled::Some => {
                 empty_polls = 0;
+                // A peer that keeps the CQ fed (credit-only SENDs, each
+                // re-posted and answered here) must not hold the worker.
+                tokio::task::consume_budget().await;
                 continue;
             }
             Polled::Failed => return,
