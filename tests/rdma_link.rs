@@ -595,7 +595,7 @@ async fn slower_consumer() {
 async fn hostile_peer_after(
     first: impl AsyncFnOnce(&Soft),
     payload_len: usize,
-    sends: &[u32],
+    sends: &[Option<u32>],
 ) -> (EpochEnd, usize) {
     let dev = device().await;
     let end = PreparedEnd::new(&dev, config(8)).expect("link end");
@@ -655,7 +655,7 @@ async fn hostile_peer_after(
         .enumerate()
         .map(|(i, &imm)| SendWr {
             wr_id: i as u64 + 1,
-            opcode: SendOpcode::SendWithImm(imm),
+            opcode: imm.map_or(SendOpcode::Send, SendOpcode::SendWithImm),
             sg_list: &sge,
             signaled: true,
             inline: false,
@@ -678,7 +678,8 @@ async fn hostile_peer_after(
 /// The bad message, then one that would look fine on its own: nothing is
 /// delivered.
 async fn hostile_peer(payload_len: usize, imm: u32) -> EpochEnd {
-    let (end, delivered) = hostile_peer_after(async |_| {}, payload_len, &[imm, 0]).await;
+    let (end, delivered) =
+        hostile_peer_after(async |_| {}, payload_len, &[Some(imm), Some(0)]).await;
     assert_eq!(delivered, 0, "nothing from a hostile peer");
     end
 }
@@ -696,7 +697,7 @@ async fn a_peer_that_overclaims_while_we_close_gets_nothing_more_delivered() {
         link.fail(EpochEnd::Closed);
     };
     // Credit 0 claimed (fine), then 5 of the 1 it was granted, then 0.
-    let (end, delivered) = hostile_peer_after(close, 16, &[0, 5, 0]).await;
+    let (end, delivered) = hostile_peer_after(close, 16, &[Some(0), Some(5), Some(0)]).await;
     assert_eq!(end, EpochEnd::Closed);
     assert_eq!(delivered, 1, "only the batch before the offence");
 }
@@ -711,7 +712,7 @@ async fn an_offence_reported_while_we_close_stops_delivery() {
         link.fail(EpochEnd::Closed);
         link.fail(EpochEnd::Violation(ProtocolError::LivenessTraffic));
     };
-    let (end, delivered) = hostile_peer_after(close, 16, &[0, 0]).await;
+    let (end, delivered) = hostile_peer_after(close, 16, &[Some(0), Some(0)]).await;
     assert_eq!(end, EpochEnd::Closed);
     assert_eq!(delivered, 0, "nothing after the offence");
 }
@@ -725,6 +726,18 @@ async fn a_peer_claiming_credit_it_never_had_ends_the_epoch() {
             granted: 0
         })
     );
+}
+
+/// Every message of the link carries its credit count in the immediate: a
+/// SEND without one is a violation, not a batch taken on trust.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_without_an_immediate_ends_the_epoch() {
+    let (end, delivered) = hostile_peer_after(async |_| {}, 16, &[None, Some(0)]).await;
+    assert_eq!(
+        end,
+        EpochEnd::Violation(ProtocolError::SendWithoutImmediate)
+    );
+    assert_eq!(delivered, 0, "nothing from a hostile peer");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

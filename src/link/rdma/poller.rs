@@ -186,14 +186,15 @@ impl<D: Device + 'static> Shared<D> {
                 status: ibv_status(WcStatus::LocLenErr),
             }));
         }
+        let Some(imm) = wc.imm else {
+            return Some(EpochEnd::Violation(ProtocolError::SendWithoutImmediate));
+        };
         st.credit.on_receive();
-        if let Some(imm) = wc.imm {
-            if let Err(over) = st.credit.on_peer_imm(imm) {
-                return Some(EpochEnd::Violation(ProtocolError::LinkCreditOverclaim {
-                    claimed: over.claimed,
-                    granted: over.granted,
-                }));
-            }
+        if let Err(over) = st.credit.on_peer_imm(imm) {
+            return Some(EpochEnd::Violation(ProtocolError::LinkCreditOverclaim {
+                claimed: over.claimed,
+                granted: over.granted,
+            }));
         }
         if len == 0 {
             st.stats.credit_only_received += 1;

@@ -138,6 +138,10 @@ pub enum ProtocolError {
         /// Cumulative credits we ever granted.
         granted: u32,
     },
+    /// An RDMA SEND without an immediate: every message of the link
+    /// carries its cumulative credit count there.
+    #[error("RDMA send without an immediate (its credit count)")]
+    SendWithoutImmediate,
     /// Bytes on the RDMA link's liveness connection, where nothing may
     /// follow the handshake's ready.
     #[error("bytes on the liveness connection")]
@@ -154,6 +158,7 @@ impl ProtocolError {
             ProtocolError::FrameTooLarge { .. }
                 | ProtocolError::SendTooLarge { .. }
                 | ProtocolError::LinkCreditOverclaim { .. }
+                | ProtocolError::SendWithoutImmediate
                 | ProtocolError::LivenessTraffic
         )
     }
