@@ -538,6 +538,108 @@ async fn a_stalled_link_nothing_waits_on_ends_at_a_sweeps_second_look() {
     drop(peer);
 }
 
+/// A peer whose RC layer completes our last signaled SEND and holds the
+/// unsignaled one behind it (here: receives for the first two messages
+/// only, then RNR NAKs for ever) left nothing for the stall detector to
+/// time, and the tail's pool chunk stayed out for the epoch's life. Past
+/// the stall limit a look now posts a signaled fence behind the tail, and
+/// the epoch ends at the limit after it (review 43d).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsignaled_tail_the_peer_holds_is_fenced_and_ends_at_the_stall_limit() {
+    let dev = device().await;
+    let every_other = RdmaConfig {
+        recv_depth: 8,
+        max_batch: 4096,
+        send_buffers: 4,
+        signal_every: 2,
+        rnr_retry: 7,
+        timeout: 8,
+        ..RdmaConfig::default()
+    };
+    let (link, (qp, cq, pd)) = linked_to_empty_receive_queue(&dev, every_other);
+    let mr = dev
+        .reg_mr(&pd, 1 << 14, AccessFlags::LOCAL_WRITE)
+        .expect("mr");
+    let inboxes: Vec<[Sge<'_, _>; 1]> = (0..2)
+        .map(|i| {
+            [Sge {
+                mr: &mr,
+                offset: i * 4096,
+                len: 4096,
+            }]
+        })
+        .collect();
+    let wrs: Vec<RecvWr<'_, _>> = inboxes
+        .iter()
+        .enumerate()
+        .map(|(i, sg_list)| RecvWr {
+            wr_id: i as u64,
+            sg_list,
+        })
+        .collect();
+    qp.post_recv(&wrs).expect("two receives");
+    send(&link, b"one: unsignaled").await;
+    send(&link, b"two: signaled").await;
+    send(&link, b"three: unsignaled, the tail").await;
+    // The signaled second completes, and with it the first.
+    until(|| link.stats().sends_acked == 1).await;
+    assert_eq!(link.stats().signaled_sends, 1);
+    assert_eq!(link.send_pool().stats().in_use, 1, "the tail's chunk");
+    assert!(!link.check_stall(), "before the limit");
+    assert_eq!(link.stats().tail_fences, 0);
+    let looks = async {
+        while !link.check_stall() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), looks)
+        .await
+        .expect("a look ends the epoch");
+    assert_eq!(link.ended().await, EpochEnd::Fault(LinkFault::SendsStalled));
+    assert_eq!(link.stats().tail_fences, 1);
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        until(|| link.send_pool().stats().in_use == 0),
+    )
+    .await
+    .expect("the tail's chunk goes back to the pool");
+    drop((qp, cq, mr));
+}
+
+/// The same look on an honest link gone idle after an unsignaled SEND
+/// (completed, unreported, its chunk held): the fence past the stall limit
+/// completes, the chunk comes back, and the link carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_links_completed_tail_is_fenced_and_its_chunk_comes_back() {
+    let (da, db) = (device().await, device().await);
+    let every_fourth = RdmaConfig {
+        signal_every: 4,
+        timeout: 8,
+        ..config(8)
+    };
+    let (a, b) = pair(&da, &db, Epoch(1), every_fourth).expect("pair");
+    send(&a, b"one").await;
+    assert_eq!(&b.recv().await.expect("a batch")[..], b"one");
+    assert_eq!(a.stats().signaled_sends, 0);
+    assert_eq!(a.send_pool().stats().in_use, 1, "completed, unreported");
+    assert!(!a.check_stall());
+    assert_eq!(a.stats().tail_fences, 0, "not before the limit");
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    assert!(!a.check_stall(), "a fence, not a verdict");
+    assert_eq!(a.stats().tail_fences, 1);
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        until(|| a.send_pool().stats().in_use == 0),
+    )
+    .await
+    .expect("the chunk comes back");
+    assert!(!a.check_stall());
+    assert_eq!(a.stats().tail_fences, 1, "one fence a tail");
+    send(&a, b"two").await;
+    assert_eq!(&b.recv().await.expect("a batch")[..], b"two");
+    assert_eq!((a.end_reason(), b.end_reason()), (None, None));
+}
+
 /// The stall limit judges SENDs the peer's RC layer never completes, not
 /// a slow consumer: a receiver that holds every batch for longer than the
 /// limit (2 s here) leaves the sender out of link credit, its `reserve`

@@ -194,6 +194,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             sq_free: config.sq_depth(),
             posted: VecDeque::new(),
             signaled: VecDeque::new(),
+            tail_since: None,
             next_wr: 0,
             unsignaled: 0,
             ready: VecDeque::new(),

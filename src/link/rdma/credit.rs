@@ -178,6 +178,20 @@ impl Credit {
         }
     }
 
+    /// Spends a credit on an empty, signaled SEND behind a live link's old
+    /// unsignaled tail; `None` with none held. The last credit may go even
+    /// with nothing owed: the fence then says we are starved, and the
+    /// receive it takes is one the peer owes back, so an honest peer
+    /// answers it with a credit-only message.
+    pub fn try_tail_fence(&mut self) -> Option<u32> {
+        if self.held == 0 {
+            return None;
+        }
+        self.held -= 1;
+        let starved = self.held == 0;
+        Some(self.spend(starved))
+    }
+
     /// Spends a credit on the empty, signaled SEND that retires an ended
     /// link's unsignaled tail: nothing of ours follows it, so the last
     /// credit may go too. Returns its immediate, or `None` with no credit.
@@ -240,6 +254,31 @@ mod tests {
         assert_eq!(c.on_post(true), 1 | STARVED);
         assert_eq!(c.owed(), 0);
         assert!(c.invariant_holds());
+    }
+
+    #[test]
+    fn a_tail_fence_on_the_last_credit_says_starved_and_is_answered() {
+        let (mut a, mut b) = (Credit::new(4), Credit::new(4));
+        for _ in 0..3 {
+            assert!(a.try_reserve());
+            a.on_post(false);
+            b.on_receive();
+            b.on_reposted();
+        }
+        // b owes a 3 and has said nothing yet; a holds its last credit.
+        assert!(!a.try_reserve(), "the last credit, nothing owed");
+        let imm = a.try_tail_fence().expect("the last credit");
+        assert_eq!(imm & STARVED, STARVED, "it says it is starved");
+        assert_eq!((a.held(), a.try_tail_fence()), (0, None));
+        b.on_receive();
+        b.on_reposted();
+        b.on_peer_imm(imm).expect("no claim");
+        let answer = b
+            .try_credit_only(false)
+            .expect("a starved peer is answered");
+        a.on_peer_imm(answer).expect("no claim");
+        assert!(a.held() > 0, "credit came back");
+        assert!(a.invariant_holds() && b.invariant_holds());
     }
 
     #[test]

@@ -232,6 +232,9 @@ pub struct LinkStats {
     pub batches_sent: u64,
     /// Zero-length credit-only SENDs posted.
     pub credit_only_sent: u64,
+    /// Empty signaled SENDs posted behind an unsignaled tail older than the
+    /// stall limit, so the stall detector times it.
+    pub tail_fences: u64,
     /// Signaled send WRs posted.
     pub signaled_sends: u64,
     /// Signaled send WRs that completed successfully: the peer's RC
@@ -277,6 +280,10 @@ struct State<D: Device> {
     /// The signaled ones among them, with when each was posted: the oldest
     /// must complete within [`stall_limit`].
     signaled: VecDeque<(u64, tokio::time::Instant)>,
+    /// When the first unsignaled WR after the last signaled one was posted:
+    /// a tail no signaled WR follows, which the stall detector cannot time
+    /// until [`Shared::check_stall`] posts a fence behind it.
+    tail_since: Option<tokio::time::Instant>,
     next_wr: u64,
     unsignaled: usize,
     /// Completed data receives not yet handed out: (buffer, length).
@@ -648,6 +655,7 @@ impl<D: Device + 'static> Shared<D> {
     /// `reserve`, can wake together after a pause) defers the verdict.
     fn check_stall(&self) -> bool {
         let now = tokio::time::Instant::now();
+        self.fence_an_old_tail(now);
         let over = |st: &State<D>| self.stall_at_locked(st).filter(|&at| at <= now);
         if over(&self.lock()).is_none() || !self.take_completions_caught() {
             return false;
@@ -671,6 +679,32 @@ impl<D: Device + 'static> Shared<D> {
         tracing::warn!(parent: &self.span, "a signaled SEND outlived the stall limit; ending the epoch");
         self.end(EpochEnd::Fault(LinkFault::SendsStalled));
         true
+    }
+
+    /// Posts an empty signaled SEND behind unsignaled WRs that no signaled
+    /// one follows, once the oldest of them outlives [`stall_limit`]: a
+    /// peer that completes our last signaled SEND and holds the tail behind
+    /// it would otherwise keep the tail's pool chunks for the epoch's life
+    /// (review 43d). The fence is timed as any signaled SEND. On an honest
+    /// idle link it retires the completed tail, one credit-only message.
+    fn fence_an_old_tail(&self, now: tokio::time::Instant) {
+        let Some(limit) = stall_limit(&self.config) else {
+            return;
+        };
+        let mut st = self.lock();
+        let old = st.tail_since.is_some_and(|since| since + limit <= now);
+        if !old || !st.signaled.is_empty() || st.ended.is_some() || st.sq_free == 0 {
+            return;
+        }
+        let Some(imm) = st.credit.try_tail_fence() else {
+            return;
+        };
+        st.sq_free -= 1;
+        st.stats.tail_fences += 1;
+        if let Err(reason) = self.post_send_locked(&mut st, None, imm, true) {
+            drop(st);
+            self.end(reason);
+        }
     }
 
     /// When the oldest signaled SEND outlives [`stall_limit`], if one is
@@ -864,8 +898,10 @@ impl<D: Device + 'static> Shared<D> {
             st.unsignaled = 0;
             st.stats.signaled_sends += 1;
             st.signaled.push_back((wr_id, tokio::time::Instant::now()));
+            st.tail_since = None;
         } else {
             st.unsignaled += 1;
+            st.tail_since.get_or_insert_with(tokio::time::Instant::now);
         }
         st.posted.push_back((wr_id, chunk.map(|(chunk, _)| chunk)));
         let wr = SendWr {
