@@ -523,8 +523,13 @@ async fn a_stalled_link_nothing_waits_on_ends_at_a_sweeps_second_look() {
         "one look past the limit is not a verdict"
     );
     // Nor is a second one at once (two lookers woken together after a
-    // pause: the completions they both missed may still be unread).
-    assert!(!link.check_stall(), "two looks at once are not a verdict");
+    // pause: the completions they both missed may still be unread), if
+    // this thread was not held up between the two.
+    let first_look = std::time::Instant::now();
+    let second = link.check_stall();
+    if first_look.elapsed() < Duration::from_millis(40) {
+        assert!(!second, "two looks at once are not a verdict");
+    }
     assert_eq!(link.end_reason(), None);
     let looks = async {
         while !link.check_stall() {

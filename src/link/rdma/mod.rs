@@ -664,6 +664,9 @@ impl<D: Device + 'static> Shared<D> {
         let Some(at) = over(&st).filter(|_| st.ended.is_none()) else {
             return false;
         };
+        // This look's time is after its drain: a pause before it does not
+        // count toward the grace.
+        let now = tokio::time::Instant::now();
         match st.stall_suspect {
             Some((suspect, first_look)) if suspect == at => {
                 if now < first_look + STALL_GRACE {
@@ -901,7 +904,12 @@ impl<D: Device + 'static> Shared<D> {
             st.tail_since = None;
         } else {
             st.unsignaled += 1;
-            st.tail_since.get_or_insert_with(tokio::time::Instant::now);
+            // Only a tail that holds pool chunks is fenced: a credit-only
+            // message holds none, and fencing it would make each idle end
+            // answer the other's fence for ever (review 43e).
+            if chunk.is_some() {
+                st.tail_since.get_or_insert_with(tokio::time::Instant::now);
+            }
         }
         st.posted.push_back((wr_id, chunk.map(|(chunk, _)| chunk)));
         let wr = SendWr {
@@ -1248,10 +1256,12 @@ impl<D: Device + 'static> RdmaLink<D> {
 
     /// One look for stalled sends: true if it ended the epoch as
     /// [`LinkFault::SendsStalled`] (the oldest signaled SEND was past the
-    /// stall limit at this look and the one before, its completions
-    /// taken). A waiting `reserve` looks, and a node's links get a look
-    /// every second; a link made without a node is looked at by its own
-    /// `reserve` only, unless its owner calls this.
+    /// stall limit at this look and at one at least 50 ms before, its
+    /// completions taken). A look also fences an unsignaled tail past the
+    /// limit that no signaled SEND follows, so it can be timed. A waiting
+    /// `reserve` looks (only at signaled SENDs past the limit), and a
+    /// node's links get a look every second; a link made without a node
+    /// is looked at by its own `reserve` only, unless its owner calls this.
     pub fn check_stall(&self) -> bool {
         self.shared().check_stall()
     }
