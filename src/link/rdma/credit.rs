@@ -181,13 +181,14 @@ impl Credit {
     /// Spends a credit on an empty, signaled SEND behind a live link's old
     /// unsignaled tail, never the last one: that goes only to a post that
     /// returns credit, and a fence on it could leave both ends with none
-    /// (review 43e). `None` when fewer than two are held.
-    pub fn try_tail_fence(&mut self) -> Option<u32> {
+    /// (review 43e). `None` when fewer than two are held. `starved` as for
+    /// [`Credit::on_post`].
+    pub fn try_tail_fence(&mut self, starved: bool) -> Option<u32> {
         if !self.can_spend(false) {
             return None;
         }
         self.held -= 1;
-        Some(self.spend(false))
+        Some(self.spend(starved))
     }
 
     /// Spends a credit on the empty, signaled SEND that retires an ended
@@ -261,11 +262,11 @@ mod tests {
             assert!(c.try_reserve());
             c.on_post(false);
         }
-        assert_eq!(c.try_tail_fence(), Some(0), "two held: one may go");
+        assert_eq!(c.try_tail_fence(false), Some(0), "two held: one may go");
         assert_eq!(c.held(), 1);
         c.on_receive();
         c.on_reposted();
-        assert_eq!(c.try_tail_fence(), None, "not the last, even with owed");
+        assert_eq!(c.try_tail_fence(true), None, "not the last, even with owed");
         assert!(
             c.try_reserve(),
             "which stays for a post that returns credit"
@@ -405,7 +406,7 @@ mod tests {
         /// Applies one action; returns whether anything changed.
         fn act(&mut self, action: u8, s: usize) -> bool {
             let p = 1 - s;
-            let changed = match action % 6 {
+            let changed = match action % 7 {
                 0 => {
                     let ok = self.ends[s].credit.try_reserve();
                     self.ends[s].bufs += u32::from(ok);
@@ -444,6 +445,17 @@ mod tests {
                     true
                 }
                 5 => std::mem::take(&mut self.ends[s].waiting),
+                // A tail fence: an empty message, as a credit-only one.
+                6 => {
+                    let waiting = self.ends[s].waiting;
+                    match self.ends[s].credit.try_tail_fence(waiting) {
+                        Some(imm) => {
+                            self.net[p].push_back(Msg { data: false, imm });
+                            true
+                        }
+                        None => false,
+                    }
+                }
                 _ => false,
             };
             self.credit_only();
@@ -496,7 +508,7 @@ mod tests {
         fn invariant_holds_and_no_deadlock(
             depth in Credit::MIN_DEPTH..40,
             hold in 0u32..40,
-            actions in proptest::collection::vec((0u8..6, 0usize..2), 0..400),
+            actions in proptest::collection::vec((0u8..7, 0usize..2), 0..400),
         ) {
             let mut model = Model::new(depth);
             for (action, side) in actions {

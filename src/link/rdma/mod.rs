@@ -699,7 +699,8 @@ impl<D: Device + 'static> Shared<D> {
         if !old || !st.signaled.is_empty() || st.ended.is_some() || st.sq_free == 0 {
             return;
         }
-        let Some(imm) = st.credit.try_tail_fence() else {
+        let starved = st.reserve_waiters > 0;
+        let Some(imm) = st.credit.try_tail_fence(starved) else {
             return;
         };
         st.sq_free -= 1;
