@@ -38,10 +38,10 @@ pub(crate) struct MrMem {
     len: usize,
     /// The device's tally, released when the last WR or handle lets go.
     tally: Option<Arc<MrTally>>,
-    /// Test hook: a chunk `lock_chunk` will not lend, as libibverbs does
-    /// not lend one a posted WR names (`usize::MAX`: none).
+    /// Test hook: bit `i` set, `lock_chunk` will not lend chunk `i`, as
+    /// libibverbs lends none a posted WR names.
     #[cfg(test)]
-    pub(crate) not_lent: AtomicUsize,
+    pub(crate) not_lent: std::sync::atomic::AtomicU64,
 }
 
 impl Drop for MrMem {
@@ -68,7 +68,7 @@ impl MrMem {
             len,
             tally,
             #[cfg(test)]
-            not_lent: AtomicUsize::new(usize::MAX),
+            not_lent: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -220,7 +220,7 @@ impl MemoryRegion for SoftMr {
 
     fn lock_chunk(&self, index: usize) -> Option<SoftMrGuard> {
         #[cfg(test)]
-        if self.mem.not_lent.load(Ordering::Relaxed) == index {
+        if index < 64 && self.mem.not_lent.load(Ordering::Relaxed) & (1 << index) != 0 {
             return None;
         }
         self.mem
