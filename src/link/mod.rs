@@ -102,16 +102,6 @@ pub enum LinkFault {
         /// The completion's work request id.
         wr_id: u64,
     },
-    /// The provider would not lend a buffer the link held as its own: a
-    /// received batch whose receive completed, or a send buffer when no
-    /// free one could be lent (libibverbs lends none a posted WR names).
-    /// The link's account of what the provider holds is wrong, so nothing
-    /// is read from or sent out of it.
-    #[error("the provider would not lend a {} buffer the link held as its own", if *receive { "receive" } else { "send" })]
-    BufferNotLent {
-        /// A receive buffer (else a send buffer).
-        receive: bool,
-    },
 }
 
 impl LinkFault {

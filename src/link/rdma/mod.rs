@@ -1011,38 +1011,19 @@ impl<D: Device + 'static> Shared<D> {
     }
 
     /// The received batch in receive buffer `idx`, handed out; one `later`
-    /// is re-posted after the tasks woken in the turn that drops it. `None`
-    /// if the provider will not lend the buffer.
-    fn batch_of(self: &Arc<Self>, idx: usize, len: usize, later: bool) -> Option<RdmaBatch<D>> {
+    /// is re-posted after the tasks woken in the turn that drops it.
+    fn batch_of(self: &Arc<Self>, idx: usize, len: usize, later: bool) -> RdmaBatch<D> {
         // Completed, not re-posted: the provider is done with it. A
         // receive MR is one chunk.
-        let guard = self.recv_mrs[idx].lock_chunk(0)?;
-        Some(RdmaBatch {
-            guard: Some(guard),
+        let guard = self.recv_mrs[idx].lock_chunk(0);
+        debug_assert!(guard.is_some(), "a completed receive's buffer is lent");
+        RdmaBatch {
+            guard,
             idx,
             len,
             later,
             shared: self.clone(),
-        })
-    }
-
-    /// Ends the epoch because the provider would not lend a buffer this
-    /// link held as its own (`LinkFault::BufferNotLent`); returns what the
-    /// caller reports.
-    fn end_not_lent(&self, mut st: MutexGuard<'_, State<D>>, receive: bool) -> LinkError {
-        tracing::warn!(
-            qpn = self.address.qpn.value(),
-            receive,
-            "the provider would not lend a buffer this link holds; ending the epoch"
-        );
-        let reason = EpochEnd::Fault(LinkFault::BufferNotLent { receive });
-        let ended_now = st.set_end(reason);
-        let reason = st.ended.unwrap_or(reason);
-        drop(st);
-        if ended_now {
-            self.after_end(reason);
         }
-        self.ended_error(reason)
     }
 
     /// Tells the arrivals hook of received batches, then wakes `recv` only
@@ -1487,7 +1468,18 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                         }
                         Err(Blocked::NotLent) => {
                             st.credit.unreserve();
-                            return Err(shared.end_not_lent(st, false));
+                            tracing::warn!(
+                                qpn = shared.address.qpn.value(),
+                                "the provider would not lend a free send buffer; ending the epoch"
+                            );
+                            let reason = EpochEnd::Fault(LinkFault::PostFailed);
+                            let ended_now = st.set_end(reason);
+                            let reason = st.ended.unwrap_or(reason);
+                            drop(st);
+                            if ended_now {
+                                shared.after_end(reason);
+                            }
+                            return Err(shared.ended_error(reason));
                         }
                         Err(why) => {
                             st.credit.unreserve();
@@ -1589,10 +1581,7 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                 let mut st = shared.lock();
                 if let Some((idx, len)) = st.ready.pop_front() {
                     st.handed_out += 1;
-                    return match shared.batch_of(idx, len, false) {
-                        Some(batch) => Ok(batch),
-                        None => Err(shared.end_not_lent(st, true)),
-                    };
+                    return Ok(shared.batch_of(idx, len, false));
                 }
                 // Completions still in the CQ come before the end.
                 if let Some(reason) = st.ended.filter(|_| st.drained) {
@@ -1613,14 +1602,7 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
         }
         let (idx, len) = st.ready.pop_front()?;
         st.handed_out += 1;
-        match shared.batch_of(idx, len, true) {
-            Some(batch) => Some(batch),
-            None => {
-                // `recv` reports the end once the flushes are in.
-                shared.end_not_lent(st, true);
-                None
-            }
-        }
+        Some(shared.batch_of(idx, len, true))
     }
 
     fn set_arrivals(&self, arrivals: Weak<dyn Arrivals>) {

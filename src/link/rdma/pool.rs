@@ -45,10 +45,6 @@ pub struct PoolStats {
     pub waits: u64,
     /// Links (leases) that have the pool now.
     pub leases: usize,
-    /// Times the provider would not lend a chunk the pool held free
-    /// (libibverbs lends none a posted WR names): the chunk went to the
-    /// back of the free list and the next one was tried.
-    pub refused_lends: u64,
 }
 
 #[derive(Debug)]
@@ -69,7 +65,6 @@ struct PoolState {
     /// Chunks posted unsignaled and not yet returned.
     unsignaled: usize,
     waits: u64,
-    refused_lends: u64,
 }
 
 impl PoolState {
@@ -179,7 +174,6 @@ impl<D: Device> SendPool<D> {
                     next_lease: 0,
                     unsignaled: 0,
                     waits: 0,
-                    refused_lends: 0,
                 }),
                 freed: Notify::new(),
             }),
@@ -210,7 +204,6 @@ impl<D: Device> SendPool<D> {
             free: st.free.len(),
             waits: st.waits,
             leases: st.leases.values().filter(|l| l.live).count(),
-            refused_lends: st.refused_lends,
         }
     }
 
@@ -249,9 +242,9 @@ pub(super) enum Blocked {
     Cap,
     /// No chunk is free for this link now; it waits in line.
     Empty,
-    /// The provider would lend none of the free chunks tried (libibverbs:
-    /// a posted WR still names them), so the pool's account of what is
-    /// free is wrong.
+    /// The provider would not lend the free chunk taken (libibverbs: a
+    /// posted WR still names it), so the pool's account of what is free
+    /// is wrong; the chunk goes to the back of the free list.
     NotLent,
 }
 
@@ -280,20 +273,7 @@ impl<D: Device> Lease<D> {
         self.take(false).ok()
     }
 
-    /// A chunk the provider will not lend goes to the back of the free
-    /// list and the next one is tried, so one stuck chunk ends no link's
-    /// epoch; `NotLent` only when every try was refused.
     fn take(&self, queue: bool) -> Result<PoolChunk<D>, Blocked> {
-        for _ in 0..self.pool.shared.mr.chunks() {
-            match self.take_one(queue) {
-                Err(Blocked::NotLent) => continue,
-                taken => return taken,
-            }
-        }
-        Err(Blocked::NotLent)
-    }
-
-    fn take_one(&self, queue: bool) -> Result<PoolChunk<D>, Blocked> {
         let shared = &self.pool.shared;
         let idx = {
             let mut st = shared.lock();
@@ -325,9 +305,7 @@ impl<D: Device> Lease<D> {
         // Free means no WR names it, so only a closing gather can hold it.
         let Some(guard) = shared.mr.lock_chunk(idx) else {
             let mut st = shared.lock();
-            debug_assert!(!st.free.contains(&idx), "chunk {idx} returned twice");
             st.free.insert(0, idx);
-            st.refused_lends += 1;
             if let Some(entry) = st.leases.get_mut(&self.id) {
                 entry.held = entry.held.saturating_sub(1);
             }
@@ -480,31 +458,23 @@ mod tests {
     }
 
     #[test]
-    fn a_chunk_the_provider_will_not_lend_is_skipped_and_lent_last() {
-        let refuse = |pool: &SendPool<SoftDevice>, chunks: u64| {
-            let hook = &pool.mr().mem.not_lent;
-            hook.store(chunks, std::sync::atomic::Ordering::Relaxed);
-        };
+    fn a_chunk_the_provider_will_not_lend_is_refused_and_lent_last() {
         let (_net, _dev, pool) = make(4, false);
         let lease = pool.lease(4);
-        refuse(&pool, 1 << 0);
-        let first = lease.try_take().expect("the next free chunk");
-        assert_eq!(first.offset(), 64, "chunk 0 refused, chunk 1 lent");
+        pool.mr()
+            .mem
+            .not_lent
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(lease.try_take().err(), Some(Blocked::NotLent));
         let stats = pool.stats();
-        assert_eq!((stats.in_use, stats.free, stats.refused_lends), (1, 3, 1));
-        refuse(&pool, 0);
-        let mut held = vec![first];
-        held.extend((0..3).map(|_| lease.try_take().expect("free")));
+        assert_eq!((stats.in_use, stats.free), (0, 4), "back in the pool");
+        pool.mr()
+            .mem
+            .not_lent
+            .store(usize::MAX, std::sync::atomic::Ordering::Relaxed);
+        let held: Vec<_> = (0..4).map(|_| lease.try_take().expect("free")).collect();
         let offsets: Vec<_> = held.iter().map(PoolChunk::offset).collect();
         assert_eq!(offsets, [64, 128, 192, 0], "the refused chunk goes last");
-
-        // With every free chunk refused, the take says so.
-        let (_net, _dev, one) = make(1, false);
-        let lease = one.lease(1);
-        refuse(&one, 1 << 0);
-        assert_eq!(lease.try_take().err(), Some(Blocked::NotLent));
-        let stats = one.stats();
-        assert_eq!((stats.in_use, stats.free), (0, 1), "back in the pool");
     }
 
     #[test]
@@ -532,8 +502,7 @@ mod tests {
                 in_use: 0,
                 free: 4,
                 waits: 0,
-                leases: 1,
-                refused_lends: 0,
+                leases: 1
             }
         );
         drop(lease);

@@ -38,10 +38,10 @@ pub(crate) struct MrMem {
     len: usize,
     /// The device's tally, released when the last WR or handle lets go.
     tally: Option<Arc<MrTally>>,
-    /// Test hook: bit `i` set, `lock_chunk` will not lend chunk `i`, as
-    /// libibverbs lends none a posted WR names.
+    /// Test hook: a chunk `lock_chunk` will not lend, as libibverbs does
+    /// not lend one a posted WR names (`usize::MAX`: none).
     #[cfg(test)]
-    pub(crate) not_lent: std::sync::atomic::AtomicU64,
+    pub(crate) not_lent: AtomicUsize,
 }
 
 impl Drop for MrMem {
@@ -68,7 +68,7 @@ impl MrMem {
             len,
             tally,
             #[cfg(test)]
-            not_lent: std::sync::atomic::AtomicU64::new(0),
+            not_lent: AtomicUsize::new(usize::MAX),
         }
     }
 
@@ -220,7 +220,7 @@ impl MemoryRegion for SoftMr {
 
     fn lock_chunk(&self, index: usize) -> Option<SoftMrGuard> {
         #[cfg(test)]
-        if index < 64 && self.mem.not_lent.load(Ordering::Relaxed) & (1 << index) != 0 {
+        if self.mem.not_lent.load(Ordering::Relaxed) == index {
             return None;
         }
         self.mem
