@@ -1466,21 +1466,6 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                                 shared: shared.clone(),
                             });
                         }
-                        Err(Blocked::NotLent) => {
-                            st.credit.unreserve();
-                            tracing::warn!(
-                                qpn = shared.address.qpn.value(),
-                                "the provider would not lend a free send buffer; ending the epoch"
-                            );
-                            let reason = EpochEnd::Fault(LinkFault::PostFailed);
-                            let ended_now = st.set_end(reason);
-                            let reason = st.ended.unwrap_or(reason);
-                            drop(st);
-                            if ended_now {
-                                shared.after_end(reason);
-                            }
-                            return Err(shared.ended_error(reason));
-                        }
                         Err(why) => {
                             st.credit.unreserve();
                             blocked = Some(why);

@@ -242,10 +242,6 @@ pub(super) enum Blocked {
     Cap,
     /// No chunk is free for this link now; it waits in line.
     Empty,
-    /// The provider would not lend the free chunk taken (libibverbs: a
-    /// posted WR still names it), so the pool's account of what is free
-    /// is wrong; the chunk goes to the back of the free list.
-    NotLent,
 }
 
 /// One link's share of a pool. Dropping it leaves the line; chunks it still
@@ -303,22 +299,17 @@ impl<D: Device> Lease<D> {
             idx
         };
         // Free means no WR names it, so only a closing gather can hold it.
-        let Some(guard) = shared.mr.lock_chunk(idx) else {
-            let mut st = shared.lock();
-            st.free.insert(0, idx);
-            if let Some(entry) = st.leases.get_mut(&self.id) {
-                entry.held = entry.held.saturating_sub(1);
-            }
-            drop(st);
-            shared.freed.notify_waiters();
-            return Err(Blocked::NotLent);
-        };
+        let guard = shared.mr.lock_chunk(idx);
+        debug_assert!(
+            guard.is_some(),
+            "a free chunk is lent (no posted WR names it)"
+        );
         Ok(PoolChunk {
             shared: shared.clone(),
             lease: self.id,
             idx,
             unsignaled: false,
-            guard: Some(guard),
+            guard,
         })
     }
 
@@ -455,26 +446,6 @@ mod tests {
         }
         .expect("pool");
         (net, dev, pool)
-    }
-
-    #[test]
-    fn a_chunk_the_provider_will_not_lend_is_refused_and_lent_last() {
-        let (_net, _dev, pool) = make(4, false);
-        let lease = pool.lease(4);
-        pool.mr()
-            .mem
-            .not_lent
-            .store(0, std::sync::atomic::Ordering::Relaxed);
-        assert_eq!(lease.try_take().err(), Some(Blocked::NotLent));
-        let stats = pool.stats();
-        assert_eq!((stats.in_use, stats.free), (0, 4), "back in the pool");
-        pool.mr()
-            .mem
-            .not_lent
-            .store(usize::MAX, std::sync::atomic::Ordering::Relaxed);
-        let held: Vec<_> = (0..4).map(|_| lease.try_take().expect("free")).collect();
-        let offsets: Vec<_> = held.iter().map(PoolChunk::offset).collect();
-        assert_eq!(offsets, [64, 128, 192, 0], "the refused chunk goes last");
     }
 
     #[test]

@@ -1044,21 +1044,3 @@ async fn a_nodes_links_take_their_read_outs_from_the_nodes_budget() {
     assert_eq!(metric(&a, "qpmux_read_outs"), Some(0));
     assert_eq!(metric(&b, "qpmux_read_outs"), Some(0));
 }
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_send_buffer_the_provider_will_not_lend_ends_the_epoch_and_stays_in_the_pool() {
-    let (da, db) = (device().await, device().await);
-    let (a, _b) = pair(&da, &db, Epoch(1), small()).expect("pair");
-    let pool = a.shared().lease.pool();
-    let chunks = pool.stats().chunks;
-    // A fresh pool lends chunk 0 first; the provider now refuses it, as
-    // libibverbs refuses a chunk a posted WR still names.
-    pool.mr().mem.not_lent.store(0, Ordering::Relaxed);
-    let refused = tokio::time::timeout(Duration::from_secs(10), a.reserve())
-        .await
-        .expect("reserve answers at once");
-    assert!(refused.is_err(), "no empty send buffer is handed out");
-    assert_eq!(a.end_reason(), Some(EpochEnd::Fault(LinkFault::PostFailed)));
-    let stats = pool.stats();
-    assert_eq!((stats.in_use, stats.free), (0, chunks), "the chunk is back");
-}

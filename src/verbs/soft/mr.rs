@@ -38,10 +38,6 @@ pub(crate) struct MrMem {
     len: usize,
     /// The device's tally, released when the last WR or handle lets go.
     tally: Option<Arc<MrTally>>,
-    /// Test hook: a chunk `lock_chunk` will not lend, as libibverbs does
-    /// not lend one a posted WR names (`usize::MAX`: none).
-    #[cfg(test)]
-    pub(crate) not_lent: AtomicUsize,
 }
 
 impl Drop for MrMem {
@@ -67,8 +63,6 @@ impl MrMem {
             chunk_len,
             len,
             tally,
-            #[cfg(test)]
-            not_lent: AtomicUsize::new(usize::MAX),
         }
     }
 
@@ -219,10 +213,6 @@ impl MemoryRegion for SoftMr {
     type Guard = SoftMrGuard;
 
     fn lock_chunk(&self, index: usize) -> Option<SoftMrGuard> {
-        #[cfg(test)]
-        if self.mem.not_lent.load(Ordering::Relaxed) == index {
-            return None;
-        }
         self.mem
             .chunks
             .get(index)
