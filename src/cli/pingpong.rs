@@ -145,6 +145,11 @@ pub struct PingpongArgs {
     /// Bootstrap handshake timeout in seconds (raise it on emulated machines).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub handshake_timeout: u64,
+    /// With `--server`: the longest one client's run may hold the server,
+    /// in seconds from its plan; past it the client is abandoned and the
+    /// next one served (a run of huge `--iters` would hold it for good).
+    #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_run: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -175,11 +180,15 @@ async fn tcp_node(id: u64, bind: SocketAddr, handshake: Duration) -> anyhow::Res
 /// Serves client runs one after another: `clients` of them, or forever.
 /// With no bound, a client that misbehaves or leaves is logged and the next
 /// is served.
-async fn serve<N: Node>(node: &N, clients: Option<u64>) -> anyhow::Result<()> {
+async fn serve<N: Node>(
+    node: &N,
+    clients: Option<u64>,
+    max_run: Option<Duration>,
+) -> anyhow::Result<()> {
     let mut served = 0;
     while clients.is_none_or(|n| served < n) {
         let hello = bind_hello(node).await?;
-        match serve_client(node, hello).await {
+        match serve_client(node, hello, max_run).await {
             Ok(()) => {}
             Err(err) if clients.is_none() => {
                 tracing::warn!("pingpong client abandoned: {err:#}");
@@ -230,8 +239,13 @@ impl<N: Node> Drop for Forget<'_, N> {
 }
 
 /// One client's run: its sessions in order, while its hello stream stays
-/// open; over when the client finishes that stream.
-async fn serve_client<N: Node>(node: &N, mut hello: SlotReceiver) -> anyhow::Result<()> {
+/// open; over when the client finishes that stream, or abandoned once it
+/// has held the server for `max_run` from its plan.
+async fn serve_client<N: Node>(
+    node: &N,
+    mut hello: SlotReceiver,
+    max_run: Option<Duration>,
+) -> anyhow::Result<()> {
     // Waiting for a client is idle, not a client gone silent: a peer that
     // opened the hello has one to two silences to say who it is.
     let mut opened_seen = false;
@@ -253,6 +267,23 @@ async fn serve_client<N: Node>(node: &N, mut hello: SlotReceiver) -> anyhow::Res
         anyhow::bail!("pingpong client sent no plan");
     };
     let (run, sessions) = parse_plan(&plan)?;
+    let served = serve_run(node, peer, &mut hello, run, sessions);
+    match max_run {
+        Some(bound) => tokio::time::timeout(bound, served).await.map_err(|_| {
+            anyhow::anyhow!("the client's run held the server past {bound:?} (--max-run)")
+        })?,
+        None => served.await,
+    }
+}
+
+/// A client's sessions, then its goodbye.
+async fn serve_run<N: Node>(
+    node: &N,
+    peer: PeerId,
+    hello: &mut SlotReceiver,
+    run: u64,
+    sessions: u64,
+) -> anyhow::Result<()> {
     // A client that dialled in has a link; an address it does not answer
     // at (it left while queued, or named another node) is not dialled.
     anyhow::ensure!(
@@ -264,10 +295,10 @@ async fn serve_client<N: Node>(node: &N, mut hello: SlotReceiver) -> anyhow::Res
     for n in 1..=sessions {
         tokio::select! {
             served = serve_session(node, peer, run | n) => served?,
-            early = next_data(&mut hello) => anyhow::bail!("client left in session {n}: {early:?}"),
+            early = next_data(hello) => anyhow::bail!("client left in session {n}: {early:?}"),
         }
     }
-    match tokio::time::timeout(CLIENT_LINGER, next_data(&mut hello)).await {
+    match tokio::time::timeout(CLIENT_LINGER, next_data(hello)).await {
         Ok(Some(Frame::Finalized)) => {
             // The client goes once it has this; forgetting it sooner could
             // cut the link under it.
@@ -567,7 +598,12 @@ pub async fn run(args: PingpongArgs, json: bool) -> anyhow::Result<()> {
         (TransportKind::Tcp, Provider::Soft) => {
             let local = SocketAddr::new(plan.local, 0);
             if let Some(bind) = args.server {
-                return serve_forever(tcp_node(SERVER_ID, bind, handshake).await?, json).await;
+                return serve_forever(
+                    tcp_node(SERVER_ID, bind, handshake).await?,
+                    json,
+                    args.max_run,
+                )
+                .await;
             }
             let client = tcp_node(client_id(), local, handshake).await?;
             let remote = args.client.is_some() || plan.server.is_some();
@@ -630,7 +666,7 @@ where
     let handshake = Duration::from_secs(args.handshake_timeout);
     if let Some(bind) = args.server {
         let node = rdma_node(open(bind.ip()).await?, SERVER_ID, bind, handshake).await?;
-        return serve_forever(node, json).await;
+        return serve_forever(node, json, args.max_run).await;
     }
     let local = SocketAddr::new(plan.local, 0);
     let client = rdma_node(open(plan.local).await?, client_id(), local, handshake).await?;
@@ -657,14 +693,14 @@ async fn rdma_node<D: Device + 'static>(
     Ok(RdmaTransport::start(device, config).await?)
 }
 
-async fn serve_forever<N: Node>(node: N, json: bool) -> anyhow::Result<()> {
+async fn serve_forever<N: Node>(node: N, json: bool, max_run: u64) -> anyhow::Result<()> {
     let address = hex(&node.address());
     if json {
         println!("{}", serde_json::json!({ "address": address }));
     } else {
         println!("pingpong server; address: {address}");
     }
-    serve(&node, None).await
+    serve(&node, None, Some(Duration::from_secs(max_run))).await
 }
 
 /// Says hello (address, run id, session count) and waits for the welcome;
@@ -766,7 +802,7 @@ async fn run_client<N: Node>(
     );
     let server_task = local_server.map(|server| {
         tokio::spawn(async move {
-            let served = serve(&server, Some(1)).await;
+            let served = serve(&server, Some(1), None).await;
             server.shutdown();
             served
         })
@@ -906,7 +942,8 @@ mod tests {
             .open(PeerId(SERVER_ID), StreamKey::new(HELLO_ANCHOR, 0))
             .expect("open");
         tx.send(Bytes::from(client.address())).await.expect("sent");
-        let served = tokio::time::timeout(CLIENT_SILENCE * 4, serve_client(&server, hello)).await;
+        let served =
+            tokio::time::timeout(CLIENT_SILENCE * 4, serve_client(&server, hello, None)).await;
         let err = served.expect("abandoned within its bound").unwrap_err();
         assert!(err.to_string().contains("silent"), "{err:#}");
     }
@@ -926,9 +963,44 @@ mod tests {
         let _tx = (client.mux())
             .open(PeerId(SERVER_ID), StreamKey::new(HELLO_ANCHOR, 0))
             .expect("open");
-        let served = tokio::time::timeout(CLIENT_SILENCE * 4, serve_client(&server, hello)).await;
+        let served =
+            tokio::time::timeout(CLIENT_SILENCE * 4, serve_client(&server, hello, None)).await;
         let err = served.expect("abandoned within its bound").unwrap_err();
         assert!(err.to_string().contains("no address"), "{err:#}");
+    }
+
+    /// A client whose run goes on and on (a record a second, never silent)
+    /// is abandoned once it has held the server for `--max-run`.
+    #[tokio::test(start_paused = true)]
+    async fn a_run_past_the_bound_is_abandoned() {
+        let (server, client) = fabric_pair();
+        let hello = bind_hello(&server).await.expect("bind");
+        let mut tx = (client.mux())
+            .open(PeerId(SERVER_ID), StreamKey::new(HELLO_ANCHOR, 0))
+            .expect("open");
+        tx.send(Bytes::from(client.address())).await.expect("sent");
+        let run = 1 << 16;
+        tx.send(encode_plan(run, 1)).await.expect("sent");
+        let mut session = (client.mux())
+            .open(PeerId(SERVER_ID), StreamKey::new(PING_ANCHOR, run | 1))
+            .expect("open");
+        let bound = Duration::from_secs(60);
+        let served = tokio::time::timeout(bound * 2, serve_client(&server, hello, Some(bound)));
+        let feed = async {
+            session.send(Bytes::from_static(b"bw")).await.expect("sent");
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                session
+                    .send(Bytes::from_static(b"a record"))
+                    .await
+                    .expect("sent");
+            }
+        };
+        let err = tokio::select! {
+            served = served => served.expect("abandoned within twice its bound").unwrap_err(),
+            () = feed => unreachable!("the feed never ends"),
+        };
+        assert!(err.to_string().contains("--max-run"), "{err:#}");
     }
 
     /// Waiting for the first client is idle, not a client gone silent.
@@ -936,7 +1008,8 @@ mod tests {
     async fn a_server_waits_for_its_first_client_without_a_bound() {
         let (server, _client) = fabric_pair();
         let hello = bind_hello(&server).await.expect("bind");
-        let served = tokio::time::timeout(CLIENT_SILENCE * 4, serve_client(&server, hello)).await;
+        let served =
+            tokio::time::timeout(CLIENT_SILENCE * 4, serve_client(&server, hello, None)).await;
         assert!(served.is_err(), "gave up on nobody: {served:?}");
     }
 
