@@ -1125,6 +1125,91 @@ impl Link for RepostingLink {
 
 struct NoDialer;
 
+/// A mem link that, once the mux has closed it, reports its end as a
+/// delivery the link cut, as the RDMA link does when a received batch's
+/// buffer is not lent while our close reads the peer out.
+struct CuttingLink {
+    inner: MemLink,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl Link for CuttingLink {
+    type SendBuf = <MemLink as Link>::SendBuf;
+    type Batch = <MemLink as Link>::Batch;
+    const RELEASE_POSTS: bool = false;
+
+    fn epoch(&self) -> Epoch {
+        self.inner.epoch()
+    }
+    fn max_batch(&self) -> usize {
+        self.inner.max_batch()
+    }
+    async fn reserve(&self) -> Result<Self::SendBuf, qpmux::link::LinkError> {
+        self.inner.reserve().await
+    }
+    fn post(&self, buf: Self::SendBuf, len: usize) -> Result<(), qpmux::link::LinkError> {
+        self.inner.post(buf, len)
+    }
+    fn post_last(&self, buf: Self::SendBuf, len: usize) -> Result<(), qpmux::link::LinkError> {
+        self.inner.post_last(buf, len)
+    }
+    async fn recv(&self) -> Result<Self::Batch, qpmux::link::LinkError> {
+        use std::sync::atomic::Ordering;
+        match self.inner.recv().await {
+            Err(qpmux::link::LinkError::Ended { epoch, .. })
+                if self.closed.load(Ordering::Acquire) =>
+            {
+                Err(qpmux::link::LinkError::Ended {
+                    epoch,
+                    reason: EpochEnd::Fault(LinkFault::BufferNotLent { receive: true }),
+                })
+            }
+            other => other,
+        }
+    }
+    fn fail(&self, reason: EpochEnd) {
+        if reason.is_close() {
+            self.closed
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
+        self.inner.fail(reason)
+    }
+    async fn ended(&self) -> EpochEnd {
+        self.inner.ended().await
+    }
+}
+
+/// A close whose read-out the link cut (batches it completed, dropped) is
+/// no graceful end: the epoch carried a message, and counts as lost (the
+/// peer's Goodbye would count it closed).
+#[tokio::test]
+async fn a_close_whose_read_out_the_link_cut_counts_the_epoch_lost() {
+    let mux: Mux<CuttingLink> = Mux::new(MuxConfig::default(), Arc::new(NoDialer));
+    let (ours, raw) = pair(Epoch(1), MemConfig::default());
+    mux.attach(
+        B,
+        CuttingLink {
+            inner: ours,
+            closed: std::sync::atomic::AtomicBool::new(false),
+        },
+    );
+    let (tx, rx) = flume::bounded(8);
+    mux.install_messages(B, rx);
+    let message = qpmux::mux::OutboundMessage::new(Bytes::from_static(b"a message"));
+    tx.send_async(message).await.expect("channel open");
+    // Written: the epoch carried it.
+    loop {
+        let batch = raw.recv().await.expect("a batch");
+        if batch.windows(9).any(|w| w == b"a message") {
+            break;
+        }
+    }
+    // The peer's Goodbye: a close, which the mux then reads out.
+    post_batch(&raw, 0, |enc| enc.push_goodbye().expect("fits")).await;
+    until(|| mux.epoch(B).is_none()).await;
+    assert_eq!(mux.epochs_lost(B).count, 1, "a cut read-out loses");
+}
+
 impl qpmux::mux::Dialer for NoDialer {
     fn want_link(&self, _: PeerId) {}
 }

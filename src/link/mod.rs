@@ -70,6 +70,28 @@ pub enum EpochEnd {
     Shutdown,
 }
 
+impl EpochEnd {
+    /// A close one end chose (ours, the node's shutdown, the peer's, or a
+    /// replacement): what the link completed is still delivered.
+    pub fn is_close(&self) -> bool {
+        matches!(
+            self,
+            EpochEnd::Closed | EpochEnd::Shutdown | EpochEnd::PeerClosed | EpochEnd::Replaced
+        )
+    }
+
+    /// The link dropped batches it had completed (a received batch's buffer
+    /// the provider would not lend, or a panic that lost completions). A
+    /// link's `recv` reports it in place of a close decided before, and the
+    /// mux then counts the epoch lost, not closed.
+    pub fn cut_delivery(&self) -> bool {
+        matches!(
+            self,
+            EpochEnd::Internal | EpochEnd::Fault(LinkFault::BufferNotLent { receive: true })
+        )
+    }
+}
+
 /// A local transport fault that ends an epoch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
 pub enum LinkFault {
@@ -101,6 +123,16 @@ pub enum LinkFault {
     UnknownCompletion {
         /// The completion's work request id.
         wr_id: u64,
+    },
+    /// The provider would not lend a buffer the link held as its own (a
+    /// received batch's, or every free send buffer with none out to come
+    /// back; libibverbs lends none a posted WR names): the link's account
+    /// of what the provider holds is wrong, so nothing is read from or sent
+    /// out of it.
+    #[error("the provider would not lend a {} buffer the link held as its own", if *receive { "receive" } else { "send" })]
+    BufferNotLent {
+        /// A receive buffer (else a send buffer).
+        receive: bool,
     },
 }
 

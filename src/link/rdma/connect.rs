@@ -212,6 +212,8 @@ impl<D: Device + 'static> PreparedEnd<D> {
             read_out_owner: None,
             tearing_down: false,
             drained: false,
+            end_reported: false,
+            delivery_cut: None,
             stall_suspect: None,
             stats: LinkStats::default(),
         };

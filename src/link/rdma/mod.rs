@@ -325,6 +325,15 @@ struct State<D: Device> {
     tearing_down: bool,
     /// The poller is done: every completion the CQ will ever hold was handled.
     drained: bool,
+    /// `recv` has reported the end: a receive completing after it (the QP
+    /// left up by a failed move to ERR) is dropped, not handed out after.
+    end_reported: bool,
+    /// Received batches are dropped unread from here on, and `recv` reports
+    /// this end in place of a close decided before (that close lost them
+    /// too): a buffer not lent ([`Shared::refuse_delivery`]), or a panic that lost
+    /// completions, after which the next batch would read as a gap the
+    /// peer made.
+    delivery_cut: Option<EpochEnd>,
     /// The stall deadline a look found passed, and when that look was: a
     /// look at least [`STALL_GRACE`] later finding the same deadline ends
     /// the epoch ([`Shared::check_stall`]).
@@ -847,6 +856,9 @@ impl<D: Device + 'static> Shared<D> {
         let (first, cut) = {
             let mut st = self.lock();
             st.drained |= completions_lost;
+            if completions_lost {
+                st.delivery_cut.get_or_insert(EpochEnd::Internal);
+            }
             let first = st.set_end(EpochEnd::Internal);
             (first, !first && st.note_cut(EpochEnd::Internal))
         };
@@ -1011,19 +1023,37 @@ impl<D: Device + 'static> Shared<D> {
     }
 
     /// The received batch in receive buffer `idx`, handed out; one `later`
-    /// is re-posted after the tasks woken in the turn that drops it.
-    fn batch_of(self: &Arc<Self>, idx: usize, len: usize, later: bool) -> RdmaBatch<D> {
-        // Completed, not re-posted: the provider is done with it. A
+    /// is re-posted after the tasks woken in the turn that drops it. `None`
+    /// if the provider will not lend the buffer.
+    fn batch_of(self: &Arc<Self>, idx: usize, len: usize, later: bool) -> Option<RdmaBatch<D>> {
+        // Completed, not re-posted: the provider should be done with it. A
         // receive MR is one chunk.
-        let guard = self.recv_mrs[idx].lock_chunk(0);
-        debug_assert!(guard.is_some(), "a completed receive's buffer is lent");
-        RdmaBatch {
-            guard,
+        let guard = self.recv_mrs[idx].lock_chunk(0)?;
+        Some(RdmaBatch {
+            guard: Some(guard),
             idx,
             len,
             later,
             shared: self.clone(),
-        }
+        })
+    }
+
+    /// A completed receive whose buffer the provider would not lend (the
+    /// link's account of what it holds is wrong): that batch and every one
+    /// queued or completing behind it are dropped unread, since the mux
+    /// would take the next one's sequence number for a gap the peer made,
+    /// and the epoch ends as a local fault.
+    fn refuse_delivery(&self, mut st: MutexGuard<'_, State<D>>) {
+        tracing::warn!(
+            parent: &self.span,
+            dropped = st.ready.len() + 1,
+            "the provider would not lend a received batch's buffer; ending the epoch"
+        );
+        let reason = EpochEnd::Fault(LinkFault::BufferNotLent { receive: true });
+        st.delivery_cut.get_or_insert(reason);
+        st.ready.clear();
+        drop(st);
+        self.end(reason);
     }
 
     /// Tells the arrivals hook of received batches, then wakes `recv` only
@@ -1466,6 +1496,19 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
                                 shared: shared.clone(),
                             });
                         }
+                        Err(Blocked::NotLent) => {
+                            st.credit.unreserve();
+                            drop(st);
+                            tracing::warn!(
+                                parent: &shared.span,
+                                "the provider would lend no free send buffer; ending the epoch"
+                            );
+                            let reason =
+                                EpochEnd::Fault(LinkFault::BufferNotLent { receive: false });
+                            shared.end(reason);
+                            let reason = shared.lock().ended.unwrap_or(reason);
+                            return Err(shared.ended_error(reason));
+                        }
                         Err(why) => {
                             st.credit.unreserve();
                             blocked = Some(why);
@@ -1565,11 +1608,22 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
             {
                 let mut st = shared.lock();
                 if let Some((idx, len)) = st.ready.pop_front() {
+                    let Some(batch) = shared.batch_of(idx, len, false) else {
+                        shared.refuse_delivery(st);
+                        continue;
+                    };
                     st.handed_out += 1;
-                    return Ok(shared.batch_of(idx, len, false));
+                    return Ok(batch);
                 }
                 // Completions still in the CQ come before the end.
                 if let Some(reason) = st.ended.filter(|_| st.drained) {
+                    st.end_reported = true;
+                    // A cut in place of a close only: a violation or fault
+                    // decided first stays the verdict.
+                    let reason = match st.delivery_cut {
+                        Some(cut) if reason.is_close() => cut,
+                        _ => reason,
+                    };
                     return Err(shared.ended_error(reason));
                 }
             }
@@ -1586,8 +1640,13 @@ impl<D: Device + 'static> Link for RdmaLink<D> {
             return None;
         }
         let (idx, len) = st.ready.pop_front()?;
+        let Some(batch) = shared.batch_of(idx, len, true) else {
+            // `recv` reports the end once the flushes are in.
+            shared.refuse_delivery(st);
+            return None;
+        };
         st.handed_out += 1;
-        Some(shared.batch_of(idx, len, true))
+        Some(batch)
     }
 
     fn set_arrivals(&self, arrivals: Weak<dyn Arrivals>) {

@@ -702,6 +702,8 @@ impl<D: Device + 'static> RdmaTransport<D> {
             ("qpmux_send_pool_chunks", as_u64(pool.chunks)),
             ("qpmux_send_pool_chunks_in_use", as_u64(pool.in_use)),
             ("qpmux_send_pool_waits_total", pool.waits),
+            ("qpmux_send_pool_set_aside", as_u64(pool.set_aside)),
+            ("qpmux_send_pool_refused_lends_total", pool.refused_lends),
         ]);
         let read_outs = self.node.epochs().read_outs();
         out.extend([

@@ -97,7 +97,7 @@ impl<D: Device + 'static> Shared<D> {
         }
     }
 
-    fn on_completions(&self, wcs: &[WorkCompletion]) {
+    pub(super) fn on_completions(&self, wcs: &[WorkCompletion]) {
         let mut st = self.lock();
         #[cfg(test)]
         assert!(
@@ -176,7 +176,7 @@ impl<D: Device + 'static> Shared<D> {
                 status: ibv_status(wc.status),
             }));
         }
-        if hostile {
+        if hostile || st.end_reported || st.delivery_cut.is_some() {
             return None;
         }
         let len = wc.byte_len as usize;

@@ -38,13 +38,20 @@ pub struct PoolStats {
     /// Chunks held by links (being encoded, or posted and not yet completed),
     /// counted per link.
     pub in_use: usize,
-    /// Chunks on the free list, counted apart from `in_use`: the two add up
-    /// to `chunks` unless a chunk was lost or returned twice.
+    /// Chunks on the free list, counted apart from `in_use`: with
+    /// `set_aside` the three add up to `chunks` unless a chunk was lost or
+    /// returned twice (or one is between the free list and a link).
     pub free: usize,
     /// Times a link found no chunk it could take and had to wait.
     pub waits: u64,
     /// Links (leases) that have the pool now.
     pub leases: usize,
+    /// Free chunks set aside because the provider would not lend them
+    /// (libibverbs lends none a posted WR names): offered again once
+    /// another chunk comes back. Not counted in `free`.
+    pub set_aside: usize,
+    /// Times the provider would not lend a chunk the pool held free.
+    pub refused_lends: u64,
 }
 
 #[derive(Debug)]
@@ -65,9 +72,26 @@ struct PoolState {
     /// Chunks posted unsignaled and not yet returned.
     unsignaled: usize,
     waits: u64,
+    /// Free chunks the provider would not lend; back on `free` (below the
+    /// rest) when a chunk returns, so a stuck one is not tried again and
+    /// again in the meantime.
+    set_aside: Vec<usize>,
+    refused_lends: u64,
+    /// `Empty` answers so far: a take in line that saw one come while its
+    /// chunk was being lent wakes the line (that answer counted it ahead).
+    empties: u64,
 }
 
 impl PoolState {
+    /// Puts the chunks set aside back under the free ones: the provider
+    /// may lend them now.
+    fn offer_set_aside(&mut self) {
+        if !self.set_aside.is_empty() {
+            let aside = std::mem::take(&mut self.set_aside);
+            self.free.splice(0..0, aside);
+        }
+    }
+
     fn leave(&mut self, lease: u64) -> bool {
         let before = self.waiting.len();
         self.waiting.retain(|&id| id != lease);
@@ -174,6 +198,9 @@ impl<D: Device> SendPool<D> {
                     next_lease: 0,
                     unsignaled: 0,
                     waits: 0,
+                    set_aside: Vec::new(),
+                    refused_lends: 0,
+                    empties: 0,
                 }),
                 freed: Notify::new(),
             }),
@@ -204,6 +231,8 @@ impl<D: Device> SendPool<D> {
             free: st.free.len(),
             waits: st.waits,
             leases: st.leases.values().filter(|l| l.live).count(),
+            set_aside: st.set_aside.len(),
+            refused_lends: st.refused_lends,
         }
     }
 
@@ -242,6 +271,10 @@ pub(super) enum Blocked {
     Cap,
     /// No chunk is free for this link now; it waits in line.
     Empty,
+    /// The provider would lend no chunk the pool holds free, and none is
+    /// out to come back: the pool's account of what the provider holds is
+    /// wrong, and waiting would wait forever.
+    NotLent,
 }
 
 /// One link's share of a pool. Dropping it leaves the line; chunks it still
@@ -269,48 +302,100 @@ impl<D: Device> Lease<D> {
         self.take(false).ok()
     }
 
+    /// A chunk the provider will not lend (libibverbs: a posted WR still
+    /// names it; free should mean none does) is set aside and the next
+    /// free one tried. The lease keeps its place in line until a chunk is
+    /// lent; each chunk is tried at most once per return, so this ends.
     fn take(&self, queue: bool) -> Result<PoolChunk<D>, Blocked> {
         let shared = &self.pool.shared;
-        let idx = {
-            let mut st = shared.lock();
-            let Some(entry) = st.leases.get(&self.id) else {
-                return Err(Blocked::Cap); // unreachable while the lease lives
-            };
-            if entry.held >= entry.cap {
-                return Err(Blocked::Cap);
-            }
-            let ahead = st
-                .waiting
-                .iter()
-                .position(|&id| id == self.id)
-                .unwrap_or(st.waiting.len());
-            if st.free.len() <= ahead {
-                if queue && ahead == st.waiting.len() {
-                    st.waiting.push_back(self.id);
-                    st.waits += 1;
+        loop {
+            let (idx, in_line, empties) = {
+                let mut st = shared.lock();
+                let Some(entry) = st.leases.get(&self.id) else {
+                    return Err(Blocked::Cap); // unreachable while the lease lives
+                };
+                if entry.held >= entry.cap {
+                    return Err(Blocked::Cap);
                 }
-                return Err(Blocked::Empty);
+                let ahead = st
+                    .waiting
+                    .iter()
+                    .position(|&id| id == self.id)
+                    .unwrap_or(st.waiting.len());
+                let in_line = ahead < st.waiting.len();
+                if st.free.len() <= ahead {
+                    if st.set_aside.len() == shared.mr.chunks() {
+                        // Every chunk refused, none out to come back and
+                        // offer them again: the next take tries them anew.
+                        st.offer_set_aside();
+                        st.leave(self.id);
+                        drop(st);
+                        shared.freed.notify_waiters();
+                        return Err(Blocked::NotLent);
+                    }
+                    if queue && !in_line {
+                        st.waiting.push_back(self.id);
+                        st.waits += 1;
+                    }
+                    st.empties += 1;
+                    return Err(Blocked::Empty);
+                }
+                let idx = st.free.pop().expect("more free chunks than leases ahead");
+                if !in_line {
+                    // Nobody counts this lease ahead of them: the chunk is
+                    // its own now.
+                    if let Some(entry) = st.leases.get_mut(&self.id) {
+                        entry.held += 1;
+                    }
+                }
+                (idx, in_line, st.empties)
+            };
+            let Some(guard) = shared.mr.lock_chunk(idx) else {
+                let mut st = shared.lock();
+                st.refused_lends += 1;
+                st.set_aside.push(idx);
+                if !in_line {
+                    if let Some(entry) = st.leases.get_mut(&self.id) {
+                        entry.held = entry.held.saturating_sub(1);
+                    }
+                }
+                // One stuck chunk is offered again on every return: say so
+                // at the 1st, 2nd, 4th, 8th... refusal, not each time.
+                if st.refused_lends.is_power_of_two() {
+                    tracing::warn!(
+                        chunk = idx,
+                        refused = st.refused_lends,
+                        "the provider would not lend a free send buffer; set aside"
+                    );
+                }
+                continue;
+            };
+            if in_line {
+                let mut st = shared.lock();
+                st.leave(self.id);
+                if let Some(entry) = st.leases.get_mut(&self.id) {
+                    entry.held += 1;
+                }
+                // A take that found no chunk meanwhile counted this lease
+                // ahead of it while its chunk was off the free list.
+                let misled = st.empties != empties;
+                drop(st);
+                if misled {
+                    shared.freed.notify_waiters();
+                }
             }
-            let idx = st.free.pop().expect("more free chunks than leases ahead");
-            st.leave(self.id);
-            if let Some(entry) = st.leases.get_mut(&self.id) {
-                entry.held += 1;
-            }
-            idx
-        };
-        // Free means no WR names it, so only a closing gather can hold it.
-        let guard = shared.mr.lock_chunk(idx);
-        debug_assert!(
-            guard.is_some(),
-            "a free chunk is lent (no posted WR names it)"
-        );
-        Ok(PoolChunk {
-            shared: shared.clone(),
+            return Ok(self.chunk(idx, guard));
+        }
+    }
+
+    fn chunk(&self, idx: usize, guard: <D::Mr as MemoryRegion>::Guard) -> PoolChunk<D> {
+        PoolChunk {
+            shared: self.pool.shared.clone(),
             lease: self.id,
             idx,
             unsignaled: false,
-            guard,
-        })
+            guard: Some(guard),
+        }
     }
 
     /// Leaves the line (the link's `reserve` is blocked by something else,
@@ -410,11 +495,12 @@ impl<D: Device> Drop for PoolChunk<D> {
         self.guard = None;
         let mut st = self.shared.lock();
         debug_assert!(
-            !st.free.contains(&self.idx),
+            !st.free.contains(&self.idx) && !st.set_aside.contains(&self.idx),
             "chunk {} returned twice",
             self.idx
         );
         st.free.push(self.idx);
+        st.offer_set_aside();
         if self.unsignaled {
             st.unsignaled = st.unsignaled.saturating_sub(1);
         }
@@ -473,11 +559,143 @@ mod tests {
                 in_use: 0,
                 free: 4,
                 waits: 0,
-                leases: 1
+                leases: 1,
+                set_aside: 0,
+                refused_lends: 0,
             }
         );
         drop(lease);
         assert_eq!(pool.stats().leases, 0);
+    }
+
+    /// Bit `i` set: the soft MR will not lend chunk `i`, as libibverbs
+    /// lends none a posted WR names.
+    fn refuse(pool: &SendPool<SoftDevice>, chunks: u64) {
+        let hook = &pool.mr().mem.not_lent;
+        hook.store(chunks, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    #[test]
+    fn a_chunk_the_provider_will_not_lend_is_set_aside_until_another_comes_back() {
+        let (_net, _dev, pool) = make(4, false);
+        let lease = pool.lease(4);
+        refuse(&pool, 1 << 0);
+        let first = lease.try_take().expect("the next free chunk");
+        assert_eq!(first.offset(), 64, "chunk 0 refused, chunk 1 lent");
+        let second = lease.try_take().expect("free");
+        assert_eq!(second.offset(), 128);
+        let stats = pool.stats();
+        assert_eq!(
+            (
+                stats.in_use,
+                stats.free,
+                stats.set_aside,
+                stats.refused_lends
+            ),
+            (2, 1, 1, 1),
+            "chunk 0 is not tried again meanwhile"
+        );
+        refuse(&pool, 0);
+        drop(second);
+        let stats = pool.stats();
+        assert_eq!((stats.free, stats.set_aside), (3, 0), "offered again");
+        let mut held = vec![first];
+        held.extend((0..3).map(|_| lease.try_take().expect("free")));
+        let offsets: Vec<_> = held.iter().map(PoolChunk::offset).collect();
+        assert_eq!(offsets, [64, 128, 192, 0], "the refused chunk goes last");
+    }
+
+    #[test]
+    fn a_refused_chunk_keeps_the_lease_its_place_in_line() {
+        let (_net, _dev, pool) = make(3, false);
+        let (a, b, c) = (pool.lease(3), pool.lease(3), pool.lease(3));
+        let mut held: Vec<_> = (0..3).map(|_| a.try_take().expect("free")).collect();
+        assert_eq!(b.try_take().err(), Some(Blocked::Empty), "b first in line");
+        assert_eq!(c.try_take().err(), Some(Blocked::Empty), "c behind b");
+        let stuck = held.pop().expect("held");
+        refuse(&pool, 1 << (stuck.offset() / 64));
+        drop(stuck);
+        assert_eq!(
+            b.try_take().err(),
+            Some(Blocked::Empty),
+            "refused, set aside"
+        );
+        assert_eq!(c.try_take().err(), Some(Blocked::Empty), "b is still first");
+        drop(held.pop());
+        let _b1 = b.try_take().expect("b's turn");
+        assert_eq!(
+            c.try_take().err(),
+            Some(Blocked::Empty),
+            "the stuck one again"
+        );
+        assert_eq!(pool.stats().refused_lends, 2);
+    }
+
+    /// A lease in line whose chunk is still being lent is counted ahead by
+    /// a take that comes meanwhile and finds no chunk: once lent, it wakes
+    /// the line, or the other would sleep beside a free chunk.
+    #[test]
+    fn a_take_misled_while_a_chunk_was_being_lent_is_woken() {
+        let (_net, _dev, pool) = make(2, false);
+        let (a, b, c) = (pool.lease(2), pool.lease(2), pool.lease(2));
+        let (a0, a1) = (a.try_take().expect("0"), a.try_take().expect("1"));
+        assert_eq!(b.try_take().err(), Some(Blocked::Empty), "b first in line");
+        assert_eq!(c.try_take().err(), Some(Blocked::Empty), "c behind b");
+        drop(a1);
+        drop(a0);
+        // b takes chunk 0 next; the soft MR makes its lend wait for this.
+        let gather = pool.mr().lock_chunk(0).expect("chunk 0");
+        std::thread::scope(|scope| {
+            let taken = scope.spawn(|| b.try_take());
+            while pool.stats().free != 1 {
+                std::thread::yield_now();
+            }
+            let woken = c.notified();
+            let mut woken = std::pin::pin!(woken);
+            woken.as_mut().enable();
+            assert_eq!(c.try_take().err(), Some(Blocked::Empty), "b counted ahead");
+            drop(gather);
+            let lent = taken.join().expect("b").expect("lent");
+            assert_eq!(lent.offset(), 0);
+            // Not by a return: b holds its chunk.
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            assert!(woken.as_mut().poll(&mut cx).is_ready(), "c was woken");
+        });
+        assert!(c.try_take().is_ok(), "chunk 1 is c's");
+    }
+
+    #[test]
+    fn every_chunk_refused_and_none_out_is_not_lent_and_tried_anew() {
+        let (_net, _dev, pool) = make(2, false);
+        let (a, b) = (pool.lease(2), pool.lease(2));
+        refuse(&pool, 1 << 1);
+        let held = a.try_take().expect("chunk 0 lent");
+        // One chunk is out: it comes back and offers the stuck one again.
+        assert_eq!(b.try_take().err(), Some(Blocked::Empty));
+        refuse(&pool, 0b11);
+        drop(held);
+        assert_eq!(b.try_take().err(), Some(Blocked::NotLent));
+        let stats = pool.stats();
+        assert_eq!(
+            (
+                stats.in_use,
+                stats.free,
+                stats.set_aside,
+                stats.refused_lends
+            ),
+            (0, 2, 0, 3),
+            "back on the free list for the next take"
+        );
+        assert_eq!(
+            a.try_take_unqueued().map(|c| c.offset()),
+            None,
+            "a look too"
+        );
+        refuse(&pool, 0);
+        // b left the line with its `NotLent`: else a, not in it, would get
+        // one chunk only.
+        let lent: Vec<_> = (0..2).map(|_| a.try_take().expect("lent")).collect();
+        assert_eq!(lent.len(), 2, "both, once the provider lets go");
     }
 
     #[test]

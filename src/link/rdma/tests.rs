@@ -1044,3 +1044,110 @@ async fn a_nodes_links_take_their_read_outs_from_the_nodes_budget() {
     assert_eq!(metric(&a, "qpmux_read_outs"), Some(0));
     assert_eq!(metric(&b, "qpmux_read_outs"), Some(0));
 }
+
+/// Bit `i` set: the soft MR will not lend chunk `i`, as libibverbs lends
+/// none a posted WR names.
+fn refuse_chunks(mr: &crate::verbs::soft::SoftMr, chunks: u64) {
+    mr.mem.not_lent.store(chunks, Ordering::Relaxed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_buffer_the_provider_will_not_lend_is_skipped_and_the_link_goes_on() {
+    let (da, db) = (device().await, device().await);
+    let (a, b) = pair(&da, &db, Epoch(1), small()).expect("pair");
+    let pool = a.shared().lease.pool();
+    // A fresh pool lends chunk 0 first.
+    refuse_chunks(pool.mr(), 1 << 0);
+    for word in [b"one", b"two"] {
+        send_bytes(&a, word).await;
+        assert_eq!(recv_bytes(&b).await, word);
+    }
+    assert!(a.end_reason().is_none(), "{:?}", a.end_reason());
+    assert!(pool.stats().refused_lends >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_buffers_the_provider_will_not_lend_end_the_epoch_and_stay_in_the_pool() {
+    let (da, db) = (device().await, device().await);
+    let (a, _b) = pair(&da, &db, Epoch(1), small()).expect("pair");
+    let pool = a.shared().lease.pool();
+    let chunks = pool.stats().chunks;
+    refuse_chunks(pool.mr(), u64::MAX);
+    let refused = tokio::time::timeout(Duration::from_secs(10), a.reserve())
+        .await
+        .expect("reserve answers, not waits");
+    let not_lent = EpochEnd::Fault(LinkFault::BufferNotLent { receive: false });
+    assert!(
+        matches!(refused, Err(LinkError::Ended { reason, .. }) if reason == not_lent),
+        "no empty send buffer is handed out: {:?}",
+        refused.map(drop)
+    );
+    let stats = pool.stats();
+    assert_eq!(
+        (stats.in_use, stats.free, stats.set_aside),
+        (0, chunks, 0),
+        "every chunk is back for the next link to try"
+    );
+    assert_eq!(stats.refused_lends, chunks as u64, "each tried once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_received_batch_the_provider_will_not_lend_ends_the_epoch_and_none_behind_it_is_read() {
+    let (da, db) = (device().await, device().await);
+    let (a, b) = pair(&da, &db, Epoch(1), small()).expect("pair");
+    send_bytes(&a, b"first").await;
+    send_bytes(&a, b"second").await;
+    until(|| b.shared().lock().ready.len() == 2).await;
+    let first = b.shared().lock().ready.front().map(|&(idx, _)| idx);
+    refuse_chunks(&b.shared().recv_mrs[first.expect("queued")], 1);
+    let not_lent = EpochEnd::Fault(LinkFault::BufferNotLent { receive: true });
+    // The second batch would read to the mux as a gap the peer made.
+    torn_down(&b, not_lent).await;
+    torn_down(&b, not_lent).await;
+    assert_eq!(b.end_reason(), Some(not_lent));
+}
+
+/// Batches dropped during our own graceful close are no graceful end:
+/// `recv` reports the fault, so the mux counts the epoch lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_received_batch_not_lent_during_our_close_is_reported_as_the_fault() {
+    let (da, db) = (device().await, device().await);
+    let (a, b) = pair(&da, &db, Epoch(1), small()).expect("pair");
+    send_bytes(&a, b"first").await;
+    send_bytes(&a, b"second").await;
+    until(|| b.shared().lock().ready.len() == 2).await;
+    b.fail(EpochEnd::Closed);
+    assert_eq!(b.end_reason(), Some(EpochEnd::Closed));
+    let first = b.shared().lock().ready.front().map(|&(idx, _)| idx);
+    refuse_chunks(&b.shared().recv_mrs[first.expect("queued")], 1);
+    torn_down(
+        &b,
+        EpochEnd::Fault(LinkFault::BufferNotLent { receive: true }),
+    )
+    .await;
+}
+
+/// Once `recv` has reported the end no batch follows it: a receive handled
+/// after the link was drained (a failed move to ERR leaves the QP
+/// receiving; a panic's lost completions leave later ones in the CQ) is
+/// dropped. Handed to the link directly: neither is easy to stage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_batch_follows_the_end_recv_reported() {
+    let (da, db) = (device().await, device().await);
+    let (a, _b) = pair(&da, &db, Epoch(1), small()).expect("pair");
+    a.fail(EpochEnd::Fault(LinkFault::Injected));
+    let injected = EpochEnd::Fault(LinkFault::Injected);
+    torn_down(&a, injected).await;
+    let shared = a.shared();
+    let late = crate::verbs::WorkCompletion {
+        wr_id: RECV_TAG,
+        status: crate::verbs::WcStatus::Success,
+        opcode: crate::verbs::WcOpcode::Recv,
+        byte_len: 4,
+        imm: Some(0),
+        qp_num: shared.address.qpn,
+    };
+    shared.on_completions(&[late]);
+    assert!(shared.lock().ready.is_empty(), "not queued");
+    torn_down(&a, injected).await;
+}

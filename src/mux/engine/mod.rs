@@ -1383,7 +1383,7 @@ async fn run_epoch<L: Link>(
     // epoch: the drain's first.
     let mut taken: Option<L::Batch> = None;
     let served = CatchPanic(Box::pin(async {
-        let end = match serve {
+        let mut end = match serve {
             Serve::Whole => serve_epoch(shared, entry, &cell, &mut messages, &mut taken).await,
             Serve::ReadOut => EpochEnd::Replaced,
         };
@@ -1409,6 +1409,14 @@ async fn run_epoch<L: Link>(
                     Some(batch) => batch,
                     None => match link.recv().await {
                         Ok(batch) => batch,
+                        // Batches the link completed and dropped (a buffer
+                        // not lent, a panic): a close that lost them is none.
+                        Err(LinkError::Ended { reason, .. })
+                            if end.is_close() && reason.cut_delivery() =>
+                        {
+                            end = reason;
+                            break;
+                        }
                         Err(_) => break,
                     },
                 };

@@ -38,6 +38,10 @@ pub(crate) struct MrMem {
     len: usize,
     /// The device's tally, released when the last WR or handle lets go.
     tally: Option<Arc<MrTally>>,
+    /// Test hook: bit `i` set, `lock_chunk` will not lend chunk `i`, as
+    /// libibverbs lends none a posted WR names.
+    #[cfg(test)]
+    pub(crate) not_lent: std::sync::atomic::AtomicU64,
 }
 
 impl Drop for MrMem {
@@ -63,6 +67,8 @@ impl MrMem {
             chunk_len,
             len,
             tally,
+            #[cfg(test)]
+            not_lent: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -213,6 +219,10 @@ impl MemoryRegion for SoftMr {
     type Guard = SoftMrGuard;
 
     fn lock_chunk(&self, index: usize) -> Option<SoftMrGuard> {
+        #[cfg(test)]
+        if index < 64 && self.mem.not_lent.load(Ordering::Relaxed) & (1 << index) != 0 {
+            return None;
+        }
         self.mem
             .chunks
             .get(index)
