@@ -80,10 +80,11 @@ impl EpochEnd {
         )
     }
 
-    /// The link dropped batches it had completed (a received batch's buffer
-    /// the provider would not lend, or a panic that lost completions). A
-    /// link's `recv` reports it in place of a close decided before, and the
-    /// mux then counts the epoch lost, not closed.
+    /// An end that may have dropped batches the link had completed: a
+    /// received batch's buffer the provider would not lend, or any panic in
+    /// a task serving the link (one that lost completions among them). A
+    /// `recv` reporting it after a close makes the mux count the epoch
+    /// lost, not closed.
     pub fn cut_delivery(&self) -> bool {
         matches!(
             self,

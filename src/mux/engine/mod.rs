@@ -1312,8 +1312,9 @@ fn receives_inline<L: Link>(config: &MuxConfig) -> bool {
     L::TRY_RECV && config.inline_receive
 }
 
-/// One epoch on `link`; returns how it ended and what the peer's closed
-/// streams still hold for the next.
+/// One epoch on `link`; returns how it ended (a close whose read-out the
+/// link cut as that cut) and what the peer's closed streams still hold for
+/// the next.
 async fn run_epoch<L: Link>(
     shared: &Shared<L>,
     entry: &PeerEntry<L>,
@@ -1382,8 +1383,10 @@ async fn run_epoch<L: Link>(
     // A batch the task took off the link as a producer's write ended the
     // epoch: the drain's first.
     let mut taken: Option<L::Batch> = None;
+    // The link dropped batches it completed while a close read it out.
+    let mut read_out_cut: Option<EpochEnd> = None;
     let served = CatchPanic(Box::pin(async {
-        let mut end = match serve {
+        let end = match serve {
             Serve::Whole => serve_epoch(shared, entry, &cell, &mut messages, &mut taken).await,
             Serve::ReadOut => EpochEnd::Replaced,
         };
@@ -1410,11 +1413,12 @@ async fn run_epoch<L: Link>(
                     None => match link.recv().await {
                         Ok(batch) => batch,
                         // Batches the link completed and dropped (a buffer
-                        // not lent, a panic): a close that lost them is none.
+                        // not lent, a panic): a close that lost them is no
+                        // graceful end (the slots still hear the close's).
                         Err(LinkError::Ended { reason, .. })
                             if end.is_close() && reason.cut_delivery() =>
                         {
-                            end = reason;
+                            read_out_cut = Some(reason);
                             break;
                         }
                         Err(_) => break,
@@ -1485,13 +1489,16 @@ async fn run_epoch<L: Link>(
     Counters::add(&shared.counters.epoch_deaths, 1);
     // Graceful: our Goodbye or the peer's. A `PeerClosed` without one is
     // the link's: the peer's connection ended under it.
-    let graceful = match end {
-        EpochEnd::Closed | EpochEnd::Shutdown => true,
-        EpochEnd::PeerClosed => core.goodbye_received(),
-        _ => false,
-    };
+    let graceful = read_out_cut.is_none()
+        && match end {
+            EpochEnd::Closed | EpochEnd::Shutdown => true,
+            EpochEnd::PeerClosed => core.goodbye_received(),
+            _ => false,
+        };
     // A read-out delivers up to the peer's close: nothing of ours rode it.
-    if !graceful && serve == Serve::Whole && core.carried_messages() {
+    // A cut one may have dropped the peer's message unseen.
+    let carried = core.carried_messages() || read_out_cut.is_some();
+    if !graceful && serve == Serve::Whole && carried {
         let mut losses = lock(&entry.epochs_lost);
         losses.count += 1;
         losses.last = Some(std::time::Instant::now());
@@ -1511,7 +1518,7 @@ async fn run_epoch<L: Link>(
         cell = shared_still;
         tokio::task::yield_now().await;
     }
-    (end, held)
+    (read_out_cut.unwrap_or(end), held)
 }
 
 /// What woke a peer task's turn.
