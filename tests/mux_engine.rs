@@ -1201,6 +1201,36 @@ async fn a_close_whose_read_out_the_link_cut_counts_the_epoch_lost() {
     assert_eq!(mux.epochs_lost(B).count, 1, "a cut read-out loses");
 }
 
+/// A shutdown whose read-out the link cut still ends its slots
+/// `Dropped(Shutdown)`, as `Mux::shutdown` promises: the cut makes the
+/// epoch lost, not the slots' reason.
+#[tokio::test]
+async fn a_shutdown_whose_read_out_the_link_cut_still_drops_slots_as_shutdown() {
+    let mux: Mux<CuttingLink> = Mux::new(MuxConfig::default(), Arc::new(NoDialer));
+    let (ours, raw) = pair(Epoch(1), MemConfig::default());
+    mux.attach(
+        B,
+        CuttingLink {
+            inner: ours,
+            closed: std::sync::atomic::AtomicBool::new(false),
+        },
+    );
+    let mut rx = mux.bind(StreamKey::new(9, 9)).expect("bind");
+    let slot = SlotId::new(0, 0).expect("slot");
+    post_batch(&raw, 0, |enc| {
+        enc.push_open(slot, FrameSeq(0), 9, 9).expect("fits");
+        enc.push_data(slot, FrameSeq(1), b"one", false)
+            .expect("fits");
+    })
+    .await;
+    assert_eq!(
+        rx.recv().await,
+        Some(Frame::Data(Bytes::from_static(b"one")))
+    );
+    mux.shutdown();
+    assert_eq!(rx.recv().await, Some(Frame::Dropped(DropReason::Shutdown)));
+}
+
 impl qpmux::mux::Dialer for NoDialer {
     fn want_link(&self, _: PeerId) {}
 }

@@ -244,6 +244,10 @@ pub struct LinkStats {
     pub batches_received: u64,
     /// Credit-only messages received.
     pub credit_only_received: u64,
+    /// Successful receives dropped unread: a batch whose buffer the
+    /// provider would not lend and those behind it, or ones completing
+    /// after `recv` reported the end or a panic lost completions.
+    pub receives_dropped: u64,
     /// Empty signaled SENDs posted at a graceful end to retire an
     /// unsignaled tail.
     pub closing_fences: u64,
@@ -1051,6 +1055,7 @@ impl<D: Device + 'static> Shared<D> {
         );
         let reason = EpochEnd::Fault(LinkFault::BufferNotLent { receive: true });
         st.delivery_cut.get_or_insert(reason);
+        st.stats.receives_dropped += st.ready.len() as u64 + 1;
         st.ready.clear();
         drop(st);
         self.end(reason);

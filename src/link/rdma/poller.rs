@@ -176,7 +176,11 @@ impl<D: Device + 'static> Shared<D> {
                 status: ibv_status(wc.status),
             }));
         }
-        if hostile || st.end_reported || st.delivery_cut.is_some() {
+        if st.end_reported || st.delivery_cut.is_some() {
+            st.stats.receives_dropped += 1;
+            return None;
+        }
+        if hostile {
             return None;
         }
         let len = wc.byte_len as usize;

@@ -1105,6 +1105,7 @@ async fn a_received_batch_the_provider_will_not_lend_ends_the_epoch_and_none_beh
     torn_down(&b, not_lent).await;
     torn_down(&b, not_lent).await;
     assert_eq!(b.end_reason(), Some(not_lent));
+    assert_eq!(b.stats().receives_dropped, 2, "counted");
 }
 
 /// Batches dropped during our own graceful close are no graceful end:
@@ -1149,5 +1150,6 @@ async fn no_batch_follows_the_end_recv_reported() {
     };
     shared.on_completions(&[late]);
     assert!(shared.lock().ready.is_empty(), "not queued");
+    assert_eq!(a.stats().receives_dropped, 1, "counted");
     torn_down(&a, injected).await;
 }

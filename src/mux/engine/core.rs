@@ -359,7 +359,8 @@ impl PeerCore {
     }
 
     /// Whether a message went into a batch or came out of one this epoch:
-    /// an epoch without one cannot have lost a message.
+    /// an epoch without one lost no message, unless its link dropped
+    /// batches unread (`EpochEnd::cut_delivery`).
     pub fn carried_messages(&self) -> bool {
         self.carried_messages
     }

@@ -98,13 +98,13 @@ struct PeerEntry<L> {
     /// served to its end (and judged): [`Mux::is_judging`].
     handed_through: Mutex<Option<Epoch>>,
     served_through: Mutex<Option<Epoch>>,
-    /// Epochs that carried a message and ended without a Goodbye either way
-    /// ([`Mux::epochs_lost`]).
+    /// Epochs that carried a message (or may have: a cut delivery) and
+    /// ended without a Goodbye either way ([`Mux::epochs_lost`]).
     epochs_lost: Mutex<EpochLosses>,
 }
 
-/// A peer's epochs that carried a message and ended without a Goodbye
-/// ([`Mux::epochs_lost`]).
+/// A peer's epochs that carried a message, or may have, and ended without
+/// a Goodbye ([`Mux::epochs_lost`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EpochLosses {
     /// How many since the peer's task started.
@@ -468,7 +468,10 @@ impl<L: Link> Mux<L> {
     /// `peer`'s epochs that carried a message either way and ended without
     /// a Goodbye either way (the link failed or closed under us, the peer
     /// vanished or broke the protocol, a new link replaced it) since its
-    /// peer task started; none without one. What was written into such an
+    /// peer task started; none without one. An epoch whose link dropped
+    /// batches it had completed ([`EpochEnd::cut_delivery`], also after a
+    /// Goodbye: the link's verdict on a close's read-out) counts too: what
+    /// it dropped may have been a message. What was written into such an
     /// epoch may not have arrived, so a layer with state of its own over the
     /// messages (velo's messenger mux) must be told; an epoch that carried
     /// only streams' records lost nothing of that layer's. A peer task that
@@ -1497,7 +1500,7 @@ async fn run_epoch<L: Link>(
         };
     // A read-out delivers up to the peer's close: nothing of ours rode it.
     // A cut one may have dropped the peer's message unseen.
-    let carried = core.carried_messages() || read_out_cut.is_some();
+    let carried = core.carried_messages() || read_out_cut.is_some() || end.cut_delivery();
     if !graceful && serve == Serve::Whole && carried {
         let mut losses = lock(&entry.epochs_lost);
         losses.count += 1;
