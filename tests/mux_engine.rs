@@ -1179,13 +1179,9 @@ impl Link for CuttingLink {
     }
 }
 
-/// A close whose read-out the link cut (batches it completed, dropped) is
-/// no graceful end: the epoch counts as lost (the peer's Goodbye would
-/// count it closed), though no message was seen to ride it, since the
-/// dropped batches may have held one.
-#[tokio::test]
-async fn a_close_whose_read_out_the_link_cut_counts_the_epoch_lost() {
-    let mux: Mux<CuttingLink> = Mux::new(MuxConfig::default(), Arc::new(NoDialer));
+/// A mux with one peer, B, on a `CuttingLink`, and B's raw end.
+fn cutting_mux() -> (Mux<CuttingLink>, MemLink) {
+    let mux = Mux::new(MuxConfig::default(), Arc::new(NoDialer));
     let (ours, raw) = pair(Epoch(1), MemConfig::default());
     mux.attach(
         B,
@@ -1194,6 +1190,16 @@ async fn a_close_whose_read_out_the_link_cut_counts_the_epoch_lost() {
             closed: std::sync::atomic::AtomicBool::new(false),
         },
     );
+    (mux, raw)
+}
+
+/// A close whose read-out the link cut (batches it completed, dropped) is
+/// no graceful end: the epoch counts as lost (the peer's Goodbye would
+/// count it closed), though no message was seen to ride it, since the
+/// dropped batches may have held one.
+#[tokio::test]
+async fn a_close_whose_read_out_the_link_cut_counts_the_epoch_lost() {
+    let (mux, raw) = cutting_mux();
     until(|| mux.epoch(B).is_some()).await;
     // The peer's Goodbye: a close, which the mux then reads out.
     post_batch(&raw, 0, |enc| enc.push_goodbye().expect("fits")).await;
@@ -1206,15 +1212,7 @@ async fn a_close_whose_read_out_the_link_cut_counts_the_epoch_lost() {
 /// epoch lost, not the slots' reason.
 #[tokio::test]
 async fn a_shutdown_whose_read_out_the_link_cut_still_drops_slots_as_shutdown() {
-    let mux: Mux<CuttingLink> = Mux::new(MuxConfig::default(), Arc::new(NoDialer));
-    let (ours, raw) = pair(Epoch(1), MemConfig::default());
-    mux.attach(
-        B,
-        CuttingLink {
-            inner: ours,
-            closed: std::sync::atomic::AtomicBool::new(false),
-        },
-    );
+    let (mux, raw) = cutting_mux();
     let mut rx = mux.bind(StreamKey::new(9, 9)).expect("bind");
     let slot = SlotId::new(0, 0).expect("slot");
     post_batch(&raw, 0, |enc| {

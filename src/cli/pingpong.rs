@@ -931,17 +931,24 @@ mod tests {
         (server, fabric.node(PeerId(7), chatty))
     }
 
+    /// The server's hello bound, and a client's hello stream that has sent
+    /// its address.
+    async fn hello_with_address(server: &MemNode, client: &MemNode) -> (SlotReceiver, SlotSender) {
+        let hello = bind_hello(server).await.expect("bind");
+        let mut tx = (client.mux())
+            .open(PeerId(SERVER_ID), StreamKey::new(HELLO_ANCHOR, 0))
+            .expect("open");
+        tx.send(Bytes::from(client.address())).await.expect("sent");
+        (hello, tx)
+    }
+
     /// A client whose process lives (its mux heartbeats the hello slot)
     /// but whose run does not go on is abandoned at the silence bound
     /// (review 41b: heartbeats used to restart it, so it held the server).
     #[tokio::test(start_paused = true)]
     async fn a_live_client_that_sends_nothing_is_abandoned_despite_its_heartbeats() {
         let (server, client) = fabric_pair();
-        let hello = bind_hello(&server).await.expect("bind");
-        let mut tx = (client.mux())
-            .open(PeerId(SERVER_ID), StreamKey::new(HELLO_ANCHOR, 0))
-            .expect("open");
-        tx.send(Bytes::from(client.address())).await.expect("sent");
+        let (hello, _tx) = hello_with_address(&server, &client).await;
         let served =
             tokio::time::timeout(CLIENT_SILENCE * 4, serve_client(&server, hello, None)).await;
         let err = served.expect("abandoned within its bound").unwrap_err();
@@ -974,11 +981,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_run_past_the_bound_is_abandoned() {
         let (server, client) = fabric_pair();
-        let hello = bind_hello(&server).await.expect("bind");
-        let mut tx = (client.mux())
-            .open(PeerId(SERVER_ID), StreamKey::new(HELLO_ANCHOR, 0))
-            .expect("open");
-        tx.send(Bytes::from(client.address())).await.expect("sent");
+        let (hello, mut tx) = hello_with_address(&server, &client).await;
         let run = 1 << 16;
         tx.send(encode_plan(run, 1)).await.expect("sent");
         let mut session = (client.mux())

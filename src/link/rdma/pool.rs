@@ -575,6 +575,17 @@ mod tests {
         hook.store(chunks, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// In use, free, set aside, refusals so far.
+    fn counts(pool: &SendPool<SoftDevice>) -> (usize, usize, usize, u64) {
+        let stats = pool.stats();
+        (
+            stats.in_use,
+            stats.free,
+            stats.set_aside,
+            stats.refused_lends,
+        )
+    }
+
     #[test]
     fn a_chunk_the_provider_will_not_lend_is_set_aside_until_another_comes_back() {
         let (_net, _dev, pool) = make(4, false);
@@ -584,14 +595,8 @@ mod tests {
         assert_eq!(first.offset(), 64, "chunk 0 refused, chunk 1 lent");
         let second = lease.try_take().expect("free");
         assert_eq!(second.offset(), 128);
-        let stats = pool.stats();
         assert_eq!(
-            (
-                stats.in_use,
-                stats.free,
-                stats.set_aside,
-                stats.refused_lends
-            ),
+            counts(&pool),
             (2, 1, 1, 1),
             "chunk 0 is not tried again meanwhile"
         );
@@ -675,14 +680,8 @@ mod tests {
         refuse(&pool, 0b11);
         drop(held);
         assert_eq!(b.try_take().err(), Some(Blocked::NotLent));
-        let stats = pool.stats();
         assert_eq!(
-            (
-                stats.in_use,
-                stats.free,
-                stats.set_aside,
-                stats.refused_lends
-            ),
+            counts(&pool),
             (0, 2, 0, 3),
             "back on the free list for the next take"
         );

@@ -1091,15 +1091,21 @@ async fn send_buffers_the_provider_will_not_lend_end_the_epoch_and_stay_in_the_p
     assert_eq!(stats.refused_lends, chunks as u64, "each tried once");
 }
 
+/// Two batches from `a` queued at `b`, unread; the first one's buffer.
+async fn two_batches_queued(a: &RdmaLink<SoftDevice>, b: &RdmaLink<SoftDevice>) -> usize {
+    send_bytes(a, b"first").await;
+    send_bytes(a, b"second").await;
+    until(|| b.shared().lock().ready.len() == 2).await;
+    let first = b.shared().lock().ready.front().map(|&(idx, _)| idx);
+    first.expect("queued")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_received_batch_the_provider_will_not_lend_ends_the_epoch_and_none_behind_it_is_read() {
     let (da, db) = (device().await, device().await);
     let (a, b) = pair(&da, &db, Epoch(1), small()).expect("pair");
-    send_bytes(&a, b"first").await;
-    send_bytes(&a, b"second").await;
-    until(|| b.shared().lock().ready.len() == 2).await;
-    let first = b.shared().lock().ready.front().map(|&(idx, _)| idx);
-    refuse_chunks(&b.shared().recv_mrs[first.expect("queued")], 1);
+    let first = two_batches_queued(&a, &b).await;
+    refuse_chunks(&b.shared().recv_mrs[first], 1);
     let not_lent = EpochEnd::Fault(LinkFault::BufferNotLent { receive: true });
     // The second batch would read to the mux as a gap the peer made.
     torn_down(&b, not_lent).await;
@@ -1114,13 +1120,10 @@ async fn a_received_batch_the_provider_will_not_lend_ends_the_epoch_and_none_beh
 async fn a_received_batch_not_lent_during_our_close_is_reported_as_the_fault() {
     let (da, db) = (device().await, device().await);
     let (a, b) = pair(&da, &db, Epoch(1), small()).expect("pair");
-    send_bytes(&a, b"first").await;
-    send_bytes(&a, b"second").await;
-    until(|| b.shared().lock().ready.len() == 2).await;
+    let first = two_batches_queued(&a, &b).await;
     b.fail(EpochEnd::Closed);
     assert_eq!(b.end_reason(), Some(EpochEnd::Closed));
-    let first = b.shared().lock().ready.front().map(|&(idx, _)| idx);
-    refuse_chunks(&b.shared().recv_mrs[first.expect("queued")], 1);
+    refuse_chunks(&b.shared().recv_mrs[first], 1);
     torn_down(
         &b,
         EpochEnd::Fault(LinkFault::BufferNotLent { receive: true }),
