@@ -1207,6 +1207,21 @@ async fn a_close_whose_read_out_the_link_cut_counts_the_epoch_lost() {
     assert_eq!(mux.epochs_lost(B).count, 1, "a cut read-out loses");
 }
 
+/// An epoch that ends on a cut delivery while served counts as lost,
+/// though no message was seen to ride it: the dropped batches may have
+/// held one.
+#[tokio::test]
+async fn an_epoch_ended_on_a_cut_delivery_counts_lost_without_a_message_seen() {
+    let mux: Mux<MemLink> = Mux::new(MuxConfig::default(), Arc::new(NoDialer));
+    let (ours, _raw) = pair(Epoch(1), MemConfig::default());
+    let handle = ours.clone();
+    mux.attach(B, ours);
+    until(|| mux.epoch(B).is_some()).await;
+    handle.fail(EpochEnd::Fault(LinkFault::BufferNotLent { receive: true }));
+    until(|| mux.epoch(B).is_none()).await;
+    assert_eq!(mux.epochs_lost(B).count, 1, "a cut delivery loses");
+}
+
 /// A shutdown whose read-out the link cut still ends its slots
 /// `Dropped(Shutdown)`, as `Mux::shutdown` promises: the cut makes the
 /// epoch lost, not the slots' reason.

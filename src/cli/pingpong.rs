@@ -267,23 +267,9 @@ async fn serve_client<N: Node>(
         anyhow::bail!("pingpong client sent no plan");
     };
     let (run, sessions) = parse_plan(&plan)?;
-    let served = serve_run(node, peer, &mut hello, run, sessions);
-    match max_run {
-        Some(bound) => tokio::time::timeout(bound, served).await.map_err(|_| {
-            anyhow::anyhow!("the client's run held the server past {bound:?} (--max-run)")
-        })?,
-        None => served.await,
-    }
-}
-
-/// A client's sessions, then its goodbye.
-async fn serve_run<N: Node>(
-    node: &N,
-    peer: PeerId,
-    hello: &mut SlotReceiver,
-    run: u64,
-    sessions: u64,
-) -> anyhow::Result<()> {
+    // Counted from the plan; the goodbye after the sessions is not cut
+    // (forgetting the client then could cut the link under it).
+    let deadline = max_run.map(|bound| (tokio::time::Instant::now() + bound, bound));
     // A client that dialled in has a link; an address it does not answer
     // at (it left while queued, or named another node) is not dialled.
     anyhow::ensure!(
@@ -291,14 +277,23 @@ async fn serve_run<N: Node>(
         "no link to the client its address names"
     );
     let mut welcome = node.mux().open(peer, StreamKey::new(PONG_ANCHOR, run))?;
-    welcome.send(Bytes::from_static(WELCOME)).await?;
-    for n in 1..=sessions {
-        tokio::select! {
-            served = serve_session(node, peer, run | n) => served?,
-            early = next_data(hello) => anyhow::bail!("client left in session {n}: {early:?}"),
+    let served = async {
+        welcome.send(Bytes::from_static(WELCOME)).await?;
+        for n in 1..=sessions {
+            tokio::select! {
+                served = serve_session(node, peer, run | n) => served?,
+                early = next_data(&mut hello) => anyhow::bail!("client left in session {n}: {early:?}"),
+            }
         }
+        Ok::<(), anyhow::Error>(())
+    };
+    match deadline {
+        Some((at, bound)) => tokio::time::timeout_at(at, served).await.map_err(|_| {
+            anyhow::anyhow!("the client's run held the server past {bound:?} (--max-run)")
+        })??,
+        None => served.await?,
     }
-    match tokio::time::timeout(CLIENT_LINGER, next_data(hello)).await {
+    match tokio::time::timeout(CLIENT_LINGER, next_data(&mut hello)).await {
         Ok(Some(Frame::Finalized)) => {
             // The client goes once it has this; forgetting it sooner could
             // cut the link under it.

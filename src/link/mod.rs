@@ -534,7 +534,11 @@ pub trait Link: Send + Sync + 'static {
     /// end (ours or the peer's) also returns what the peer sent until it
     /// said it sends nothing more (its FIN, or the RDMA link's half-close),
     /// and so may a link ended as [`EpochEnd::Replaced`] while its node's
-    /// [`ReadOutBudget`] has a read-out for it.
+    /// [`ReadOutBudget`] has a read-out for it. A link that had to drop
+    /// batches it received (the RDMA link, when the provider will not lend
+    /// a received batch's buffer) returns none after them, and its error
+    /// names that end ([`EpochEnd::cut_delivery`]) even where
+    /// [`Link::ended`] says a close came first.
     fn recv(&self) -> impl Future<Output = Result<Self::Batch, LinkError>> + Send;
 
     /// The next batch if one is ready, the epoch has not ended, and the
