@@ -148,7 +148,7 @@ pub struct PingpongArgs {
     /// With `--server`: the longest one client's run may hold the server,
     /// in seconds from its plan; past it the client is abandoned and the
     /// next one served (a run of huge `--iters` would hold it for good).
-    #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, requires = "server", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_run: u64,
 }
 
@@ -969,6 +969,23 @@ mod tests {
             tokio::time::timeout(CLIENT_SILENCE * 4, serve_client(&server, hello, None)).await;
         let err = served.expect("abandoned within its bound").unwrap_err();
         assert!(err.to_string().contains("no address"), "{err:#}");
+    }
+
+    /// `--max-run` binds a `--server` only, so it is refused without one
+    /// rather than ignored; its default asks for nothing.
+    #[test]
+    fn max_run_is_a_server_flag() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: PingpongArgs,
+        }
+        let parse =
+            |args: &[&str]| <Cli as clap::Parser>::try_parse_from(args).map(|c| c.args.max_run);
+        assert_eq!(parse(&["pingpong"]).ok(), Some(3600));
+        assert!(parse(&["pingpong", "--max-run", "5"]).is_err());
+        let server = ["pingpong", "--server", "127.0.0.1:7000", "--max-run", "5"];
+        assert_eq!(parse(&server).ok(), Some(5));
     }
 
     /// A client whose run goes on and on (a record a second, never silent)
