@@ -1063,6 +1063,30 @@ async fn shutdown_drains_with(config: MuxConfig) {
     );
 }
 
+/// A wrapper link's methods that go straight to its `inner` mem link.
+macro_rules! delegate_to_inner {
+    () => {
+        fn epoch(&self) -> Epoch {
+            self.inner.epoch()
+        }
+        fn max_batch(&self) -> usize {
+            self.inner.max_batch()
+        }
+        async fn reserve(&self) -> Result<Self::SendBuf, qpmux::link::LinkError> {
+            self.inner.reserve().await
+        }
+        fn post(&self, buf: Self::SendBuf, len: usize) -> Result<(), qpmux::link::LinkError> {
+            self.inner.post(buf, len)
+        }
+        fn post_last(&self, buf: Self::SendBuf, len: usize) -> Result<(), qpmux::link::LinkError> {
+            self.inner.post_last(buf, len)
+        }
+        async fn ended(&self) -> EpochEnd {
+            self.inner.ended().await
+        }
+    };
+}
+
 /// A mem link whose batch release stands for a provider call, as an RDMA
 /// receive re-post is; every release goes into `log`.
 struct RepostingLink {
@@ -1093,21 +1117,7 @@ impl Link for RepostingLink {
     type Batch = RepostingBatch;
     const RELEASE_POSTS: bool = true;
 
-    fn epoch(&self) -> Epoch {
-        self.inner.epoch()
-    }
-    fn max_batch(&self) -> usize {
-        self.inner.max_batch()
-    }
-    async fn reserve(&self) -> Result<Self::SendBuf, qpmux::link::LinkError> {
-        self.inner.reserve().await
-    }
-    fn post(&self, buf: Self::SendBuf, len: usize) -> Result<(), qpmux::link::LinkError> {
-        self.inner.post(buf, len)
-    }
-    fn post_last(&self, buf: Self::SendBuf, len: usize) -> Result<(), qpmux::link::LinkError> {
-        self.inner.post_last(buf, len)
-    }
+    delegate_to_inner!();
     async fn recv(&self) -> Result<RepostingBatch, qpmux::link::LinkError> {
         let inner = self.inner.recv().await?;
         Ok(RepostingBatch {
@@ -1117,9 +1127,6 @@ impl Link for RepostingLink {
     }
     fn fail(&self, reason: EpochEnd) {
         self.inner.fail(reason)
-    }
-    async fn ended(&self) -> EpochEnd {
-        self.inner.ended().await
     }
 }
 
@@ -1138,21 +1145,7 @@ impl Link for CuttingLink {
     type Batch = <MemLink as Link>::Batch;
     const RELEASE_POSTS: bool = false;
 
-    fn epoch(&self) -> Epoch {
-        self.inner.epoch()
-    }
-    fn max_batch(&self) -> usize {
-        self.inner.max_batch()
-    }
-    async fn reserve(&self) -> Result<Self::SendBuf, qpmux::link::LinkError> {
-        self.inner.reserve().await
-    }
-    fn post(&self, buf: Self::SendBuf, len: usize) -> Result<(), qpmux::link::LinkError> {
-        self.inner.post(buf, len)
-    }
-    fn post_last(&self, buf: Self::SendBuf, len: usize) -> Result<(), qpmux::link::LinkError> {
-        self.inner.post_last(buf, len)
-    }
+    delegate_to_inner!();
     async fn recv(&self) -> Result<Self::Batch, qpmux::link::LinkError> {
         use std::sync::atomic::Ordering;
         match self.inner.recv().await {
@@ -1173,9 +1166,6 @@ impl Link for CuttingLink {
                 .store(true, std::sync::atomic::Ordering::Release);
         }
         self.inner.fail(reason)
-    }
-    async fn ended(&self) -> EpochEnd {
-        self.inner.ended().await
     }
 }
 
