@@ -12,8 +12,8 @@ use qpmux::mux::protocol::{BatchEncoder, BatchView, Epoch, FrameSeq, Lane, SlotI
 use qpmux::mux::{MuxConfig, PeerId};
 use qpmux::verbs::soft::fuzzing;
 use qpmux::verbs::soft::wire::{
-    AethKind, AethRepr, BthRepr, DEFAULT_PKEY, ICRC_LEN, IcrcContext, MAX_OVERHEAD, Opcode, Packet,
-    PacketRepr, WireError, icrc,
+    AethKind, AethRepr, BthRepr, DEFAULT_PKEY, ICRC_LEN, IcrcContext, MAX_OVERHEAD, NakCode,
+    Opcode, Packet, PacketRepr, WireError, icrc,
 };
 use qpmux::verbs::soft::{Instant, SoftDevice};
 use qpmux::verbs::{
@@ -364,6 +364,43 @@ fn a_soft_peer_is_heard_only_from_the_port_it_named() {
     fuzzing::handle_datagram(&h.dev, now, gid(2), 50_123, &entropy);
     assert_eq!(h.dev.stats().rx_wrong_source, 0);
     assert_eq!(received(&h).as_deref(), Some(&b"rxe"[..]));
+}
+
+/// A peer's RDMA WRITE reaches the QP (it used to be dropped as malformed,
+/// leaving the peer to retry until `RETRY_EXC_ERR`): NAKed as an invalid
+/// request, and the responder errs with its receive flushed.
+#[test]
+fn hand_driven_device_naks_an_rdma_write_and_errs_the_qp() {
+    let h = hand_driven();
+    let now = Instant::ZERO;
+    post_one_recv(&h);
+    let mut reth = [0u8; 16];
+    reth[12..].copy_from_slice(&4u32.to_be_bytes());
+    let write = sealed(
+        &ctx(2, 1),
+        request(
+            Opcode::UnsupportedRequest(0x0a),
+            h.qp.qp_num(),
+            h.peer_psn,
+            None,
+        ),
+        &[&reth[..], b"evil"].concat(),
+        |_| {},
+    );
+    fuzzing::handle_datagram(&h.dev, now, gid(2), 4791, &write);
+    assert_eq!(h.dev.stats().rx_malformed, 0);
+    let mut buf = vec![0u8; 256 + MAX_OVERHEAD];
+    let out = fuzzing::poll_transmit(&h.dev, now, &mut buf).expect("a NAK");
+    let nak = Packet::parse(&ctx(1, 2), &buf[..out.len]).expect("parses");
+    assert_eq!(
+        (nak.repr.bth.psn, nak.repr.aeth.map(|a| a.kind)),
+        (h.peer_psn, Some(AethKind::Nak(NakCode::InvalidRequest)))
+    );
+    assert_eq!(h.qp.state(), QpState::Err);
+    let mut wc = [blank_completion()];
+    assert_eq!(h.recv_cq.poll(&mut wc).expect("poll"), 1);
+    assert_eq!((wc[0].wr_id, wc[0].status), (9, WcStatus::WrFlushErr));
+    assert_eq!(h.mr.read(0, 4).expect("read"), [0; 4], "nothing written");
 }
 
 #[test]

@@ -930,7 +930,9 @@ impl QpEngine {
             Opcode::SendFirst | Opcode::SendMiddle => len == mtu,
             Opcode::SendLast | Opcode::SendLastImm => (1..=mtu).contains(&len),
             Opcode::SendOnly | Opcode::SendOnlyImm => len <= mtu,
-            Opcode::Ack => false,
+            // WRITE, READ, atomics: NAKed at their PSN like a broken
+            // sequence (rxe: `check_op_valid` → invalid request, class C).
+            Opcode::Ack | Opcode::UnsupportedRequest(_) => false,
         };
         if !sequence_ok || !length_ok {
             self.enter_error(None);

@@ -274,6 +274,82 @@ fn one_nak_per_sequence_error_and_duplicates_are_reacked_not_redelivered() {
     assert_eq!(p.b.qp.counters.duplicates_received, 1);
 }
 
+/// An RDMA WRITE Only from A at `psn` (RETH and 8 bytes), as a peer that
+/// writes without asking would send it.
+fn rdma_write_from_a(psn: Psn, like: &[u8]) -> Vec<u8> {
+    let mut repr = parse(like);
+    repr.bth.opcode = Opcode::UnsupportedRequest(0x0a);
+    repr.bth.psn = psn;
+    repr.imm = None;
+    let mut payload = vec![0; 16]; // RETH: VA, rkey, DMA length
+    payload[12..].copy_from_slice(&8u32.to_be_bytes());
+    payload.extend_from_slice(&[0xab; 8]);
+    let mut buf = vec![0; repr.header_len() + payload.len() + 7];
+    let n = repr.emit(&ctx(1, 2), &payload, &mut buf);
+    buf.truncate(n);
+    buf
+}
+
+#[test]
+fn an_rdma_write_is_naked_as_an_invalid_request_at_its_psn_only() {
+    let mut p = Pair::new(rts(14, 7, 7), 12);
+    for i in 0..3 {
+        p.recv(i, 64);
+        p.send(i, 8);
+    }
+    let pkts = p.transmit_a();
+    let psns: Vec<Psn> = pkts.iter().map(|b| parse(b).bth.psn).collect();
+    let write = rdma_write_from_a(psns[1], &pkts[1]);
+    // Ahead of the expected PSN it is a gap, as any request would be.
+    p.deliver_b(std::slice::from_ref(&write));
+    assert_eq!(
+        kinds(&p.transmit_b()),
+        [(Some(AethKind::Nak(NakCode::PsnSequenceError)), psns[0])]
+    );
+    p.deliver_b(&pkts[..1]);
+    assert_eq!(kinds(&p.transmit_b()), [(ACK, psns[0])]);
+    // Behind it, a duplicate: ACKed again, nothing written, the QP goes on.
+    p.deliver_b(&[rdma_write_from_a(psns[0], &pkts[0])]);
+    assert_eq!(kinds(&p.transmit_b()), [(ACK, psns[0])]);
+    assert_eq!(p.b.qp.state(), QpState::Rts);
+    // At it: NAK invalid request, and the responder's QP errs (class C).
+    p.deliver_b(&[write]);
+    let answers = p.transmit_b();
+    assert_eq!(
+        kinds(&answers),
+        [(Some(AethKind::Nak(NakCode::InvalidRequest)), psns[1])]
+    );
+    assert_eq!(p.b.qp.state(), QpState::Err);
+    p.deliver_b(&pkts[2..]);
+    assert!(p.transmit_b().is_empty(), "an errored QP answers nothing");
+    let received: Vec<_> = Pair::completions(&mut p.b.qp)
+        .into_iter()
+        .map(|(_, wc)| (wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(
+        received,
+        [
+            (0, WcStatus::Success),
+            (1, WcStatus::WrFlushErr),
+            (2, WcStatus::WrFlushErr)
+        ]
+    );
+    // The requester whose PSN the WRITE took fails that WR as rxe's would.
+    p.deliver_a(&answers);
+    let sent: Vec<_> = Pair::completions(&mut p.a.qp)
+        .into_iter()
+        .map(|(_, wc)| (wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(
+        sent,
+        [
+            (0, WcStatus::Success),
+            (1, WcStatus::RemInvReqErr),
+            (2, WcStatus::WrFlushErr)
+        ]
+    );
+}
+
 #[test]
 fn acks_coalesce_between_transmits_but_never_across_a_nak() {
     let mut p = Pair::new(rts(14, 7, 7), 12);

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //!  UDP payload = BTH(12) | AETH(4, ACK) | ImmDt(4, *_WITH_IMM) | payload | pad | ICRC(4)
+//!  (an RC request not carried out, WRITE/READ/atomic: BTH(12) | rest unread | ICRC(4))
 //!  ingress: bytes ─► Packet::parse(ctx) ─► checks length, opcode, pad, ICRC ─► Packet
 //!  egress:  PacketRepr + payload ─► PacketRepr::emit(ctx, buf) ─► bytes
 //! ```
@@ -28,7 +29,8 @@ pub enum WireError {
         /// Bytes needed.
         need: usize,
     },
-    /// An opcode this provider does not speak (non-RC, RDMA WRITE/READ, reserved).
+    /// An opcode this provider does not take: not RC, a READ or atomic
+    /// response (it issues no READ or atomic), reserved.
     #[error("unsupported opcode {opcode:#04x}")]
     UnsupportedOpcode {
         /// The opcode byte.
@@ -87,6 +89,10 @@ pub enum Opcode {
     SendOnlyImm,
     /// Acknowledge (carries an AETH).
     Ack,
+    /// An RC request this responder does not carry out: RDMA WRITE, READ,
+    /// atomics, SEND with Invalidate, FLUSH. Its headers past the BTH are
+    /// not read; at the expected PSN it is NAKed as an invalid request.
+    UnsupportedRequest(u8),
 }
 
 impl Opcode {
@@ -100,6 +106,9 @@ impl Opcode {
             0x04 => Opcode::SendOnly,
             0x05 => Opcode::SendOnlyImm,
             0x11 => Opcode::Ack,
+            // WRITE First..Only Imm, READ request, CmpSwap, FetchAdd, SEND
+            // Last/Only with Invalidate, FLUSH, ATOMIC WRITE.
+            0x06..=0x0c | 0x13 | 0x14 | 0x16 | 0x17 | 0x1c | 0x1d => Opcode::UnsupportedRequest(b),
             opcode => return Err(WireError::UnsupportedOpcode { opcode }),
         })
     }
@@ -114,6 +123,7 @@ impl Opcode {
             Opcode::SendOnly => 0x04,
             Opcode::SendOnlyImm => 0x05,
             Opcode::Ack => 0x11,
+            Opcode::UnsupportedRequest(b) => b,
         }
     }
 
@@ -856,13 +866,35 @@ mod tests {
     }
 
     #[test]
+    fn an_rc_request_not_carried_out_parses_with_its_icrc_checked() {
+        // RDMA WRITE Only: RETH (16 bytes) and 8 bytes of data.
+        let repr = send_repr(Opcode::UnsupportedRequest(0x0a), None);
+        let good = emit(&repr, &[7; 24]);
+        let pkt = Packet::parse(&ctx(), &good).unwrap();
+        assert_eq!(pkt.repr.bth.opcode, Opcode::UnsupportedRequest(0x0a));
+        assert!(!pkt.repr.bth.opcode.starts_message() && !pkt.repr.bth.opcode.ends_message());
+        let mut corrupt = good.clone();
+        corrupt[BTH_LEN] ^= 1;
+        assert!(matches!(
+            Packet::parse(&ctx(), &corrupt),
+            Err(WireError::BadIcrc { .. })
+        ));
+        for b in [0x06, 0x0b, 0x0c, 0x13, 0x14, 0x16, 0x17, 0x1c, 0x1d] {
+            assert_eq!(Opcode::from_byte(b), Ok(Opcode::UnsupportedRequest(b)));
+        }
+        for b in [0x0d, 0x10, 0x12, 0x15, 0x18, 0x1e, 0x1f] {
+            assert!(Opcode::from_byte(b).is_err(), "{b:#04x}");
+        }
+    }
+
+    #[test]
     fn bad_opcode_pad_syndrome_and_icrc_are_errors() {
         let good = emit(&send_repr(Opcode::SendOnly, None), b"12345678");
         let mut b = good.clone();
-        b[0] = 0x0a; // RDMA WRITE Only
+        b[0] = 0x10; // RDMA READ Response Only: no READ is ever issued
         assert!(matches!(
             Packet::parse(&ctx(), &b),
-            Err(WireError::UnsupportedOpcode { opcode: 0x0a })
+            Err(WireError::UnsupportedOpcode { opcode: 0x10 })
         ));
         let mut b = good.clone();
         b[0] = 0x64; // UD SEND Only
