@@ -375,6 +375,7 @@ fn hand_driven_device_naks_an_rdma_write_and_errs_the_qp() {
     let now = Instant::ZERO;
     post_one_recv(&h);
     let mut reth = [0u8; 16];
+    reth[..8].copy_from_slice(&0x1122_3344_5566_7788u64.to_be_bytes());
     reth[12..].copy_from_slice(&4u32.to_be_bytes());
     let write = sealed(
         &ctx(2, 1),
@@ -400,7 +401,8 @@ fn hand_driven_device_naks_an_rdma_write_and_errs_the_qp() {
     let mut wc = [blank_completion()];
     assert_eq!(h.recv_cq.poll(&mut wc).expect("poll"), 1);
     assert_eq!((wc[0].wr_id, wc[0].status), (9, WcStatus::WrFlushErr));
-    assert_eq!(h.mr.read(0, 4).expect("read"), [0; 4], "nothing written");
+    assert_eq!(h.mr.read(0, 20).expect("read"), [0; 20], "nothing written");
+    assert_eq!(h.dev.counters().unsupported_requests, 1);
 }
 
 #[test]

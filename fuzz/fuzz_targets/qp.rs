@@ -122,13 +122,16 @@ enum Action {
     ToError,
 }
 
-const REQUEST_OPCODES: [Opcode; 6] = [
+const REQUEST_OPCODES: [Opcode; 8] = [
     Opcode::SendFirst,
     Opcode::SendMiddle,
     Opcode::SendLast,
     Opcode::SendLastImm,
     Opcode::SendOnly,
     Opcode::SendOnlyImm,
+    // RDMA WRITE Only and READ request: NAKed, and the QP errs.
+    Opcode::UnsupportedRequest(0x0a),
+    Opcode::UnsupportedRequest(0x0c),
 ];
 
 fn gid(n: u8) -> Gid {

@@ -8,7 +8,8 @@
 //!
 //! Asserts: no panic in any view, repr or the parser; an accepted packet
 //! accounts for every byte (headers + payload + pad + ICRC), carries an AETH
-//! exactly on ACK and ImmDt exactly on *_WITH_IMM, and re-emits into bytes
+//! exactly on ACK and ImmDt exactly on SEND *_WITH_IMM (a WRITE with
+//! immediate is an unsupported request, its ImmDt unread), and re-emits into bytes
 //! that parse back to the same packet.
 #![no_main]
 

@@ -95,6 +95,7 @@ impl EpochEnd {
 
 /// A local transport fault that ends an epoch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum LinkFault {
     /// A work completion with an error status (provider's status code).
     #[error("work completion failed with status {status}")]

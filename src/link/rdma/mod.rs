@@ -227,6 +227,7 @@ pub enum RdmaError {
 
 /// Traffic counters of one link end.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LinkStats {
     /// Batches posted.
     pub batches_sent: u64,

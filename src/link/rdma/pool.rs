@@ -32,6 +32,7 @@ pub const DEFAULT_POOL_BUFFERS: usize = 64;
 
 /// Where a pool stands.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PoolStats {
     /// Chunks in the pool.
     pub chunks: usize,

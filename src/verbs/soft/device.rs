@@ -257,6 +257,7 @@ impl DeviceCore {
             t.ack_timeouts += c.ack_timeouts;
             t.duplicates_received += c.duplicates_received;
             t.recv_cq_full_refusals += c.recv_cq_full_refusals;
+            t.unsupported_requests += c.unsupported_requests;
         }
         t
     }

@@ -230,6 +230,9 @@ pub struct QpCounters {
     pub duplicates_received: u64,
     /// Messages refused because the receive CQ was full (the QP then errs).
     pub recv_cq_full_refusals: u64,
+    /// RC requests this provider does not carry out (RDMA WRITE, READ,
+    /// atomics) that reached the expected PSN: NAKed, and the QP errs.
+    pub unsupported_requests: u64,
 }
 
 /// Where packets go once the QP is connected.
@@ -935,6 +938,14 @@ impl QpEngine {
             Opcode::Ack | Opcode::UnsupportedRequest(_) => false,
         };
         if !sequence_ok || !length_ok {
+            if let Opcode::UnsupportedRequest(opcode) = op {
+                self.counters.unsupported_requests += 1;
+                tracing::debug!(
+                    qpn = self.qpn.value(),
+                    opcode,
+                    "peer's RC request not carried out: NAK invalid request"
+                );
+            }
             self.enter_error(None);
             self.respond(bth.psn, AethKind::Nak(NakCode::InvalidRequest));
             return;

@@ -308,10 +308,17 @@ fn an_rdma_write_is_naked_as_an_invalid_request_at_its_psn_only() {
     );
     p.deliver_b(&pkts[..1]);
     assert_eq!(kinds(&p.transmit_b()), [(ACK, psns[0])]);
+    let first: Vec<_> = Pair::completions(&mut p.b.qp)
+        .into_iter()
+        .map(|(_, wc)| (wc.wr_id, wc.status, wc.byte_len))
+        .collect();
+    assert_eq!(first, [(0, WcStatus::Success, 8)]);
     // Behind it, a duplicate: ACKed again, nothing written, the QP goes on.
     p.deliver_b(&[rdma_write_from_a(psns[0], &pkts[0])]);
     assert_eq!(kinds(&p.transmit_b()), [(ACK, psns[0])]);
     assert_eq!(p.b.qp.state(), QpState::Rts);
+    assert!(Pair::completions(&mut p.b.qp).is_empty());
+    assert_eq!(p.b.qp.counters.unsupported_requests, 0);
     // At it: NAK invalid request, and the responder's QP errs (class C).
     p.deliver_b(&[write]);
     let answers = p.transmit_b();
@@ -320,6 +327,7 @@ fn an_rdma_write_is_naked_as_an_invalid_request_at_its_psn_only() {
         [(Some(AethKind::Nak(NakCode::InvalidRequest)), psns[1])]
     );
     assert_eq!(p.b.qp.state(), QpState::Err);
+    assert_eq!(p.b.qp.counters.unsupported_requests, 1);
     p.deliver_b(&pkts[2..]);
     assert!(p.transmit_b().is_empty(), "an errored QP answers nothing");
     let received: Vec<_> = Pair::completions(&mut p.b.qp)
@@ -328,11 +336,7 @@ fn an_rdma_write_is_naked_as_an_invalid_request_at_its_psn_only() {
         .collect();
     assert_eq!(
         received,
-        [
-            (0, WcStatus::Success),
-            (1, WcStatus::WrFlushErr),
-            (2, WcStatus::WrFlushErr)
-        ]
+        [(1, WcStatus::WrFlushErr), (2, WcStatus::WrFlushErr)]
     );
     // The requester whose PSN the WRITE took fails that WR as rxe's would.
     p.deliver_a(&answers);
@@ -347,6 +351,40 @@ fn an_rdma_write_is_naked_as_an_invalid_request_at_its_psn_only() {
             (1, WcStatus::RemInvReqErr),
             (2, WcStatus::WrFlushErr)
         ]
+    );
+}
+
+/// Inside a SEND message (after its First packet) a WRITE passes the
+/// opcode-sequence check; it must still be NAKed, not taken as the SEND's
+/// Middle.
+#[test]
+fn an_rdma_write_inside_a_send_message_is_naked_not_scattered() {
+    let mut p = Pair::new(rts(14, 7, 7), 12);
+    p.recv(0, 4 * MTU.bytes());
+    p.send(0, 2 * MTU.bytes() + 8);
+    let pkts = p.transmit_a();
+    assert_eq!(pkts.len(), 3);
+    p.deliver_b(&pkts[..1]);
+    let write = rdma_write_from_a(parse(&pkts[1]).bth.psn, &pkts[1]);
+    p.deliver_b(&[write]);
+    assert_eq!(
+        kinds(&p.transmit_b()),
+        [(
+            Some(AethKind::Nak(NakCode::InvalidRequest)),
+            parse(&pkts[1]).bth.psn
+        )]
+    );
+    assert_eq!(p.b.qp.state(), QpState::Err);
+    let received: Vec<_> = Pair::completions(&mut p.b.qp)
+        .into_iter()
+        .map(|(_, wc)| (wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(received, [(0, WcStatus::WrFlushErr)]);
+    let mut landed = [0xffu8; 8];
+    p.b.mem.read_into(MTU.bytes(), &mut landed);
+    assert_eq!(
+        landed, [0; 8],
+        "the WRITE's bytes did not land where the SEND's Middle would"
     );
 }
 

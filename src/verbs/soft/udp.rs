@@ -45,6 +45,10 @@ use crate::verbs::{Gid, Mtu, Qpn, VerbsError};
 const BATCH: usize = 64;
 /// Largest packet the provider emits.
 const MAX_PACKET: usize = 4096 + MAX_OVERHEAD;
+/// Largest packet a peer may send at MTU 4096: a WRITE First carries a
+/// 16-byte RETH where a SEND has none, and must reach the QP whole to be
+/// NAKed rather than dropped as a bad ICRC.
+const MAX_RX_PACKET: usize = 4096 + 64;
 /// Bytes one GSO send may carry (a UDP datagram's payload limit).
 const MAX_GSO_BYTES: usize = 65_507;
 /// Receive buffers per `recvmmsg`: with GRO each holds up to 64 KiB of merged
@@ -614,7 +618,7 @@ impl Driver {
         let (slots, slot) = if port.state.gro_segments() > 1 {
             (RX_SLOTS_GRO, 1 << 16)
         } else {
-            (RX_SLOTS_PLAIN, MAX_PACKET)
+            (RX_SLOTS_PLAIN, MAX_RX_PACKET)
         };
         let slots = slots.clamp(1, quinn_udp::BATCH_SIZE.max(1));
         Driver {

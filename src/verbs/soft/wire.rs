@@ -91,7 +91,10 @@ pub enum Opcode {
     Ack,
     /// An RC request this responder does not carry out: RDMA WRITE, READ,
     /// atomics, SEND with Invalidate, FLUSH. Its headers past the BTH are
-    /// not read; at the expected PSN it is NAKed as an invalid request.
+    /// not read (the payload is everything after the BTH); at the expected
+    /// PSN it is NAKed as an invalid request. [`Opcode::from_byte`] makes
+    /// one only for those opcode bytes; any other byte here emits a packet
+    /// that does not parse back as this.
     UnsupportedRequest(u8),
 }
 
@@ -568,7 +571,8 @@ pub struct PacketRepr {
     pub bth: BthRepr,
     /// AETH, present exactly on ACKs.
     pub aeth: Option<AethRepr>,
-    /// Immediate data, present exactly on *_WITH_IMM.
+    /// Immediate data, present exactly on SEND *_WITH_IMM (a WRITE with
+    /// immediate is an [`Opcode::UnsupportedRequest`], its ImmDt unread).
     pub imm: Option<u32>,
 }
 
@@ -879,11 +883,21 @@ mod tests {
             Packet::parse(&ctx(), &corrupt),
             Err(WireError::BadIcrc { .. })
         ));
-        for b in [0x06, 0x0b, 0x0c, 0x13, 0x14, 0x16, 0x17, 0x1c, 0x1d] {
-            assert_eq!(Opcode::from_byte(b), Ok(Opcode::UnsupportedRequest(b)));
-        }
-        for b in [0x0d, 0x10, 0x12, 0x15, 0x18, 0x1e, 0x1f] {
-            assert!(Opcode::from_byte(b).is_err(), "{b:#04x}");
+        // Every byte: the SENDs and ACK spoken, the RC requests NAKed, the
+        // rest (READ and atomic responses, reserved, other transports) refused.
+        for b in 0..=u8::MAX {
+            let request = matches!(b, 0x06..=0x0c | 0x13 | 0x14 | 0x16 | 0x17 | 0x1c | 0x1d);
+            match Opcode::from_byte(b) {
+                Ok(Opcode::UnsupportedRequest(byte)) => assert!(request && byte == b, "{b:#04x}"),
+                Ok(op) => assert!(
+                    matches!(b, 0x00..=0x05 | 0x11) && op.byte() == b,
+                    "{b:#04x}"
+                ),
+                Err(e) => {
+                    assert!(!request && !matches!(b, 0x00..=0x05 | 0x11), "{b:#04x}");
+                    assert_eq!(e, WireError::UnsupportedOpcode { opcode: b });
+                }
+            }
         }
     }
 
