@@ -18,7 +18,8 @@ use qpmux::verbs::soft::wire::{
 use qpmux::verbs::soft::{Instant, SoftDevice};
 use qpmux::verbs::{
     AccessFlags, CompletionQueue, Device, Gid, InitAttr, MemoryRegion, Mtu, Psn, QpCaps, QpState,
-    Qpn, QueuePair, RecvWr, RtrAttr, RtsAttr, Sge, WcStatus, WorkCompletion,
+    Qpn, QueuePair, RecvWr, RtrAttr, RtsAttr, SendOpcode, SendWr, Sge, VerbsError, WcStatus,
+    WorkCompletion,
 };
 
 /// Every file under `fuzz/regressions/<target>/` (none is fine).
@@ -253,11 +254,21 @@ fn hand_driven() -> HandDriven {
 /// A device at 10.0.0.1:4791 whose QP is connected to 10.0.0.2 on
 /// `peer_port`.
 fn hand_driven_with_peer_on(peer_port: u16) -> HandDriven {
+    hand_driven_with(peer_port, None)
+}
+
+/// As [`hand_driven_with_peer_on`]; with `shared_cq` one CQ of that depth
+/// takes both queues' completions (as the RDMA link's does), else each
+/// queue has its own of depth 64.
+fn hand_driven_with(peer_port: u16, shared_cq: Option<usize>) -> HandDriven {
     let dev = fuzzing::device(gid(1), 4791, Mtu::Mtu256, 7);
     let pd = dev.alloc_pd().expect("pd");
     let mr = dev.reg_mr(&pd, 4096, AccessFlags::LOCAL_WRITE).expect("mr");
-    let send_cq = dev.create_cq(64).expect("cq");
-    let recv_cq = dev.create_cq(64).expect("cq");
+    let send_cq = dev.create_cq(shared_cq.unwrap_or(64)).expect("cq");
+    let recv_cq = match shared_cq {
+        Some(_) => send_cq.clone(),
+        None => dev.create_cq(64).expect("cq"),
+    };
     let qp = dev
         .create_qp(&pd, &send_cq, &recv_cq, QpCaps::default())
         .expect("qp");
@@ -364,6 +375,72 @@ fn a_soft_peer_is_heard_only_from_the_port_it_named() {
     fuzzing::handle_datagram(&h.dev, now, gid(2), 50_123, &entropy);
     assert_eq!(h.dev.stats().rx_wrong_source, 0);
     assert_eq!(received(&h).as_deref(), Some(&b"rxe"[..]));
+}
+
+/// One CQ for both queues, full with a send's completion: the peer's next
+/// message would lose its receive completion there, so it is refused
+/// (NAK remote operational error, never ACKed) and the QP errs, as with a
+/// full receive CQ of its own.
+#[test]
+fn a_shared_cq_full_of_send_completions_refuses_the_message_it_would_lose() {
+    let h = hand_driven_with(4791, Some(1));
+    let now = Instant::ZERO;
+    post_one_recv(&h);
+    let sg = [Sge {
+        mr: &h.mr,
+        offset: 0,
+        len: 8,
+    }];
+    h.qp.post_send(&[SendWr {
+        wr_id: 5,
+        opcode: SendOpcode::Send,
+        sg_list: &sg,
+        signaled: true,
+        inline: false,
+    }])
+    .expect("post");
+    let mut buf = vec![0u8; 256 + MAX_OVERHEAD];
+    let out = fuzzing::poll_transmit(&h.dev, now, &mut buf).expect("our SEND");
+    let ours = Packet::parse(&ctx(1, 2), &buf[..out.len]).expect("parses");
+    let ack = PacketRepr {
+        aeth: Some(AethRepr {
+            kind: AethKind::Ack { credit: 0x1f },
+            msn: 1,
+        }),
+        ..request(Opcode::Ack, h.qp.qp_num(), ours.repr.bth.psn, None)
+    };
+    fuzzing::handle_datagram(
+        &h.dev,
+        now,
+        gid(2),
+        4791,
+        &sealed(&ctx(2, 1), ack, &[], |_| {}),
+    );
+    // The send's completion now fills the one CQ; the peer's SEND arrives.
+    fuzzing::handle_datagram(
+        &h.dev,
+        now,
+        gid(2),
+        4791,
+        &send_from_port(&h, 4791, b"lost?"),
+    );
+    let out = fuzzing::poll_transmit(&h.dev, now, &mut buf).expect("a NAK");
+    let nak = Packet::parse(&ctx(1, 2), &buf[..out.len]).expect("parses");
+    assert_eq!(
+        (nak.repr.bth.psn, nak.repr.aeth.map(|a| a.kind)),
+        (
+            h.peer_psn,
+            Some(AethKind::Nak(NakCode::RemoteOperationalError))
+        )
+    );
+    assert_eq!(h.qp.state(), QpState::Err);
+    assert_eq!(h.dev.counters().recv_cq_full_refusals, 1);
+    // The CQ hands out the send's completion, then the overrun the
+    // receive's flush caused.
+    let mut wc = [blank_completion()];
+    assert_eq!(h.recv_cq.poll(&mut wc), Ok(1));
+    assert_eq!((wc[0].wr_id, wc[0].status), (5, WcStatus::Success));
+    assert_eq!(h.recv_cq.poll(&mut wc), Err(VerbsError::CqOverrun));
 }
 
 /// A peer's RDMA WRITE reaches the QP (it used to be dropped as malformed,
