@@ -13,7 +13,7 @@
 //! (another module) does what `pair` does across hosts and owns liveness.
 
 use std::collections::VecDeque;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use tokio::sync::Notify;
@@ -43,6 +43,7 @@ pub struct PreparedEnd<D: Device + 'static> {
     pool: SendPool<D>,
     registration: Registration,
     read_outs: ReadOutBudget,
+    receives_dropped: Arc<AtomicU64>,
 }
 
 impl<D: Device + 'static> PreparedEnd<D> {
@@ -149,6 +150,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             pool,
             registration,
             read_outs: ReadOutBudget::new(usize::MAX),
+            receives_dropped: Arc::default(),
         })
     }
 
@@ -159,6 +161,14 @@ impl<D: Device + 'static> PreparedEnd<D> {
     /// end's budget is unbounded.
     pub fn with_read_outs(mut self, budget: ReadOutBudget) -> PreparedEnd<D> {
         self.read_outs = budget;
+        self
+    }
+
+    /// Adds the received batches this end drops unread
+    /// ([`LinkStats::receives_dropped`]) to `tally` as well, one shared by
+    /// a node's ends, so its count outlives the link.
+    pub fn with_drop_tally(mut self, tally: Arc<AtomicU64>) -> PreparedEnd<D> {
+        self.receives_dropped = tally;
         self
     }
 
@@ -225,6 +235,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             lease: self.pool.lease(config.send_buffers),
             _registration: self.registration,
             read_outs: self.read_outs,
+            receives_dropped: self.receives_dropped,
             address: self.address,
             epoch,
             config,

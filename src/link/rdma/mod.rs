@@ -32,7 +32,7 @@ mod tests;
 use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
 use thiserror::Error;
@@ -443,6 +443,9 @@ struct Shared<D: Device> {
     /// The node's budget of closes the peer chose or caused (`PeerClosed`,
     /// `Replaced`) waiting at once.
     read_outs: ReadOutBudget,
+    /// The node's tally of received batches dropped unread (this end's
+    /// own count is `LinkStats::receives_dropped`).
+    receives_dropped: Arc<AtomicU64>,
     address: QpAddress,
     epoch: Epoch,
     config: RdmaConfig,
@@ -1043,20 +1046,28 @@ impl<D: Device + 'static> Shared<D> {
         })
     }
 
+    /// Counts `n` received batches dropped unread, here and in the node's
+    /// tally.
+    fn count_dropped(&self, st: &mut State<D>, n: u64) {
+        st.stats.receives_dropped += n;
+        self.receives_dropped.fetch_add(n, Ordering::Relaxed);
+    }
+
     /// A completed receive whose buffer the provider would not lend (the
     /// link's account of what it holds is wrong): that batch and every one
     /// queued or completing behind it are dropped unread, since the mux
     /// would take the next one's sequence number for a gap the peer made,
     /// and the epoch ends as a local fault.
     fn refuse_delivery(&self, mut st: MutexGuard<'_, State<D>>) {
+        let dropped = st.ready.len() as u64 + 1;
         tracing::warn!(
             parent: &self.span,
-            dropped = st.ready.len() + 1,
+            dropped,
             "the provider would not lend a received batch's buffer; ending the epoch"
         );
         let reason = EpochEnd::Fault(LinkFault::BufferNotLent { receive: true });
         st.delivery_cut.get_or_insert(reason);
-        st.stats.receives_dropped += st.ready.len() as u64 + 1;
+        self.count_dropped(&mut st, dropped);
         st.ready.clear();
         drop(st);
         self.end(reason);

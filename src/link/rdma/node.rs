@@ -22,7 +22,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
@@ -160,6 +160,8 @@ pub struct RdmaEpochs<D: Device + 'static> {
     live: Arc<Mutex<HashMap<u32, Arc<Liveness>>>>,
     registered: RegisteredBudget,
     read_outs: ReadOutBudget,
+    /// Received batches the links made here dropped unread, all of them.
+    receives_dropped: Arc<AtomicU64>,
     /// Every link made here, for the stall sweep (dead ones pruned by it).
     swept: Arc<Mutex<Vec<Weak<Shared<D>>>>>,
     /// The stall sweep's task is running (started by the first link).
@@ -197,6 +199,7 @@ impl<D: Device + 'static> RdmaEpochs<D> {
             live: Arc::new(Mutex::new(HashMap::new())),
             registered: RegisteredBudget::unbounded(),
             read_outs: ReadOutBudget::default(),
+            receives_dropped: Arc::default(),
             swept: Arc::default(),
             sweeping: AtomicBool::new(false),
             sweep_task: Mutex::new(None),
@@ -256,6 +259,13 @@ impl<D: Device + 'static> RdmaEpochs<D> {
     /// The budget replaced links' graceful closes are taken from.
     pub fn read_outs(&self) -> &ReadOutBudget {
         &self.read_outs
+    }
+
+    /// Received batches every link made here dropped unread (the sum of
+    /// their [`LinkStats::receives_dropped`](super::LinkStats), ended
+    /// links included).
+    pub fn receives_dropped(&self) -> u64 {
+        self.receives_dropped.load(Ordering::Relaxed)
     }
 
     /// Adds `link` to the stall sweep, starting the sweep with the first.
@@ -405,7 +415,10 @@ impl<D: Device + 'static> EpochMaker for RdmaEpochs<D> {
         let end = self
             .pool()
             .and_then(|pool| PreparedEnd::on_pool(&self.device, &pool, self.config, &budget))
-            .map(|end| end.with_read_outs(self.read_outs.clone()))
+            .map(|end| {
+                end.with_read_outs(self.read_outs.clone())
+                    .with_drop_tally(self.receives_dropped.clone())
+            })
             .map_err(|err| {
                 if let RdmaError::StrangersRegisteredLimit { .. } = err {
                     // A stranger at its share: the connector's refusal
@@ -704,6 +717,10 @@ impl<D: Device + 'static> RdmaTransport<D> {
             ("qpmux_send_pool_waits_total", pool.waits),
             ("qpmux_send_pool_set_aside", as_u64(pool.set_aside)),
             ("qpmux_send_pool_refused_lends_total", pool.refused_lends),
+            (
+                "qpmux_receives_dropped_total",
+                self.node.epochs().receives_dropped(),
+            ),
         ]);
         let read_outs = self.node.epochs().read_outs();
         out.extend([
@@ -799,6 +816,47 @@ mod tests {
             link.ended().await,
             EpochEnd::Violation(ProtocolError::LivenessTraffic)
         );
+    }
+
+    /// A batch a node's link drops unread (here: its buffer not lent)
+    /// stays counted on the node after the link is gone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_node_tallies_what_its_links_dropped_unread() {
+        use crate::link::{Link, LinkError, LinkFault};
+        let device = || SoftDevice::open_udp(UdpConfig::default());
+        let (da, db) = (
+            device().await.expect("device"),
+            device().await.expect("device"),
+        );
+        let config = RdmaConfig {
+            recv_depth: 8,
+            max_batch: 4096,
+            send_buffers: 2,
+            ..RdmaConfig::default()
+        };
+        let epochs = RdmaEpochs::new(da, config, TcpLinkConfig::default());
+        let (ours, _) = epochs.prepare(true).expect("a node's end");
+        let theirs = PreparedEnd::new(&db, config).expect("peer end");
+        let (ours_at, theirs_at) = (ours.address(), theirs.address());
+        let link = ours.connect(&theirs_at, Epoch(1)).expect("connect");
+        let peer = theirs.connect(&ours_at, Epoch(1)).expect("connect");
+        for mr in &link.shared().recv_mrs {
+            mr.mem.not_lent.store(u64::MAX, Ordering::Relaxed);
+        }
+        let mut buf = peer.reserve().await.expect("reserve");
+        buf[..5].copy_from_slice(b"hello");
+        peer.post(buf, 5).expect("post");
+        // The batch's buffer is refused where `recv` would hand it out.
+        let recv = tokio::time::timeout(Duration::from_secs(10), link.recv()).await;
+        let not_lent = EpochEnd::Fault(LinkFault::BufferNotLent { receive: true });
+        assert!(
+            matches!(recv, Ok(Err(LinkError::Ended { reason, .. })) if reason == not_lent),
+            "{:?}",
+            recv.map(|r| r.map(drop))
+        );
+        assert_eq!(link.stats().receives_dropped, 1);
+        drop(link);
+        assert_eq!(epochs.receives_dropped(), 1, "kept past the link");
     }
 
     /// The stall sweep's task ends when the epochs drop, not at its next

@@ -177,7 +177,7 @@ impl<D: Device + 'static> Shared<D> {
             }));
         }
         if st.end_reported || st.delivery_cut.is_some() {
-            st.stats.receives_dropped += 1;
+            self.count_dropped(st, 1);
             return None;
         }
         if hostile {
