@@ -846,11 +846,11 @@ fn sample_counters(node: &Soft, shared: &Shared) {
             || live.seq_naks_sent < last.seq_naks_sent
             || live.ack_timeouts < last.ack_timeouts
         {
-            add(&mut track.gone, &last);
+            track.gone += last;
         }
         track.last = live;
         let mut total = track.gone;
-        add(&mut total, &live);
+        total += live;
         total
     };
     shared.tally(|v| {
@@ -868,15 +868,6 @@ fn sample_counters(node: &Soft, shared: &Shared) {
             rx_bad_pkey: device.rx_bad_pkey,
         }
     });
-}
-
-fn add(sum: &mut QpCounters, more: &QpCounters) {
-    sum.rnr_naks_sent += more.rnr_naks_sent;
-    sum.rnr_naks_received += more.rnr_naks_received;
-    sum.seq_naks_sent += more.seq_naks_sent;
-    sum.retransmit_rewinds += more.retransmit_rewinds;
-    sum.ack_timeouts += more.ack_timeouts;
-    sum.duplicates_received += more.duplicates_received;
 }
 
 /// What the sender has heard from the receiver about one slot.

@@ -177,7 +177,10 @@ impl<D: Device + 'static> Shared<D> {
             }));
         }
         if st.end_reported || st.delivery_cut.is_some() {
-            self.count_dropped(st, 1);
+            // A credit-only message carries no batch to lose.
+            if wc.byte_len > 0 {
+                self.count_dropped(st, 1);
+            }
             return None;
         }
         if hostile {

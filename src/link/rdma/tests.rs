@@ -175,6 +175,21 @@ async fn strangers_links_leave_half_of_max_registered_to_the_registered() {
     );
 }
 
+/// The node's list: the mux's metrics and its own, each name once, every
+/// one `qpmux_`-prefixed (the mux's own test sees only its half).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_metric_names_are_unique_and_prefixed() {
+    let a = node(A, usize::MAX).await;
+    let names: Vec<&str> = a.metrics().into_iter().map(|(name, _)| name).collect();
+    let unique: std::collections::HashSet<&str> = names.iter().copied().collect();
+    assert_eq!(unique.len(), names.len(), "{names:?}");
+    assert!(
+        names.iter().all(|name| name.starts_with("qpmux_")),
+        "{names:?}"
+    );
+    assert_eq!(metric(&a, "qpmux_receives_dropped_total"), Some(0));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pool_is_counted_once_and_a_link_past_max_registered_is_refused() {
     let pool = node_config(A, 0).pool_bytes();

@@ -249,15 +249,7 @@ impl DeviceCore {
     pub fn total_counters(&self) -> QpCounters {
         let mut t = QpCounters::default();
         for e in self.qps.values() {
-            let c = e.engine.counters;
-            t.rnr_naks_sent += c.rnr_naks_sent;
-            t.rnr_naks_received += c.rnr_naks_received;
-            t.seq_naks_sent += c.seq_naks_sent;
-            t.retransmit_rewinds += c.retransmit_rewinds;
-            t.ack_timeouts += c.ack_timeouts;
-            t.duplicates_received += c.duplicates_received;
-            t.recv_cq_full_refusals += c.recv_cq_full_refusals;
-            t.unsupported_requests += c.unsupported_requests;
+            t += e.engine.counters;
         }
         t
     }

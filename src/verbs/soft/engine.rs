@@ -215,6 +215,7 @@ struct Response {
 
 /// Counters a test or operator may read.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct QpCounters {
     /// RNR NAKs this QP's responder sent.
     pub rnr_naks_sent: u64,
@@ -233,6 +234,19 @@ pub struct QpCounters {
     /// RC requests this provider does not carry out (RDMA WRITE, READ,
     /// atomics) that reached the expected PSN: NAKed, and the QP errs.
     pub unsupported_requests: u64,
+}
+
+impl std::ops::AddAssign for QpCounters {
+    fn add_assign(&mut self, more: QpCounters) {
+        self.rnr_naks_sent += more.rnr_naks_sent;
+        self.rnr_naks_received += more.rnr_naks_received;
+        self.seq_naks_sent += more.seq_naks_sent;
+        self.retransmit_rewinds += more.retransmit_rewinds;
+        self.ack_timeouts += more.ack_timeouts;
+        self.duplicates_received += more.duplicates_received;
+        self.recv_cq_full_refusals += more.recv_cq_full_refusals;
+        self.unsupported_requests += more.unsupported_requests;
+    }
 }
 
 /// Where packets go once the QP is connected.
@@ -933,8 +947,8 @@ impl QpEngine {
             Opcode::SendFirst | Opcode::SendMiddle => len == mtu,
             Opcode::SendLast | Opcode::SendLastImm => (1..=mtu).contains(&len),
             Opcode::SendOnly | Opcode::SendOnlyImm => len <= mtu,
-            // WRITE, READ, atomics: NAKed at their PSN like a broken
-            // sequence (rxe: `check_op_valid` → invalid request, class C).
+            // WRITE, READ, atomics: NAKed at their PSN as invalid requests
+            // (rxe: `check_op_valid`, class C), even inside a SEND message.
             Opcode::Ack | Opcode::UnsupportedRequest(_) => false,
         };
         if !sequence_ok || !length_ok {

@@ -274,16 +274,19 @@ fn one_nak_per_sequence_error_and_duplicates_are_reacked_not_redelivered() {
     assert_eq!(p.b.qp.counters.duplicates_received, 1);
 }
 
-/// An RDMA WRITE Only from A at `psn` (RETH and 8 bytes), as a peer that
-/// writes without asking would send it.
+/// An RDMA WRITE Only from A at `psn`, as a peer that writes without
+/// asking would send it: a RETH (a nonzero VA) and data, one MTU in all,
+/// the length a SEND Middle would have.
 fn rdma_write_from_a(psn: Psn, like: &[u8]) -> Vec<u8> {
     let mut repr = parse(like);
     repr.bth.opcode = Opcode::UnsupportedRequest(0x0a);
     repr.bth.psn = psn;
     repr.imm = None;
+    let data = MTU.bytes() - 16;
     let mut payload = vec![0; 16]; // RETH: VA, rkey, DMA length
-    payload[12..].copy_from_slice(&8u32.to_be_bytes());
-    payload.extend_from_slice(&[0xab; 8]);
+    payload[..8].copy_from_slice(&0x1122_3344_5566_7788u64.to_be_bytes());
+    payload[12..].copy_from_slice(&(data as u32).to_be_bytes());
+    payload.extend(std::iter::repeat_n(0xab, data));
     let mut buf = vec![0; repr.header_len() + payload.len() + 7];
     let n = repr.emit(&ctx(1, 2), &payload, &mut buf);
     buf.truncate(n);
@@ -375,6 +378,7 @@ fn an_rdma_write_inside_a_send_message_is_naked_not_scattered() {
         )]
     );
     assert_eq!(p.b.qp.state(), QpState::Err);
+    assert_eq!(p.b.qp.counters.unsupported_requests, 1);
     let received: Vec<_> = Pair::completions(&mut p.b.qp)
         .into_iter()
         .map(|(_, wc)| (wc.wr_id, wc.status))

@@ -72,7 +72,8 @@ pub enum WireError {
     },
 }
 
-/// RC opcodes the soft provider speaks.
+/// RC opcodes the soft provider takes: the SENDs and ACK it speaks, and the
+/// requests it parses only to NAK.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Opcode {
     /// SEND First.
