@@ -155,6 +155,14 @@ impl Pair {
     fn completions(qp: &mut QpEngine) -> Vec<(CqSide, WorkCompletion)> {
         std::iter::from_fn(|| qp.poll_completion()).collect()
     }
+
+    /// Each completion's WR id and status, in order.
+    fn statuses(qp: &mut QpEngine) -> Vec<(u64, WcStatus)> {
+        Pair::completions(qp)
+            .into_iter()
+            .map(|(_, wc)| (wc.wr_id, wc.status))
+            .collect()
+    }
 }
 
 fn rts(timeout: u8, retry_cnt: u8, rnr_retry: u8) -> RtsAttr {
@@ -333,20 +341,14 @@ fn an_rdma_write_is_naked_as_an_invalid_request_at_its_psn_only() {
     assert_eq!(p.b.qp.counters.unsupported_requests, 1);
     p.deliver_b(&pkts[2..]);
     assert!(p.transmit_b().is_empty(), "an errored QP answers nothing");
-    let received: Vec<_> = Pair::completions(&mut p.b.qp)
-        .into_iter()
-        .map(|(_, wc)| (wc.wr_id, wc.status))
-        .collect();
+    let received = Pair::statuses(&mut p.b.qp);
     assert_eq!(
         received,
         [(1, WcStatus::WrFlushErr), (2, WcStatus::WrFlushErr)]
     );
     // The requester whose PSN the WRITE took fails that WR as rxe's would.
     p.deliver_a(&answers);
-    let sent: Vec<_> = Pair::completions(&mut p.a.qp)
-        .into_iter()
-        .map(|(_, wc)| (wc.wr_id, wc.status))
-        .collect();
+    let sent = Pair::statuses(&mut p.a.qp);
     assert_eq!(
         sent,
         [
@@ -379,10 +381,7 @@ fn an_rdma_write_inside_a_send_message_is_naked_not_scattered() {
     );
     assert_eq!(p.b.qp.state(), QpState::Err);
     assert_eq!(p.b.qp.counters.unsupported_requests, 1);
-    let received: Vec<_> = Pair::completions(&mut p.b.qp)
-        .into_iter()
-        .map(|(_, wc)| (wc.wr_id, wc.status))
-        .collect();
+    let received = Pair::statuses(&mut p.b.qp);
     assert_eq!(received, [(0, WcStatus::WrFlushErr)]);
     let mut landed = [0xffu8; 8];
     p.b.mem.read_into(MTU.bytes(), &mut landed);
@@ -524,20 +523,14 @@ fn a_message_a_full_receive_cq_would_lose_fails_alone_at_its_last_packet() {
     );
     assert_eq!(p.b.qp.state(), QpState::Err);
     assert_eq!(p.b.qp.counters.recv_cq_full_refusals, 1);
-    let received: Vec<_> = Pair::completions(&mut p.b.qp)
-        .into_iter()
-        .map(|(_, wc)| (wc.wr_id, wc.status))
-        .collect();
+    let received = Pair::statuses(&mut p.b.qp);
     assert_eq!(
         received,
         [(1, WcStatus::Success), (2, WcStatus::WrFlushErr)]
     );
     // The sender: the first message succeeded, the refused one failed.
     p.deliver_a(&answers);
-    let sent: Vec<_> = Pair::completions(&mut p.a.qp)
-        .into_iter()
-        .map(|(_, wc)| (wc.wr_id, wc.status))
-        .collect();
+    let sent = Pair::statuses(&mut p.a.qp);
     assert_eq!(sent, [(1, WcStatus::Success), (2, WcStatus::RemOpErr)]);
 }
 
@@ -721,10 +714,7 @@ fn after_an_rnr_wait_one_packet_probes_until_an_ack_shows_progress() {
     p.deliver_b(&rest);
     let acks = p.transmit_b();
     p.deliver_a(&acks);
-    let sent: Vec<_> = Pair::completions(&mut p.a.qp)
-        .into_iter()
-        .map(|(_, wc)| (wc.wr_id, wc.status))
-        .collect();
+    let sent = Pair::statuses(&mut p.a.qp);
     assert_eq!(sent, [(1, WcStatus::Success), (2, WcStatus::Success)]);
     let received: Vec<_> = Pair::completions(&mut p.b.qp)
         .into_iter()
@@ -762,10 +752,7 @@ fn an_ack_past_the_refused_psn_ends_the_rnr_wait() {
     p.deliver_b(&rest);
     let ack = p.transmit_b();
     p.deliver_a(&ack);
-    let sent: Vec<_> = Pair::completions(&mut p.a.qp)
-        .into_iter()
-        .map(|(_, wc)| (wc.wr_id, wc.status))
-        .collect();
+    let sent = Pair::statuses(&mut p.a.qp);
     assert_eq!(sent, [(1, WcStatus::Success), (2, WcStatus::Success)]);
     assert_eq!(p.a.qp.poll_timeout(), None, "no RNR timer left armed");
 }
