@@ -453,6 +453,30 @@ pub enum AsyncEvent {
     },
 }
 
+/// Async events [`IbvDevice::async_events`] keeps between drains. A node
+/// nobody drains gets one per QP that errs (a peer can cause that once an
+/// epoch), so the list keeps the newest, not all.
+pub const EVENTS_KEPT: usize = 256;
+
+/// The newest [`EVENTS_KEPT`] async events, oldest first.
+#[derive(Debug, Default)]
+pub(crate) struct EventLog {
+    kept: std::collections::VecDeque<AsyncEvent>,
+}
+
+impl EventLog {
+    pub(crate) fn push(&mut self, event: AsyncEvent) {
+        if self.kept.len() == EVENTS_KEPT {
+            self.kept.pop_front();
+        }
+        self.kept.push_back(event);
+    }
+
+    fn drain(&mut self) -> Vec<AsyncEvent> {
+        self.kept.drain(..).collect()
+    }
+}
+
 pub(crate) struct DevInner {
     /// Declared first: the context outlives every field that refers to it
     /// only through sideway's own Arcs; nothing here holds raw handles.
@@ -462,7 +486,7 @@ pub(crate) struct DevInner {
     pub(crate) gid_index: u8,
     pub(crate) attr: PortAttr,
     pub(crate) cfg: IbvConfig,
-    pub(crate) events: Mutex<Vec<AsyncEvent>>,
+    pub(crate) events: Mutex<EventLog>,
     pub(crate) stop_events: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
 }
 
@@ -618,7 +642,7 @@ impl IbvDevice {
             gid_index,
             attr,
             cfg,
-            events: Mutex::new(Vec::new()),
+            events: Mutex::new(EventLog::default()),
             stop_events: Mutex::new(None),
         });
         cq::spawn_async_events(&inner);
@@ -641,9 +665,10 @@ impl IbvDevice {
         v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
     }
 
-    /// Drain the async events seen so far (also logged with `tracing`).
+    /// Drain the async events seen so far, the newest [`EVENTS_KEPT`] of
+    /// them (each is also logged with `tracing` as it comes).
     pub fn async_events(&self) -> Vec<AsyncEvent> {
-        std::mem::take(&mut *self.inner.events.lock().expect("events lock"))
+        self.inner.events.lock().expect("events lock").drain()
     }
 
     /// Read a port counter from sysfs (`hw_counters/<name>`, e.g. rxe's
@@ -764,4 +789,28 @@ pub(crate) fn io_err(op: &'static str, e: &(dyn std::error::Error + 'static)) ->
     }
     tracing::debug!("{op}: {}", error_chain(e));
     VerbsError::Io { op, kind }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{AsyncEvent, EVENTS_KEPT, EventLog};
+
+    /// Undrained, the log keeps the newest events and no more.
+    #[test]
+    fn the_event_log_keeps_the_newest_and_is_bounded() {
+        let mut log = EventLog::default();
+        for event in 0..(EVENTS_KEPT as u32 + 10) {
+            log.push(AsyncEvent::Other { event });
+        }
+        let kept = log.drain();
+        assert_eq!(kept.len(), EVENTS_KEPT);
+        assert_eq!(kept.first(), Some(&AsyncEvent::Other { event: 10 }));
+        assert_eq!(
+            kept.last(),
+            Some(&AsyncEvent::Other {
+                event: EVENTS_KEPT as u32 + 9
+            })
+        );
+        assert!(log.drain().is_empty(), "drained");
+    }
 }
