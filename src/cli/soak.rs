@@ -57,6 +57,10 @@ const ACK_INTERVAL: Duration = Duration::from_millis(250);
 const ACK_GRACE: Duration = Duration::from_secs(2);
 /// Violations listed in the verdict; beyond this only counted.
 const LISTED_VIOLATIONS: usize = 32;
+/// Epochs listed in the verdict, the first ones; beyond this only counted
+/// (`epochs_up`), so a soak of days with an epoch a second keeps a bounded
+/// verdict.
+const LISTED_EPOCHS: usize = 1024;
 
 /// Which end of the streams this node is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -281,7 +285,10 @@ struct Verdict {
     bad_records: u64,
     violations: Vec<String>,
     violation_count: u64,
+    /// The first [`LISTED_EPOCHS`] epochs this node saw come up.
     epochs_seen: Vec<u64>,
+    /// Every epoch seen come up, listed or not.
+    epochs_up: u64,
     epoch_deaths: u64,
     slots_dropped: u64,
     restarts_seen: u64,
@@ -789,7 +796,12 @@ async fn watch(
                 });
             }
             if let Some(new) = now_epoch {
-                shared.tally(|v| v.epochs_seen.push(new));
+                shared.tally(|v| {
+                    v.epochs_up += 1;
+                    if v.epochs_seen.len() < LISTED_EPOCHS {
+                        v.epochs_seen.push(new);
+                    }
+                });
                 shared.emit(&Event::EpochUp {
                     epoch: new,
                     t_ms: unix_ms(),

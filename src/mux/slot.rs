@@ -849,12 +849,14 @@ impl Registry {
             if slots.len() >= self.max_entries || lock(&self.abandoned).refuses(&key) {
                 return OpenOutcome::Refused;
             }
+            // A refused open leaves no entry: at a cap of 0 every peer that
+            // opened once would stay counted as holding something here.
             let mut unbound = lock(&self.unbound);
-            let waiting = unbound.entry(feeder.peer).or_default();
-            if *waiting >= self.max_unbound_per_peer {
+            let waiting = unbound.get(&feeder.peer).copied().unwrap_or(0);
+            if waiting >= self.max_unbound_per_peer {
                 return OpenOutcome::Refused;
             }
-            *waiting += 1;
+            *unbound.entry(feeder.peer).or_default() += 1;
         }
         let rx = slots
             .entry(key)
@@ -1593,6 +1595,22 @@ mod tests {
             OpenOutcome::Attached(_)
         ));
         assert_eq!(registry.unbound_of(PeerId(2)), 2);
+    }
+
+    /// At a cap of 0 every open for a key nobody bound is refused, and the
+    /// refusal leaves the peer no entry: it used to leave a count of 0 for
+    /// good, so the node counted that peer as holding something here
+    /// against `max_peers` after it left (audit 46c).
+    #[test]
+    fn an_open_refused_at_a_cap_of_zero_leaves_the_peer_nothing_here() {
+        let registry = Registry::new(64 * 1024, 64, 0);
+        let one = control(1 << 20);
+        assert!(matches!(
+            registry.open(StreamKey::new(5, 0), &one),
+            OpenOutcome::Refused
+        ));
+        assert!(registry.peers_with_unbound().is_empty());
+        assert_eq!(registry.unbound_of(PeerId(2)), 0);
     }
 
     /// A binding given up before any peer fed it (velo gave up on the

@@ -368,13 +368,27 @@ pub(crate) fn spawn_async_events(dev: &Arc<DevInner>) {
     };
     let name = dev.name.clone();
     handle.spawn(async move {
+        // A peer can err a QP once an epoch: those go to WARN once a second.
+        let mut qp_errors = crate::warn_gate::WarnGate::default();
         loop {
             tokio::select! {
                 _ = &mut rx => break,
                 ready = watch.afd.readable() => {
                     let Ok(mut guard) = ready else { break };
                     while let Some(event) = watch.next_event() {
-                        tracing::warn!("{name}: async event {event:?}");
+                        let warn = match event {
+                            AsyncEvent::QpFatal { .. } => {
+                                qp_errors.admit(tokio::time::Instant::now())
+                            }
+                            _ => Some(0),
+                        };
+                        match warn {
+                            Some(0) => tracing::warn!("{name}: async event {event:?}"),
+                            Some(quiet) => tracing::warn!(
+                                "{name}: async event {event:?} ({quiet} QP errors before it logged at debug)"
+                            ),
+                            None => tracing::debug!("{name}: async event {event:?}"),
+                        }
                         if let Some(dev) = weak.upgrade() {
                             dev.events.lock().expect("events lock").push(event);
                         }
