@@ -289,6 +289,8 @@ struct Verdict {
     epochs_seen: Vec<u64>,
     /// Every epoch seen come up, listed or not.
     epochs_up: u64,
+    /// The newest of them (listed or not).
+    last_epoch: Option<u64>,
     epoch_deaths: u64,
     slots_dropped: u64,
     restarts_seen: u64,
@@ -798,6 +800,7 @@ async fn watch(
             if let Some(new) = now_epoch {
                 shared.tally(|v| {
                     v.epochs_up += 1;
+                    v.last_epoch = Some(new);
                     if v.epochs_seen.len() < LISTED_EPOCHS {
                         v.epochs_seen.push(new);
                     }

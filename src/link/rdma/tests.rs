@@ -1227,7 +1227,9 @@ async fn a_peers_rdma_write_is_naked_and_ends_the_epoch() {
         aeth: None,
         imm: None,
     };
-    let payload = [[0x11; 8], [0; 8], [0, 0, 0, 0, 0, 0, 0, 8], [0xab; 8]].concat();
+    // RETH (VA, rkey, DMA length 16), then the 16 bytes it names.
+    let reth = [[0x11; 8], [0, 0, 0, 0, 0, 0, 0, 16]].concat();
+    let payload = [&reth[..], &[0xab; 16]].concat();
     let mut buf = vec![0; 4096 + MAX_OVERHEAD];
     let n = write.emit(&to_us, &payload, &mut buf);
     socket

@@ -458,7 +458,9 @@ pub enum AsyncEvent {
 /// epoch), so the list keeps the newest, not all.
 pub const EVENTS_KEPT: usize = 256;
 
-/// The newest [`EVENTS_KEPT`] async events, oldest first.
+/// The newest [`EVENTS_KEPT`] async events, oldest first. When full, the
+/// oldest QP error goes first, so a peer erring QPs cannot push out the
+/// events an operator must act on (`GidChange`, `DeviceFatal`, a port's).
 #[derive(Debug, Default)]
 pub(crate) struct EventLog {
     kept: std::collections::VecDeque<AsyncEvent>,
@@ -467,7 +469,11 @@ pub(crate) struct EventLog {
 impl EventLog {
     pub(crate) fn push(&mut self, event: AsyncEvent) {
         if self.kept.len() == EVENTS_KEPT {
-            self.kept.pop_front();
+            let qp_error = self
+                .kept
+                .iter()
+                .position(|e| matches!(e, AsyncEvent::QpFatal { .. }));
+            self.kept.remove(qp_error.unwrap_or(0));
         }
         self.kept.push_back(event);
     }
@@ -795,9 +801,28 @@ pub(crate) fn io_err(op: &'static str, e: &(dyn std::error::Error + 'static)) ->
 mod tests {
     use super::{AsyncEvent, EVENTS_KEPT, EventLog};
 
-    /// Undrained, the log keeps the newest events and no more.
+    /// Undrained, the log keeps the newest events and no more, and QP
+    /// errors make room before anything else does.
     #[test]
     fn the_event_log_keeps_the_newest_and_is_bounded() {
+        let mut log = EventLog::default();
+        log.push(AsyncEvent::GidChange { port: 1 });
+        for qpn in 0..(EVENTS_KEPT as u32 + 10) {
+            log.push(AsyncEvent::QpFatal {
+                qpn: super::super::Qpn::new(qpn),
+                event: 1,
+            });
+        }
+        let kept = log.drain();
+        assert_eq!(kept.len(), EVENTS_KEPT);
+        assert_eq!(kept[0], AsyncEvent::GidChange { port: 1 });
+        assert_eq!(
+            kept[1],
+            AsyncEvent::QpFatal {
+                qpn: super::super::Qpn::new(11),
+                event: 1
+            }
+        );
         let mut log = EventLog::default();
         for event in 0..(EVENTS_KEPT as u32 + 10) {
             log.push(AsyncEvent::Other { event });
