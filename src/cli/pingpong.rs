@@ -288,9 +288,25 @@ async fn serve_client<N: Node>(
         Ok::<(), anyhow::Error>(())
     };
     match deadline {
-        Some((at, bound)) => tokio::time::timeout_at(at, served).await.map_err(|_| {
-            anyhow::anyhow!("the client's run held the server past {bound:?} (--max-run)")
-        })??,
+        Some((at, bound)) => {
+            let timed = tokio::time::timeout_at(at, served).await;
+            if timed.is_err() {
+                let why = format!("the client's run held the server past {bound:?} (--max-run)");
+                // Said on the welcome stream before the client is forgotten,
+                // so it can tell why its run ended. The hello's end tells
+                // it to look; its link going (or the linger) lets us forget
+                // it without cutting the word off.
+                let word = Bytes::from([ABANDONED, why.as_bytes()].concat());
+                let told = async {
+                    welcome.send(word).await?;
+                    drop(hello);
+                    Ok::<SendError, SendError>(welcome.closed().await)
+                };
+                let _ = tokio::time::timeout(CLIENT_LINGER, told).await;
+                anyhow::bail!(why);
+            }
+            timed.unwrap_or(Ok(()))?;
+        }
         None => served.await?,
     }
     match tokio::time::timeout(CLIENT_LINGER, next_data(&mut hello)).await {
@@ -307,6 +323,21 @@ async fn serve_client<N: Node>(
 }
 
 const WELCOME: &[u8] = b"ok";
+/// How a server's word on the welcome stream starts when it gives up on a
+/// run (`--max-run`); the reason follows.
+const ABANDONED: &[u8] = b"abandoned: ";
+
+/// Why the server gave up on this run, if it said so on the welcome stream
+/// before ending it (read within a moment: the word precedes the end on the
+/// same link).
+async fn server_word(welcome: &mut SlotReceiver) -> Option<String> {
+    match tokio::time::timeout(Duration::from_millis(200), next_data(welcome)).await {
+        Ok(Some(Frame::Data(word))) => word
+            .strip_prefix(ABANDONED)
+            .map(|why| String::from_utf8_lossy(why).into_owned()),
+        _ => None,
+    }
+}
 
 /// Waits until `peer` has no link (the client left), at most [`CLIENT_LINGER`].
 async fn client_gone<N: Node>(node: &N, peer: PeerId) {
@@ -835,7 +866,10 @@ async fn run_client<N: Node>(
         );
         let (samples, elapsed) = tokio::select! {
             measured = measured => measured?,
-            closed = hello.closed() => anyhow::bail!("the server ended the run: {closed}"),
+            closed = hello.closed() => match server_word(&mut welcome).await {
+                Some(why) => anyhow::bail!("the server gave up on the run: {why}"),
+                None => anyhow::bail!("the server ended the run: {closed}"),
+            },
         };
         match args.test {
             Test::Lat => lat_rows.push(lat_row(size, samples)),
@@ -995,6 +1029,9 @@ mod tests {
         let (server, client) = fabric_pair();
         let (hello, mut tx) = hello_with_address(&server, &client).await;
         let run = 1 << 16;
+        let mut welcome = (client.mux())
+            .bind(StreamKey::new(PONG_ANCHOR, run))
+            .expect("bind");
         tx.send(encode_plan(run, 1)).await.expect("sent");
         let mut session = (client.mux())
             .open(PeerId(SERVER_ID), StreamKey::new(PING_ANCHOR, run | 1))
@@ -1003,12 +1040,12 @@ mod tests {
         let served = tokio::time::timeout(bound * 2, serve_client(&server, hello, Some(bound)));
         let feed = async {
             session.send(Bytes::from_static(b"bw")).await.expect("sent");
+            // Until the server drops the session, abandoning the run.
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                session
-                    .send(Bytes::from_static(b"a record"))
-                    .await
-                    .expect("sent");
+                if session.send(Bytes::from_static(b"a record")).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
             }
         };
         let err = tokio::select! {
@@ -1016,6 +1053,14 @@ mod tests {
             () = feed => unreachable!("the feed never ends"),
         };
         assert!(err.to_string().contains("--max-run"), "{err:#}");
+        // The client is told why, after its welcome.
+        let ok = next_data(&mut welcome).await;
+        assert!(
+            matches!(ok, Some(Frame::Data(ref w)) if w.as_ref() == WELCOME),
+            "{ok:?}"
+        );
+        let why = server_word(&mut welcome).await.expect("the server's word");
+        assert!(why.contains("--max-run"), "{why}");
     }
 
     /// Waiting for the first client is idle, not a client gone silent.
