@@ -358,6 +358,51 @@ fn pingpong_serves_runs_between_processes_one_at_a_time() {
     let _ = std::fs::remove_dir_all(&log_dir);
 }
 
+/// A run that holds the server past its `--max-run` is given up on, and
+/// the client says why instead of its session's own error.
+#[test]
+fn pingpong_client_past_the_servers_max_run_is_told_why() {
+    let (log_dir, log) = server_log_path("pingpong-max-run");
+    let (server, blob) = pingpong_server(&["--transport", "tcp", "--max-run", "2"], &log);
+    let client_log = log_dir.join("client");
+    let mut client = spawn_qpmux(
+        &[
+            "pingpong",
+            "--client",
+            &blob,
+            "--transport",
+            "tcp",
+            "--test",
+            "bw",
+            "--size",
+            "64",
+            "--iters",
+            "4000000000",
+        ],
+        Stdio::null(),
+        std::fs::File::create(&client_log).expect("log file").into(),
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = client.0.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the client still ran 60 s into a 2 s --max-run"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let said = std::fs::read_to_string(&client_log).expect("client log");
+    assert!(!status.success(), "{said}");
+    assert!(
+        said.contains("the server gave up on the run") && said.contains("--max-run"),
+        "{said}"
+    );
+    drop(server);
+    let _ = std::fs::remove_dir_all(&log_dir);
+}
+
 /// A client frozen mid-run (SIGSTOP) over the TCP transport keeps its
 /// connection up and says nothing: the server gives up on it after its
 /// silence bound and serves the next run.

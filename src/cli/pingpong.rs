@@ -146,8 +146,9 @@ pub struct PingpongArgs {
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub handshake_timeout: u64,
     /// With `--server`: the longest one client's run may hold the server,
-    /// in seconds from its plan; past it the client is abandoned and the
-    /// next one served (a run of huge `--iters` would hold it for good).
+    /// in seconds from its plan; past it the client is told why and
+    /// abandoned (up to 10 s later, its word delivered), and the next one
+    /// served (a run of huge `--iters` would hold it for good).
     #[arg(long, requires = "server", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_run: u64,
 }
@@ -288,14 +289,16 @@ async fn serve_client<N: Node>(
         Ok::<(), anyhow::Error>(())
     };
     match deadline {
-        Some((at, bound)) => {
-            let timed = tokio::time::timeout_at(at, served).await;
-            if timed.is_err() {
+        Some((at, bound)) => match tokio::time::timeout_at(at, served).await {
+            Ok(served) => served?,
+            Err(_) => {
                 let why = format!("the client's run held the server past {bound:?} (--max-run)");
-                // Said on the welcome stream before the client is forgotten,
-                // so it can tell why its run ended. The hello's end tells
-                // it to look; its link going (or the linger) lets us forget
-                // it without cutting the word off.
+                // Queued on the welcome stream before the client is
+                // forgotten, so it can tell why its run ended. The hello's
+                // end (or its session's) tells it to look; its welcome end
+                // going (or the linger, so a run holds a server at most
+                // `--max-run` + 10 s) lets us forget it without cutting the
+                // word off.
                 let word = Bytes::from([ABANDONED, why.as_bytes()].concat());
                 let told = async {
                     welcome.send(word).await?;
@@ -305,8 +308,7 @@ async fn serve_client<N: Node>(
                 let _ = tokio::time::timeout(CLIENT_LINGER, told).await;
                 anyhow::bail!(why);
             }
-            timed.unwrap_or(Ok(()))?;
-        }
+        },
         None => served.await?,
     }
     match tokio::time::timeout(CLIENT_LINGER, next_data(&mut hello)).await {
@@ -328,10 +330,10 @@ const WELCOME: &[u8] = b"ok";
 const ABANDONED: &[u8] = b"abandoned: ";
 
 /// Why the server gave up on this run, if it said so on the welcome stream
-/// before ending it (read within a moment: the word precedes the end on the
-/// same link).
+/// as it ended it (waited for up to a second: the server queues the word
+/// right after dropping the session, on the same link).
 async fn server_word(welcome: &mut SlotReceiver) -> Option<String> {
-    match tokio::time::timeout(Duration::from_millis(200), next_data(welcome)).await {
+    match tokio::time::timeout(Duration::from_secs(1), next_data(welcome)).await {
         Ok(Some(Frame::Data(word))) => word
             .strip_prefix(ABANDONED)
             .map(|why| String::from_utf8_lossy(why).into_owned()),
@@ -865,7 +867,15 @@ async fn run_client<N: Node>(
             &bar,
         );
         let (samples, elapsed) = tokio::select! {
-            measured = measured => measured?,
+            // A server giving up drops the session first: its word may
+            // come just after the session's own error.
+            measured = measured => match measured {
+                Ok(measured) => measured,
+                Err(err) => match server_word(&mut welcome).await {
+                    Some(why) => anyhow::bail!("the server gave up on the run: {why}"),
+                    None => return Err(err),
+                },
+            },
             closed = hello.closed() => match server_word(&mut welcome).await {
                 Some(why) => anyhow::bail!("the server gave up on the run: {why}"),
                 None => anyhow::bail!("the server ended the run: {closed}"),
