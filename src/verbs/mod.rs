@@ -485,6 +485,22 @@ pub enum WcStatus {
     RnrRetryExcErr,
 }
 
+/// Why this QP's responder refused a request of the peer's and moved the QP
+/// to ERR (a NAK invalid request, class C). The QP's own receives then only
+/// flush, so the completions cannot say the peer caused it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PeerRequestError {
+    /// An RC request this QP does not carry out (RDMA WRITE or READ, an
+    /// atomic, SEND with invalidate, …), by its BTH opcode.
+    #[error("an RC request not carried out here (opcode {0:#04x})")]
+    Unsupported(u8),
+    /// A SEND packet out of its message's opcode sequence, or of a length
+    /// its place in the message does not allow.
+    #[error("a SEND packet out of sequence or of a wrong length")]
+    MalformedSend,
+}
+
 /// Completion opcodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WcOpcode {
@@ -846,6 +862,11 @@ pub trait QueuePair: Send + Sync {
     fn modify_to_error(&self) -> Result<(), VerbsError>;
     /// Any state → RESET: WRs are discarded without completions.
     fn modify_to_reset(&self) -> Result<(), VerbsError>;
+    /// Why the responder moved this QP to ERR on a request of the peer's,
+    /// where the provider knows it by the time the QP's flushes are polled:
+    /// the soft provider does; libibverbs tells it only as an async event
+    /// that races the flush (and rxe raises none), so it answers `None`.
+    fn peer_request_error(&self) -> Option<PeerRequestError>;
     /// Post send WRs in order; stops at the first failure, returning its
     /// error and leaving earlier WRs posted (like `bad_wr`).
     fn post_send(&self, wrs: &[SendWr<'_, Self::Mr>]) -> Result<(), PostError>;

@@ -116,6 +116,7 @@ impl<D: Device + 'static> Shared<D> {
                 on_send_completion(&mut st, wc).map(EpochEnd::Fault)
             };
             if let Some(reason) = fault {
+                let reason = self.blame_refused_request(reason);
                 // Noted at once: the rest of this batch is not delivered.
                 st.violated |= matches!(reason, EpochEnd::Violation(_));
                 end.get_or_insert(reason);
@@ -150,6 +151,20 @@ impl<D: Device + 'static> Shared<D> {
         }
         if let Some(reason) = end.filter(|_| ended_now) {
             self.after_end(reason);
+        }
+    }
+
+    /// An error completion after our responder refused a request of the
+    /// peer's (a WRITE, say) is only a flush: the provider knows the cause,
+    /// and it is the peer's violation, redialled after a backoff.
+    fn blame_refused_request(&self, reason: EpochEnd) -> EpochEnd {
+        match reason {
+            EpochEnd::Fault(LinkFault::Completion { .. }) => {
+                self.qp.peer_request_error().map_or(reason, |cause| {
+                    EpochEnd::Violation(ProtocolError::RequestRefused(cause))
+                })
+            }
+            other => other,
         }
     }
 

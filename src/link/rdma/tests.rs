@@ -1173,96 +1173,108 @@ async fn no_batch_follows_the_end_recv_reported() {
 }
 
 /// A peer that RDMA WRITEs into our QP (no rkey ever leaves the process,
-/// so no honest one does): the soft provider NAKs it as an invalid request
-/// and errs the QP, and the link ends the epoch on the flushed receives,
-/// as a local fault (docs/reliability-hostile.md). The peer here is a bare
-/// UDP socket speaking RoCEv2 by hand.
+/// so no honest one does), or sends a SEND Middle with no First: the soft
+/// provider NAKs it as an invalid request and errs the QP, and the link
+/// ends the epoch on the flushed receives as the peer's violation, which
+/// the provider names (docs/reliability-hostile.md). The peer here is a
+/// bare UDP socket speaking RoCEv2 by hand.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peers_rdma_write_is_naked_and_ends_the_epoch() {
+async fn a_peers_rdma_write_or_malformed_send_is_naked_and_ends_the_epoch_as_a_violation() {
     use crate::verbs::soft::wire::{
         AethKind, BthRepr, DEFAULT_PKEY, IcrcContext, MAX_OVERHEAD, NakCode, Opcode, Packet,
         PacketRepr,
     };
-    use crate::verbs::{Psn, Qpn};
+    use crate::verbs::{PeerRequestError, Psn, Qpn};
 
     let dev = device().await;
     let ours = dev.query_port();
     let our_gid = ours.gid_table[0];
     let ip = our_gid.to_ipv4().expect("a soft device on IPv4 loopback");
-    let socket = tokio::net::UdpSocket::bind((ip, 0))
-        .await
-        .expect("the peer's socket");
-    let their_port = socket.local_addr().expect("addr").port();
-    let (their_qpn, their_psn) = (Qpn::new(0x4242), Psn::new(77));
-    let end = PreparedEnd::new(&dev, small()).expect("link end");
-    let link = end
-        .connect(
-            &QpAddress {
-                qpn: their_qpn,
-                psn: their_psn,
-                gid: our_gid,
-                udp_port: their_port,
-                mtu: ours.active_mtu,
-            },
-            Epoch(1),
-        )
-        .expect("connect");
-    let to_us = IcrcContext {
-        src: our_gid,
-        dst: our_gid,
-        src_port: their_port,
-        dst_port: ours.udp_port,
-    };
-    let write = PacketRepr {
-        bth: BthRepr {
-            opcode: Opcode::UnsupportedRequest(0x0a),
-            solicited: false,
-            mig_req: true,
-            pad_count: 0,
-            pkey: DEFAULT_PKEY,
-            dest_qp: link.address().qpn,
-            ack_req: true,
-            psn: their_psn,
-        },
-        aeth: None,
-        imm: None,
-    };
     // RETH (VA, rkey, DMA length 16), then the 16 bytes it names.
     let reth = [[0x11; 8], [0, 0, 0, 0, 0, 0, 0, 16]].concat();
-    let payload = [&reth[..], &[0xab; 16]].concat();
-    let mut buf = vec![0; 4096 + MAX_OVERHEAD];
-    let n = write.emit(&to_us, &payload, &mut buf);
-    socket
-        .send_to(&buf[..n], (ip, ours.udp_port))
-        .await
-        .expect("send");
-    let from_us = IcrcContext {
-        src: our_gid,
-        dst: our_gid,
-        src_port: ours.udp_port,
-        dst_port: their_port,
-    };
-    let nak = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            let len = socket.recv(&mut buf).await.expect("recv");
-            if let Ok(pkt) = Packet::parse(&from_us, &buf[..len])
-                && let Some(aeth) = pkt.repr.aeth
-            {
-                break (pkt.repr.bth.psn, aeth.kind);
-            }
-        }
-    })
-    .await
-    .expect("an answer");
-    assert_eq!(nak, (their_psn, AethKind::Nak(NakCode::InvalidRequest)));
-    let recv = tokio::time::timeout(Duration::from_secs(10), link.recv()).await;
-    let flushed = EpochEnd::Fault(LinkFault::Completion {
-        status: ibv_status(crate::verbs::WcStatus::WrFlushErr),
-    });
-    assert!(
-        matches!(recv, Ok(Err(LinkError::Ended { reason, .. })) if reason == flushed),
-        "{:?}",
-        recv.map(|r| r.map(drop))
+    let write = (
+        Opcode::UnsupportedRequest(0x0a),
+        [&reth[..], &[0xab; 16]].concat(),
+        PeerRequestError::Unsupported(0x0a),
     );
-    assert_eq!(dev.counters().unsupported_requests, 1);
+    let middle = (
+        Opcode::SendMiddle,
+        vec![0x5a; ours.active_mtu.bytes()],
+        PeerRequestError::MalformedSend,
+    );
+    for (opcode, payload, cause) in [write, middle] {
+        let socket = tokio::net::UdpSocket::bind((ip, 0))
+            .await
+            .expect("the peer's socket");
+        let their_port = socket.local_addr().expect("addr").port();
+        let (their_qpn, their_psn) = (Qpn::new(0x4242), Psn::new(77));
+        let end = PreparedEnd::new(&dev, small()).expect("link end");
+        let link = end
+            .connect(
+                &QpAddress {
+                    qpn: their_qpn,
+                    psn: their_psn,
+                    gid: our_gid,
+                    udp_port: their_port,
+                    mtu: ours.active_mtu,
+                },
+                Epoch(1),
+            )
+            .expect("connect");
+        let to_us = IcrcContext {
+            src: our_gid,
+            dst: our_gid,
+            src_port: their_port,
+            dst_port: ours.udp_port,
+        };
+        let request = PacketRepr {
+            bth: BthRepr {
+                opcode,
+                solicited: false,
+                mig_req: true,
+                pad_count: 0,
+                pkey: DEFAULT_PKEY,
+                dest_qp: link.address().qpn,
+                ack_req: true,
+                psn: their_psn,
+            },
+            aeth: None,
+            imm: None,
+        };
+        let mut buf = vec![0; 4096 + MAX_OVERHEAD];
+        let n = request.emit(&to_us, &payload, &mut buf);
+        socket
+            .send_to(&buf[..n], (ip, ours.udp_port))
+            .await
+            .expect("send");
+        let from_us = IcrcContext {
+            src: our_gid,
+            dst: our_gid,
+            src_port: ours.udp_port,
+            dst_port: their_port,
+        };
+        let nak = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let len = socket.recv(&mut buf).await.expect("recv");
+                if let Ok(pkt) = Packet::parse(&from_us, &buf[..len])
+                    && let Some(aeth) = pkt.repr.aeth
+                {
+                    break (pkt.repr.bth.psn, aeth.kind);
+                }
+            }
+        })
+        .await
+        .expect("an answer");
+        assert_eq!(nak, (their_psn, AethKind::Nak(NakCode::InvalidRequest)));
+        let recv = tokio::time::timeout(Duration::from_secs(10), link.recv()).await;
+        let refused = EpochEnd::Violation(crate::mux::ProtocolError::RequestRefused(cause));
+        assert!(
+            matches!(recv, Ok(Err(LinkError::Ended { reason, .. })) if reason == refused),
+            "{:?}",
+            recv.map(|r| r.map(drop))
+        );
+        if let PeerRequestError::Unsupported(_) = cause {
+            assert_eq!(dev.counters().unsupported_requests, 1);
+        }
+    }
 }

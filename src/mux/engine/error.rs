@@ -3,6 +3,7 @@
 use thiserror::Error;
 
 use crate::mux::protocol::{DecodeError, Epoch, FrameSeq, SlotId};
+use crate::verbs::PeerRequestError;
 
 /// A protocol violation by the peer, one variant per distinct offence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
@@ -146,6 +147,10 @@ pub enum ProtocolError {
     /// follow the handshake's ready.
     #[error("bytes on the liveness connection")]
     LivenessTraffic,
+    /// An RC request our QP's responder refused (the link only SENDs with
+    /// an immediate): the provider NAKed it and moved the QP to ERR.
+    #[error("RC request refused: {0}")]
+    RequestRefused(PeerRequestError),
 }
 
 impl ProtocolError {
@@ -160,6 +165,7 @@ impl ProtocolError {
                 | ProtocolError::LinkCreditOverclaim { .. }
                 | ProtocolError::SendWithoutImmediate
                 | ProtocolError::LivenessTraffic
+                | ProtocolError::RequestRefused(_)
         )
     }
 }

@@ -15,11 +15,11 @@ use sideway::ibverbs::queue_pair::{
 
 use super::cq::{CqInner, RECV_BIT};
 use super::{DevInner, IbvCq, IbvPd};
-use crate::verbs::PostError;
 use crate::verbs::{
     AccessFlags, InitAttr, Lkey, MemoryRegion, Psn, QpCaps, QpOp, QpState, Qpn, QueuePair, RecvWr,
     RtrAttr, RtsAttr, SendOpcode, SendWr, Sge, VerbsError,
 };
+use crate::verbs::{PeerRequestError, PostError};
 
 /// `IBV_WR_SEND`, `IBV_WR_SEND_WITH_IMM`.
 const WR_SEND: u32 = 2;
@@ -721,6 +721,12 @@ impl QueuePair for IbvQp {
         sq.clear();
         rq.clear();
         Ok(())
+    }
+
+    fn peer_request_error(&self) -> Option<PeerRequestError> {
+        // A NIC reports it as IBV_EVENT_QP_REQ_ERR / QP_ACCESS_ERR on the
+        // device's async fd, with no order against the CQ: not used.
+        None
     }
 
     fn post_send(&self, wrs: &[SendWr<'_, IbvMr>]) -> Result<(), PostError> {

@@ -27,8 +27,8 @@ use super::wire::{
     AethKind, AethRepr, BthRepr, DEFAULT_PKEY, IcrcContext, NakCode, Opcode, Packet, PacketRepr,
 };
 use crate::verbs::{
-    Mtu, Psn, QpCaps, QpOp, QpState, Qpn, RtrAttr, RtsAttr, VerbsError, WcOpcode, WcStatus,
-    WorkCompletion,
+    Mtu, PeerRequestError, Psn, QpCaps, QpOp, QpState, Qpn, RtrAttr, RtsAttr, VerbsError, WcOpcode,
+    WcStatus, WorkCompletion,
 };
 
 /// Most PSNs the requester keeps unacknowledged.
@@ -305,6 +305,8 @@ pub(crate) struct QpEngine {
     responses: VecDeque<Response>,
     /// In-order PSNs accepted since the last ACK went on the wire.
     psns_since_ack: u32,
+    /// Why the responder erred the QP on a request of the peer's.
+    peer_request_error: Option<PeerRequestError>,
 }
 
 impl QpEngine {
@@ -345,11 +347,18 @@ impl QpEngine {
             msg_offset: 0,
             responses: VecDeque::new(),
             psns_since_ack: 0,
+            peer_request_error: None,
         }
     }
 
     pub fn state(&self) -> QpState {
         self.state
+    }
+
+    /// Why the responder moved the QP to ERR on a request of the peer's
+    /// (`None` when something else erred it, or it is not in ERR).
+    pub fn peer_request_error(&self) -> Option<PeerRequestError> {
+        self.peer_request_error
     }
 
     fn invalid(&self, op: QpOp) -> VerbsError {
@@ -952,14 +961,18 @@ impl QpEngine {
             Opcode::Ack | Opcode::UnsupportedRequest(_) => false,
         };
         if !sequence_ok || !length_ok {
-            if let Opcode::UnsupportedRequest(opcode) = op {
+            let cause = if let Opcode::UnsupportedRequest(opcode) = op {
                 self.counters.unsupported_requests += 1;
                 tracing::debug!(
                     qpn = self.qpn.value(),
                     opcode,
                     "peer's RC request not carried out: NAK invalid request"
                 );
-            }
+                PeerRequestError::Unsupported(opcode)
+            } else {
+                PeerRequestError::MalformedSend
+            };
+            self.peer_request_error = Some(cause);
             self.enter_error(None);
             self.respond(bth.psn, AethKind::Nak(NakCode::InvalidRequest));
             return;

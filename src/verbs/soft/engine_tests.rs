@@ -330,6 +330,7 @@ fn an_rdma_write_is_naked_as_an_invalid_request_at_its_psn_only() {
     assert_eq!(p.b.qp.state(), QpState::Rts);
     assert!(Pair::completions(&mut p.b.qp).is_empty());
     assert_eq!(p.b.qp.counters.unsupported_requests, 0);
+    assert_eq!(p.b.qp.peer_request_error(), None);
     // At it: NAK invalid request, and the responder's QP errs (class C).
     p.deliver_b(&[write]);
     let answers = p.transmit_b();
@@ -339,6 +340,10 @@ fn an_rdma_write_is_naked_as_an_invalid_request_at_its_psn_only() {
     );
     assert_eq!(p.b.qp.state(), QpState::Err);
     assert_eq!(p.b.qp.counters.unsupported_requests, 1);
+    assert_eq!(
+        p.b.qp.peer_request_error(),
+        Some(PeerRequestError::Unsupported(0x0a))
+    );
     p.deliver_b(&pkts[2..]);
     assert!(p.transmit_b().is_empty(), "an errored QP answers nothing");
     let received = Pair::statuses(&mut p.b.qp);
@@ -356,6 +361,11 @@ fn an_rdma_write_is_naked_as_an_invalid_request_at_its_psn_only() {
             (1, WcStatus::RemInvReqErr),
             (2, WcStatus::WrFlushErr)
         ]
+    );
+    assert_eq!(
+        p.a.qp.peer_request_error(),
+        None,
+        "the requester's QP erred on the NAK, not on a request of B's"
     );
 }
 
@@ -381,6 +391,10 @@ fn an_rdma_write_inside_a_send_message_is_naked_not_scattered() {
     );
     assert_eq!(p.b.qp.state(), QpState::Err);
     assert_eq!(p.b.qp.counters.unsupported_requests, 1);
+    assert_eq!(
+        p.b.qp.peer_request_error(),
+        Some(PeerRequestError::Unsupported(0x0a))
+    );
     let received = Pair::statuses(&mut p.b.qp);
     assert_eq!(received, [(0, WcStatus::WrFlushErr)]);
     let mut landed = [0xffu8; 8];
@@ -389,6 +403,57 @@ fn an_rdma_write_inside_a_send_message_is_naked_not_scattered() {
         landed, [0; 8],
         "the WRITE's bytes did not land where the SEND's Middle would"
     );
+}
+
+/// A SEND packet out of its message's sequence, or of a length its place
+/// does not allow, is the peer's malformed request: NAKed invalid, and the
+/// QP says why it erred. A QP erred locally, or reset after, says nothing.
+#[test]
+fn a_malformed_send_errs_the_qp_as_the_peers_request() {
+    let mtu = MTU.bytes();
+    let reshaped = |opcode: Opcode, len: usize| {
+        move |p: &mut Pair| {
+            p.recv(0, 4 * mtu);
+            p.send(0, 8);
+            let mut repr = parse(&p.transmit_a()[0]);
+            repr.bth.opcode = opcode;
+            repr.imm = None;
+            let mut buf = vec![0; repr.header_len() + len + 7];
+            let n = repr.emit(&ctx(1, 2), &vec![0x5a; len], &mut buf);
+            buf.truncate(n);
+            buf
+        }
+    };
+    // A Middle with no First before it; a First shorter than the MTU.
+    for make in [
+        reshaped(Opcode::SendMiddle, mtu),
+        reshaped(Opcode::SendFirst, 8),
+    ] {
+        let mut p = Pair::new(rts(14, 7, 7), 12);
+        let pkt = make(&mut p);
+        p.deliver_b(&[pkt]);
+        let answers = p.transmit_b();
+        assert_eq!(
+            answers
+                .iter()
+                .map(|b| parse(b).aeth.map(|a| a.kind))
+                .collect::<Vec<_>>(),
+            [Some(AethKind::Nak(NakCode::InvalidRequest))]
+        );
+        assert_eq!(p.b.qp.state(), QpState::Err);
+        assert_eq!(
+            p.b.qp.peer_request_error(),
+            Some(PeerRequestError::MalformedSend)
+        );
+        assert_eq!(p.b.qp.counters.unsupported_requests, 0);
+        p.b.qp.modify_to_reset();
+        assert_eq!(p.b.qp.peer_request_error(), None, "a reset forgets it");
+    }
+    let mut p = Pair::new(rts(14, 7, 7), 12);
+    p.recv(0, 64);
+    p.b.qp.modify_to_error();
+    assert_eq!(p.b.qp.state(), QpState::Err);
+    assert_eq!(p.b.qp.peer_request_error(), None, "erred here, not by A");
 }
 
 #[test]

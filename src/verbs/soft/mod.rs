@@ -39,8 +39,9 @@ use device::DeviceCore;
 use engine::{RecvWqe, Segment, SendWqe};
 
 use super::{
-    AccessFlags, Device, Gid, InitAttr, Lkey, MemoryRegion, Mtu, PortAttr, PostError, Psn, QpCaps,
-    QpState, Qpn, QueuePair, RecvWr, RtrAttr, RtsAttr, SendOpcode, SendWr, Sge, VerbsError,
+    AccessFlags, Device, Gid, InitAttr, Lkey, MemoryRegion, Mtu, PeerRequestError, PortAttr,
+    PostError, Psn, QpCaps, QpState, Qpn, QueuePair, RecvWr, RtrAttr, RtsAttr, SendOpcode, SendWr,
+    Sge, VerbsError,
 };
 
 /// Name under which the soft device is listed.
@@ -605,6 +606,13 @@ impl QueuePair for SoftQp {
             e.modify_to_reset();
             Ok(())
         })
+    }
+
+    fn peer_request_error(&self) -> Option<PeerRequestError> {
+        self.dev
+            .core()
+            .with_qp(self.qpn, |e| e.peer_request_error())
+            .flatten()
     }
 
     fn post_send(&self, wrs: &[SendWr<'_, SoftMr>]) -> Result<(), PostError> {
