@@ -149,7 +149,7 @@ pub struct PingpongArgs {
     /// in seconds from its plan; past it the client is told why and
     /// abandoned (up to 10 s later, its word delivered), and the next one
     /// served (a run of huge `--iters` would hold it for good).
-    #[arg(long, requires = "server", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, requires = "server", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=31_536_000))]
     pub max_run: u64,
 }
 

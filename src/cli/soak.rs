@@ -125,8 +125,9 @@ pub struct SoakArgs {
     /// the link's credit and the mux's counters (once per stall).
     #[arg(long, default_value_t = 10)]
     pub stall_s: u64,
-    /// Largest dial backoff, in milliseconds.
-    #[arg(long, default_value_t = 500)]
+    /// Largest dial backoff, in milliseconds (at least the first backoff,
+    /// 50 ms).
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(50..=86_400_000))]
     pub backoff_max_ms: u64,
     /// Receiver: how long, its last acknowledgements queued, it waits for
     /// the sender to say it heard them (re-sending them on every new

@@ -116,7 +116,12 @@ impl<D: Device + 'static> Shared<D> {
                 on_send_completion(&mut st, wc).map(EpochEnd::Fault)
             };
             if let Some(reason) = fault {
-                let reason = self.blame_refused_request(reason);
+                // Asked once a poll: a teardown flushes every receive.
+                let reason = if end.is_none() {
+                    self.blame_refused_request(reason)
+                } else {
+                    reason
+                };
                 // Noted at once: the rest of this batch is not delivered.
                 st.violated |= matches!(reason, EpochEnd::Violation(_));
                 end.get_or_insert(reason);

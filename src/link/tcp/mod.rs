@@ -21,6 +21,6 @@ pub(crate) use link::configure;
 pub use link::{TcpBatch, TcpLink, TcpLinkConfig, TcpLinkStats, TcpSendBuf};
 pub use node::{
     ConnectError, Connector, ConnectorConfig, DialFailure, EpochMaker, MAX_ACCEPTS_PER_PEER,
-    NodeStats, TcpEpochs, TcpNode, TcpNodeConfig,
+    MAX_BACKOFF, NodeStats, TcpEpochs, TcpNode, TcpNodeConfig,
 };
 pub use transport::TcpTransport;

@@ -62,8 +62,8 @@ pub struct TcpNodeConfig {
     pub handshake_timeout: Duration,
     /// First backoff after a failed dial. Default 50 ms.
     pub backoff_min: Duration,
-    /// Largest backoff (each wait adds up to half of it at random).
-    /// Default 5 s.
+    /// Largest backoff (each wait adds up to half of it at random), at
+    /// least `backoff_min` and at most [`MAX_BACKOFF`]. Default 5 s.
     pub backoff_max: Duration,
     /// Handshakes accepted concurrently; more connections are closed at
     /// once. A quarter of them is kept for sources that are registered
@@ -97,7 +97,8 @@ pub struct ConnectorConfig {
     pub handshake_timeout: Duration,
     /// First backoff after a failed dial.
     pub backoff_min: Duration,
-    /// Largest backoff (each wait adds up to half of it at random).
+    /// Largest backoff (each wait adds up to half of it at random), at
+    /// least `backoff_min` and at most [`MAX_BACKOFF`].
     pub backoff_max: Duration,
     /// Handshakes accepted concurrently; more connections are closed at
     /// once (a quarter kept for registered peers' sources).
@@ -116,10 +117,29 @@ pub struct ConnectorConfig {
     pub max_peers_per_source: usize,
 }
 
+/// The largest `backoff_max` a connector binds with.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(86_400);
+
 impl ConnectorConfig {
     /// The defaults of [`TcpNodeConfig::new`] for node `id`.
     pub fn new(id: PeerId) -> ConnectorConfig {
         TcpNodeConfig::new(id).split().0
+    }
+
+    /// Refuses backoff bounds out of order or past [`MAX_BACKOFF`]: the
+    /// first failed dial would panic the node's table lock, and every
+    /// task of the node with it.
+    fn check(&self) -> io::Result<()> {
+        if self.backoff_min > self.backoff_max || self.backoff_max > MAX_BACKOFF {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "backoff_min {:?} and backoff_max {:?}: need min ≤ max ≤ {:?}",
+                    self.backoff_min, self.backoff_max, MAX_BACKOFF
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -1078,12 +1098,14 @@ impl Connector<TcpEpochs> {
 impl<E: EpochMaker> Connector<E> {
     /// Binds the listener on `addr` (port 0 picks one) with epochs made by
     /// `epochs`, and starts accepting. Connections are declined until
-    /// [`Connector::set_mux`] is called.
+    /// [`Connector::set_mux`] is called. Fails with `InvalidInput` on
+    /// backoff bounds out of order or past [`MAX_BACKOFF`].
     pub async fn bind_with(
         config: ConnectorConfig,
         epochs: E,
         addr: SocketAddr,
     ) -> io::Result<Connector<E>> {
+        config.check()?;
         let socket = socket2::Socket::new(
             socket2::Domain::for_address(addr),
             socket2::Type::STREAM,
@@ -2039,6 +2061,33 @@ mod tests {
             ConnectError::Handshake(crate::link::bootstrap::BootstrapError::BadMac),
         ] {
             assert!(!transient.is_permanent(), "{transient}");
+        }
+    }
+
+    /// Backoff bounds out of order (the first failed dial's `clamp` would
+    /// panic under the node's table lock) or past `MAX_BACKOFF` are
+    /// refused at bind; equal bounds bind.
+    #[tokio::test]
+    async fn backoff_bounds_out_of_order_or_too_long_are_refused_at_bind() {
+        use super::{MAX_BACKOFF, TcpNode, TcpNodeConfig};
+        use std::time::Duration;
+        let local: std::net::SocketAddr = "127.0.0.1:0".parse().expect("an address");
+        let with = |min: Duration, max: Duration| TcpNodeConfig {
+            backoff_min: min,
+            backoff_max: max,
+            ..TcpNodeConfig::new(crate::mux::PeerId(7))
+        };
+        let ms = Duration::from_millis;
+        for (min, max) in [(ms(50), ms(20)), (ms(50), MAX_BACKOFF + ms(1))] {
+            let err = TcpNode::bind(with(min, max), local).await.err();
+            assert_eq!(
+                err.map(|e| e.kind()),
+                Some(std::io::ErrorKind::InvalidInput),
+                "{min:?}..{max:?}"
+            );
+        }
+        for (min, max) in [(ms(50), ms(50)), (ms(0), MAX_BACKOFF)] {
+            assert!(TcpNode::bind(with(min, max), local).await.is_ok());
         }
     }
 

@@ -456,6 +456,62 @@ fn a_malformed_send_errs_the_qp_as_the_peers_request() {
     assert_eq!(p.b.qp.peer_request_error(), None, "erred here, not by A");
 }
 
+/// What an honest requester does mid-message never reads as a malformed
+/// request: go-back-N from a lost Middle, a duplicate First, a message
+/// refused with an RNR NAK and sent again.
+#[test]
+fn go_back_n_duplicates_and_rnr_mid_message_leave_no_peer_cause() {
+    let mtu = MTU.bytes();
+    let mut p = Pair::new(rts(14, 7, 7), 12);
+    p.recv(0, 4 * mtu);
+    p.send(0, 2 * mtu + 8);
+    let pkts = p.transmit_a();
+    assert_eq!(pkts.len(), 3);
+    p.deliver_b(&[pkts[0].clone(), pkts[2].clone()]);
+    let nak = p.transmit_b();
+    assert_eq!(
+        kinds(&nak),
+        [(
+            Some(AethKind::Nak(NakCode::PsnSequenceError)),
+            parse(&pkts[1]).bth.psn
+        )]
+    );
+    p.deliver_a(&nak);
+    let resent = p.transmit_a();
+    assert_eq!(resent, pkts[1..], "go-back-N from the lost Middle");
+    p.deliver_b(&pkts[..1]);
+    p.deliver_b(&resent);
+    let acks = p.transmit_b();
+    p.deliver_a(&acks);
+    assert_eq!(Pair::statuses(&mut p.b.qp), [(0, WcStatus::Success)]);
+    assert_eq!(Pair::statuses(&mut p.a.qp), [(0, WcStatus::Success)]);
+    assert_eq!(p.b.qp.state(), QpState::Rts);
+    assert_eq!(p.b.qp.peer_request_error(), None);
+
+    let mut p = Pair::new(rts(14, 7, 7), 12);
+    p.send(1, 2 * mtu);
+    let first = p.transmit_a();
+    p.deliver_b(&first);
+    let rnr = p.transmit_b();
+    assert_eq!(
+        parse(&rnr[0]).aeth.map(|a| a.kind),
+        Some(AethKind::RnrNak { timer: 12 })
+    );
+    p.deliver_a(&rnr);
+    p.recv(1, 2 * mtu);
+    p.fire_a_timer();
+    // The probe, then the rest once an ACK shows progress.
+    for _ in 0..3 {
+        let pkts = p.transmit_a();
+        p.deliver_b(&pkts);
+        let acks = p.transmit_b();
+        p.deliver_a(&acks);
+    }
+    assert_eq!(Pair::statuses(&mut p.b.qp), [(1, WcStatus::Success)]);
+    assert_eq!(p.b.qp.state(), QpState::Rts);
+    assert_eq!(p.b.qp.peer_request_error(), None);
+}
+
 #[test]
 fn acks_coalesce_between_transmits_but_never_across_a_nak() {
     let mut p = Pair::new(rts(14, 7, 7), 12);
