@@ -106,14 +106,34 @@ pub enum MuxConfigError {
         /// [`RECORD_OVERHEAD`](crate::mux::RECORD_OVERHEAD).
         overhead: usize,
     },
+    /// A timer past [`MuxConfig::MAX_TIMER`] (its deadline could overflow
+    /// the clock), or a credit sweep or heartbeat period under
+    /// [`MuxConfig::MIN_PERIOD`] (the peer task would spin on it).
+    #[error("{name} of {value:?} is out of range (periods 1 ms to a day, waits at most a day)")]
+    TimerOutOfRange {
+        /// The field.
+        name: &'static str,
+        /// Its value.
+        value: Duration,
+    },
 }
 
 impl MuxConfig {
-    /// The windows a peer's hello check would refuse, found before a node
-    /// starts rather than at every handshake.
+    /// The longest timer a mux runs (`credit_sweep`, `heartbeat`,
+    /// `idle_retire`, `shutdown_linger`, `inline_write_gap`): one day.
+    pub const MAX_TIMER: Duration = Duration::from_secs(86_400);
+    /// The shortest credit sweep or heartbeat period: 1 ms.
+    pub const MIN_PERIOD: Duration = Duration::from_millis(1);
+
+    /// The windows a peer's hello check would refuse, and timers out of
+    /// range, found before a node starts rather than at every handshake
+    /// or at the first deadline.
     pub fn check(&self) -> Result<(), MuxConfigError> {
         if self.slot_window == 0 {
             return Err(MuxConfigError::ZeroSlotWindow);
+        }
+        if let Some((name, value)) = self.timer_out_of_range() {
+            return Err(MuxConfigError::TimerOutOfRange { name, value });
         }
         let overhead = crate::mux::RECORD_OVERHEAD;
         if self.peer_window as usize <= overhead {
@@ -123,6 +143,41 @@ impl MuxConfig {
             });
         }
         Ok(())
+    }
+
+    /// The first timer a deadline (`now + timer`) could overflow with, or a
+    /// period of zero would spin on.
+    fn timer_out_of_range(&self) -> Option<(&'static str, Duration)> {
+        let periods = [
+            ("credit_sweep", Some(self.credit_sweep)),
+            ("heartbeat", self.heartbeat),
+        ];
+        let waits = [
+            ("idle_retire", Some(self.idle_retire)),
+            ("shutdown_linger", Some(self.shutdown_linger)),
+            ("inline_write_gap", self.inline_write_gap),
+        ];
+        let range = Self::MIN_PERIOD..=Self::MAX_TIMER;
+        let bad_period = periods
+            .into_iter()
+            .find_map(|(name, value)| value.filter(|v| !range.contains(v)).map(|v| (name, v)));
+        bad_period.or_else(|| {
+            waits
+                .into_iter()
+                .find_map(|(name, value)| value.filter(|v| *v > Self::MAX_TIMER).map(|v| (name, v)))
+        })
+    }
+
+    /// This configuration with its timers brought into range (for a mux
+    /// made directly, which warns rather than refuses).
+    pub(crate) fn with_timers_in_range(mut self) -> MuxConfig {
+        let (short, long) = (Self::MIN_PERIOD, Self::MAX_TIMER);
+        self.credit_sweep = self.credit_sweep.clamp(short, long);
+        self.heartbeat = self.heartbeat.map(|h| h.clamp(short, long));
+        self.idle_retire = self.idle_retire.min(long);
+        self.shutdown_linger = self.shutdown_linger.min(long);
+        self.inline_write_gap = self.inline_write_gap.map(|g| g.min(long));
+        self
     }
 }
 
@@ -183,5 +238,54 @@ impl PeerTerms {
             max_record: u32::try_from(config.max_record.max(1)).unwrap_or(u32::MAX),
             max_slots: config.max_slots_per_peer,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Timers whose deadline could overflow the clock, or periods the peer
+    /// task would spin on, are refused by name; a mux made directly runs
+    /// them clamped into range.
+    #[test]
+    fn timers_out_of_range_are_refused_and_clamped_for_a_direct_mux() {
+        assert_eq!(MuxConfig::default().check(), Ok(()));
+        let never = Duration::MAX;
+        type Set = fn(&mut MuxConfig, Duration);
+        let cases: [(&str, Duration, Set); 6] = [
+            ("credit_sweep", Duration::ZERO, |c, v| c.credit_sweep = v),
+            ("credit_sweep", never, |c, v| c.credit_sweep = v),
+            ("heartbeat", Duration::ZERO, |c, v| c.heartbeat = Some(v)),
+            ("idle_retire", never, |c, v| c.idle_retire = v),
+            ("shutdown_linger", never, |c, v| c.shutdown_linger = v),
+            ("inline_write_gap", never, |c, v| {
+                c.inline_write_gap = Some(v)
+            }),
+        ];
+        for (name, value, set) in cases {
+            let mut config = MuxConfig::default();
+            set(&mut config, value);
+            assert_eq!(
+                config.check(),
+                Err(MuxConfigError::TimerOutOfRange { name, value })
+            );
+            let clamped = config.with_timers_in_range();
+            assert_eq!(clamped.check(), Ok(()), "{name} clamped");
+        }
+        let edges = MuxConfig {
+            credit_sweep: MuxConfig::MIN_PERIOD,
+            heartbeat: None,
+            idle_retire: Duration::ZERO,
+            shutdown_linger: MuxConfig::MAX_TIMER,
+            inline_write_gap: Some(Duration::ZERO),
+            ..MuxConfig::default()
+        };
+        assert_eq!(edges.check(), Ok(()));
+        let kept = edges.clone().with_timers_in_range();
+        assert_eq!(
+            (kept.credit_sweep, kept.heartbeat, kept.idle_retire),
+            (edges.credit_sweep, None, Duration::ZERO)
+        );
     }
 }

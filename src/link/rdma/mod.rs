@@ -1242,6 +1242,11 @@ impl<D: Device + 'static> RdmaLink<D> {
     /// up a while after the end), after any hooks added before it. The bootstrap
     /// connection uses it to close its liveness channel; the in-process
     /// [`pair`] uses it to end the other side.
+    ///
+    /// A hook may run inside whichever call ends the link (`fail`, a
+    /// replacement), under that caller's locks: the connector's peer table,
+    /// the mux's control lock. So it must not call into the connector or
+    /// the mux; set a flag, notify, or end another link.
     pub fn on_end(&self, hook: impl FnOnce(EpochEnd) + Send + 'static) {
         let shared = self.shared();
         let mut hooks = shared.on_end.lock().unwrap_or_else(PoisonError::into_inner);

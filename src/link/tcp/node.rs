@@ -63,7 +63,8 @@ pub struct TcpNodeConfig {
     /// First backoff after a failed dial. Default 50 ms.
     pub backoff_min: Duration,
     /// Largest backoff (each wait adds up to half of it at random), at
-    /// least `backoff_min` and at most [`MAX_BACKOFF`]. Default 5 s.
+    /// least `backoff_min` (itself above zero) and at most
+    /// [`MAX_BACKOFF`]. Default 5 s.
     pub backoff_max: Duration,
     /// Handshakes accepted concurrently; more connections are closed at
     /// once. A quarter of them is kept for sources that are registered
@@ -98,7 +99,8 @@ pub struct ConnectorConfig {
     /// First backoff after a failed dial.
     pub backoff_min: Duration,
     /// Largest backoff (each wait adds up to half of it at random), at
-    /// least `backoff_min` and at most [`MAX_BACKOFF`].
+    /// least `backoff_min` (itself above zero) and at most
+    /// [`MAX_BACKOFF`].
     pub backoff_max: Duration,
     /// Handshakes accepted concurrently; more connections are closed at
     /// once (a quarter kept for registered peers' sources).
@@ -126,15 +128,17 @@ impl ConnectorConfig {
         TcpNodeConfig::new(id).split().0
     }
 
-    /// Refuses backoff bounds out of order or past [`MAX_BACKOFF`]: the
-    /// first failed dial would panic the node's table lock, and every
-    /// task of the node with it.
+    /// Refuses backoff bounds out of order or past [`MAX_BACKOFF`] (the
+    /// first failed dial would panic under the node's table lock, and every
+    /// task of the node with it), or a zero first backoff (doubling it
+    /// never waits: an offender would be redialled at once).
     fn check(&self) -> io::Result<()> {
-        if self.backoff_min > self.backoff_max || self.backoff_max > MAX_BACKOFF {
+        let (min, max) = (self.backoff_min, self.backoff_max);
+        if min.is_zero() || min > max || max > MAX_BACKOFF {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
-                    "backoff_min {:?} and backoff_max {:?}: need min ≤ max ≤ {:?}",
+                    "backoff_min {:?} and backoff_max {:?}: need 0 < min ≤ max ≤ {:?}",
                     self.backoff_min, self.backoff_max, MAX_BACKOFF
                 ),
             ));
@@ -2065,8 +2069,8 @@ mod tests {
     }
 
     /// Backoff bounds out of order (the first failed dial's `clamp` would
-    /// panic under the node's table lock) or past `MAX_BACKOFF` are
-    /// refused at bind; equal bounds bind.
+    /// panic under the node's table lock), past `MAX_BACKOFF`, or from zero
+    /// (which never grows) are refused at bind; equal bounds bind.
     #[tokio::test]
     async fn backoff_bounds_out_of_order_or_too_long_are_refused_at_bind() {
         use super::{MAX_BACKOFF, TcpNode, TcpNodeConfig};
@@ -2078,7 +2082,11 @@ mod tests {
             ..TcpNodeConfig::new(crate::mux::PeerId(7))
         };
         let ms = Duration::from_millis;
-        for (min, max) in [(ms(50), ms(20)), (ms(50), MAX_BACKOFF + ms(1))] {
+        for (min, max) in [
+            (ms(50), ms(20)),
+            (ms(50), MAX_BACKOFF + ms(1)),
+            (ms(0), ms(50)),
+        ] {
             let err = TcpNode::bind(with(min, max), local).await.err();
             assert_eq!(
                 err.map(|e| e.kind()),
@@ -2086,7 +2094,7 @@ mod tests {
                 "{min:?}..{max:?}"
             );
         }
-        for (min, max) in [(ms(50), ms(50)), (ms(0), MAX_BACKOFF)] {
+        for (min, max) in [(ms(50), ms(50)), (ms(1), MAX_BACKOFF)] {
             assert!(TcpNode::bind(with(min, max), local).await.is_ok());
         }
     }

@@ -155,9 +155,11 @@ impl<L: Link> Mux<L> {
     /// Outside a tokio runtime.
     pub fn new(config: MuxConfig, dialer: Arc<dyn Dialer>) -> Mux<L> {
         if let Err(err) = config.check() {
-            // The nodes refuse to start on it; a mux made directly warns.
-            tracing::warn!(%err, "a mux configuration no peer accepts");
+            // The nodes refuse to start on it; a mux made directly warns
+            // (and runs its timers in range, so no deadline overflows).
+            tracing::warn!(%err, "a mux configuration the nodes refuse");
         }
+        let config = config.with_timers_in_range();
         let registry = Registry::new(
             config.slot_window,
             MAX_REGISTRY_ENTRIES,
