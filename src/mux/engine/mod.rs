@@ -1045,10 +1045,13 @@ fn retire<L: Link>(shared: &Shared<L>, entry: &PeerEntry<L>, force: bool) -> boo
     for inlet in orphans {
         inlet.close(crate::mux::SendError::Dropped(DropReason::Shutdown));
     }
-    if let Some((link, ..)) = lock(&entry.incoming).take() {
+    // Out of their locks first: a link's end runs its hooks in the caller.
+    let incoming = lock(&entry.incoming).take();
+    if let Some((link, ..)) = incoming {
         link.fail(EpochEnd::Shutdown);
     }
-    lock(&entry.superseded).clear();
+    let superseded = std::mem::take(&mut *lock(&entry.superseded));
+    drop(superseded);
     true
 }
 
