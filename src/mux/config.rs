@@ -52,9 +52,12 @@ pub struct MuxConfig {
     /// slots never holds a stream that keeps up (docs/design.md § "A stream
     /// that keeps up is never held by another's backlog").
     pub peer_budget: usize,
-    /// Backstop sweep that returns any drained-but-unreturned credit. Default 200 ms.
+    /// Backstop sweep that returns any drained-but-unreturned credit,
+    /// 1 ms to [`MuxConfig::MAX_TIMER`] (as every timer here: at most
+    /// that). Default 200 ms.
     pub credit_sweep: Duration,
-    /// Heartbeat for slots idle this long; `None` disables. Default 5 s.
+    /// Heartbeat for slots idle this long (at least 1 ms); `None`
+    /// disables. Default 5 s.
     pub heartbeat: Option<Duration>,
     /// A peer with no live slot for this long closes its link gracefully and
     /// its task retires. Default 60 s.
@@ -89,8 +92,8 @@ pub struct MuxConfig {
     pub inline_receive: bool,
 }
 
-/// Why a [`MuxConfig`] cannot carry data: every peer would refuse its
-/// hello. A node refuses to start on one ([`MuxConfig::check`]).
+/// Why a node refuses a [`MuxConfig`] ([`MuxConfig::check`]): every peer
+/// would refuse its hello, or a timer is out of range.
 #[derive(Clone, Copy, Debug, Error, PartialEq, Eq)]
 pub enum MuxConfigError {
     /// No stream could send a byte.
@@ -109,7 +112,7 @@ pub enum MuxConfigError {
     /// A timer past [`MuxConfig::MAX_TIMER`] (its deadline could overflow
     /// the clock), or a credit sweep or heartbeat period under
     /// [`MuxConfig::MIN_PERIOD`] (the peer task would spin on it).
-    #[error("{name} of {value:?} is out of range (periods 1 ms to a day, waits at most a day)")]
+    #[error("{name} of {value:?} is out of range (periods 1 ms to a year, waits at most a year)")]
     TimerOutOfRange {
         /// The field.
         name: &'static str,
@@ -120,8 +123,10 @@ pub enum MuxConfigError {
 
 impl MuxConfig {
     /// The longest timer a mux runs (`credit_sweep`, `heartbeat`,
-    /// `idle_retire`, `shutdown_linger`, `inline_write_gap`): one day.
-    pub const MAX_TIMER: Duration = Duration::from_secs(86_400);
+    /// `idle_retire`, `shutdown_linger`, `inline_write_gap`, the flush
+    /// policy's linger): a year, for "never"; `Duration::MAX` would
+    /// overflow the first deadline.
+    pub const MAX_TIMER: Duration = Duration::from_secs(365 * 86_400);
     /// The shortest credit sweep or heartbeat period: 1 ms.
     pub const MIN_PERIOD: Duration = Duration::from_millis(1);
 
@@ -152,10 +157,16 @@ impl MuxConfig {
             ("credit_sweep", Some(self.credit_sweep)),
             ("heartbeat", self.heartbeat),
         ];
+        let linger = match self.flush {
+            FlushPolicy::Auto => None,
+            FlushPolicy::AutoLinger { max_linger } => Some(("flush max_linger", max_linger)),
+            FlushPolicy::Manual { reply_linger } => Some(("flush reply_linger", reply_linger)),
+        };
         let waits = [
             ("idle_retire", Some(self.idle_retire)),
             ("shutdown_linger", Some(self.shutdown_linger)),
             ("inline_write_gap", self.inline_write_gap),
+            linger.map_or(("flush linger", None), |(name, value)| (name, Some(value))),
         ];
         let range = Self::MIN_PERIOD..=Self::MAX_TIMER;
         let bad_period = periods
@@ -177,6 +188,15 @@ impl MuxConfig {
         self.idle_retire = self.idle_retire.min(long);
         self.shutdown_linger = self.shutdown_linger.min(long);
         self.inline_write_gap = self.inline_write_gap.map(|g| g.min(long));
+        self.flush = match self.flush {
+            FlushPolicy::AutoLinger { max_linger } => FlushPolicy::AutoLinger {
+                max_linger: max_linger.min(long),
+            },
+            FlushPolicy::Manual { reply_linger } => FlushPolicy::Manual {
+                reply_linger: reply_linger.min(long),
+            },
+            FlushPolicy::Auto => FlushPolicy::Auto,
+        };
         self
     }
 }
@@ -253,7 +273,7 @@ mod tests {
         assert_eq!(MuxConfig::default().check(), Ok(()));
         let never = Duration::MAX;
         type Set = fn(&mut MuxConfig, Duration);
-        let cases: [(&str, Duration, Set); 6] = [
+        let cases: [(&str, Duration, Set); 8] = [
             ("credit_sweep", Duration::ZERO, |c, v| c.credit_sweep = v),
             ("credit_sweep", never, |c, v| c.credit_sweep = v),
             ("heartbeat", Duration::ZERO, |c, v| c.heartbeat = Some(v)),
@@ -261,6 +281,12 @@ mod tests {
             ("shutdown_linger", never, |c, v| c.shutdown_linger = v),
             ("inline_write_gap", never, |c, v| {
                 c.inline_write_gap = Some(v)
+            }),
+            ("flush max_linger", never, |c, v| {
+                c.flush = FlushPolicy::AutoLinger { max_linger: v }
+            }),
+            ("flush reply_linger", never, |c, v| {
+                c.flush = FlushPolicy::Manual { reply_linger: v }
             }),
         ];
         for (name, value, set) in cases {

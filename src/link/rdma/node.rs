@@ -629,8 +629,9 @@ impl<D: Device + 'static> RdmaTransport<D> {
     /// are made on `device` lazily, when the mux first has work for a peer.
     ///
     /// Fails with `InvalidInput` when one link alone exceeds
-    /// `max_registered` or on a mux configuration no peer would accept
-    /// ([`MuxConfig::check`](crate::mux::MuxConfig::check)); a memlock limit below it is logged as a warning
+    /// `max_registered`, on a mux configuration
+    /// [`MuxConfig::check`](crate::mux::MuxConfig::check) refuses, or on
+    /// connector backoff bounds out of order; a memlock limit below it is logged as a warning
     /// on a device that pins memory (see [`RdmaNodeConfig::preflight`]).
     pub async fn start(device: D, config: RdmaNodeConfig) -> io::Result<RdmaTransport<D>> {
         config

@@ -1082,7 +1082,7 @@ impl Connector<TcpEpochs> {
     }
 
     /// Binds a node and creates its mux, wired both ways. Fails with
-    /// `InvalidInput` on a mux configuration no peer would accept
+    /// `InvalidInput` on a mux configuration [`MuxConfig::check`] refuses
     /// ([`MuxConfig::check`]).
     pub async fn start(
         config: TcpNodeConfig,
@@ -1103,7 +1103,7 @@ impl<E: EpochMaker> Connector<E> {
     /// Binds the listener on `addr` (port 0 picks one) with epochs made by
     /// `epochs`, and starts accepting. Connections are declined until
     /// [`Connector::set_mux`] is called. Fails with `InvalidInput` on
-    /// backoff bounds out of order or past [`MAX_BACKOFF`].
+    /// backoff bounds out of order, from zero, or past [`MAX_BACKOFF`].
     pub async fn bind_with(
         config: ConnectorConfig,
         epochs: E,

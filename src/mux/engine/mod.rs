@@ -150,6 +150,8 @@ impl<L: Link> Clone for Mux<L> {
 
 impl<L: Link> Mux<L> {
     /// Creates a mux whose peer tasks run on the current tokio runtime.
+    /// A configuration [`MuxConfig::check`] refuses is logged, and its
+    /// timers run clamped into range.
     ///
     /// # Panics
     /// Outside a tokio runtime.
