@@ -558,6 +558,13 @@ impl<D: Device + 'static> Shared<D> {
     /// the node's read-outs (the peer's close a short one past its share),
     /// or end now.
     fn fail(self: &Arc<Self>, reason: EpochEnd) {
+        // A peer whose request our responder refused broke the rules,
+        // however it left: its liveness channel may close before the
+        // poller sees the flush.
+        let reason = match reason {
+            EpochEnd::PeerLost | EpochEnd::PeerClosed => self.blame_refused_request(reason),
+            other => other,
+        };
         match reason {
             EpochEnd::Closed | EpochEnd::Shutdown | EpochEnd::PeerClosed | EpochEnd::Replaced
                 if tokio::runtime::Handle::try_current().is_ok() =>

@@ -10,14 +10,14 @@
 //! ```
 //!
 //! Owner: whoever holds `Shared::polling` (this task, or the provider's
-//! handler, which only tries the lock) polls, so completions are handled in
+//! handler; both only try the lock) polls, so completions are handled in
 //! CQ order; only this task arms and waits. Link state changes only under
 //! `Shared::state`. Why the handler: docs/soft-provider.md § "Completions
 //! handled in the driver's turn".
 
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, PoisonError, TryLockError};
+use std::sync::{Arc, Mutex, TryLockError};
 
 use super::{RECV_TAG, Shared, State, fault_of, ibv_status};
 use crate::link::{EpochEnd, LinkFault};
@@ -75,10 +75,18 @@ impl<D: Device + 'static> Shared<D> {
         st.ended.is_some() && st.torn_down && (detached || st.recv_posted == 0)
     }
 
-    /// [`Shared::poll_once`] under the `polling` lock (the poller's way in).
+    /// [`Shared::poll_once`] under the `polling` lock (the poller's way
+    /// in); `Empty` while the handler holds it. The handler polls the CQ
+    /// empty before it lets go, so the poller loses nothing by not waiting
+    /// (it arms before its last try, and what lands after the arm
+    /// notifies), and never blocks a worker thread on the lock.
     fn poll_locked(&self) -> Polled {
-        // A buffer only: a panic while it was held leaves nothing to distrust.
-        self.poll_once(&mut self.polling.lock().unwrap_or_else(PoisonError::into_inner))
+        match self.polling.try_lock() {
+            Ok(mut buf) => self.poll_once(&mut buf),
+            // A buffer only: a panic while it was held leaves nothing to distrust.
+            Err(TryLockError::Poisoned(poisoned)) => self.poll_once(&mut poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => Polled::Empty,
+        }
     }
 
     fn poll_once(&self, buf: &mut PollBuf) -> Polled {
@@ -160,15 +168,16 @@ impl<D: Device + 'static> Shared<D> {
     }
 
     /// An error completion after our responder refused a request of the
-    /// peer's (a WRITE, say) is only a flush: the provider knows the cause,
-    /// and it is the peer's violation, redialled after a backoff.
-    fn blame_refused_request(&self, reason: EpochEnd) -> EpochEnd {
+    /// peer's (a WRITE, say) is only a flush, and the peer's liveness
+    /// channel may end first: the provider knows the cause, and it is the
+    /// peer's violation, redialled after a backoff.
+    pub(super) fn blame_refused_request(&self, reason: EpochEnd) -> EpochEnd {
         match reason {
-            EpochEnd::Fault(LinkFault::Completion { .. }) => {
-                self.qp.peer_request_error().map_or(reason, |cause| {
-                    EpochEnd::Violation(ProtocolError::RequestRefused(cause))
-                })
-            }
+            EpochEnd::Fault(LinkFault::Completion { .. })
+            | EpochEnd::PeerLost
+            | EpochEnd::PeerClosed => self.qp.peer_request_error().map_or(reason, |cause| {
+                EpochEnd::Violation(ProtocolError::RequestRefused(cause))
+            }),
             other => other,
         }
     }

@@ -1202,7 +1202,15 @@ async fn a_peers_rdma_write_or_malformed_send_is_naked_and_ends_the_epoch_as_a_v
         vec![0x5a; ours.active_mtu.bytes()],
         PeerRequestError::MalformedSend,
     );
-    for (opcode, payload, cause) in [write, middle] {
+    // The peer's liveness channel may end before the poller sees the
+    // flush: here the poll is held off until the link has been failed so.
+    let cases = [
+        (write.clone(), None),
+        (middle, None),
+        (write.clone(), Some(EpochEnd::PeerLost)),
+        (write, Some(EpochEnd::PeerClosed)),
+    ];
+    for ((opcode, payload, cause), liveness_first) in cases {
         let socket = tokio::net::UdpSocket::bind((ip, 0))
             .await
             .expect("the peer's socket");
@@ -1243,6 +1251,10 @@ async fn a_peers_rdma_write_or_malformed_send_is_naked_and_ends_the_epoch_as_a_v
         };
         let mut buf = vec![0; 4096 + MAX_OVERHEAD];
         let n = request.emit(&to_us, &payload, &mut buf);
+        let unpolled = liveness_first.map(|_| {
+            let shared = link.shared();
+            shared.polling.lock().expect("the poll buffer")
+        });
         socket
             .send_to(&buf[..n], (ip, ours.udp_port))
             .await
@@ -1266,6 +1278,12 @@ async fn a_peers_rdma_write_or_malformed_send_is_naked_and_ends_the_epoch_as_a_v
         .await
         .expect("an answer");
         assert_eq!(nak, (their_psn, AethKind::Nak(NakCode::InvalidRequest)));
+        if let Some(end) = liveness_first {
+            link.fail(end);
+            drop(unpolled);
+            // As the handler does before it lets go: the CQ polled empty.
+            link.shared().take_completions_caught();
+        }
         let recv = tokio::time::timeout(Duration::from_secs(10), link.recv()).await;
         let refused = EpochEnd::Violation(crate::mux::ProtocolError::RequestRefused(cause));
         assert!(
@@ -1274,7 +1292,7 @@ async fn a_peers_rdma_write_or_malformed_send_is_naked_and_ends_the_epoch_as_a_v
             recv.map(|r| r.map(drop))
         );
         if let PeerRequestError::Unsupported(_) = cause {
-            assert_eq!(dev.counters().unsupported_requests, 1);
+            assert_eq!(link.shared().qp.counters().unsupported_requests, 1);
         }
     }
 }
