@@ -245,6 +245,7 @@ impl<D: Device + 'static> PreparedEnd<D> {
             wake_close: Notify::new(),
             wake_poller: Notify::new(),
             polling: poller::PollBuf::new(),
+            poll_wanted: AtomicBool::new(false),
             detached: AtomicBool::new(false),
             on_end: Mutex::new(Vec::new()),
             on_last_sent: Mutex::new(Vec::new()),

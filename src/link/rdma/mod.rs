@@ -459,6 +459,10 @@ struct Shared<D: Device> {
     /// Held by whoever polls the CQ: the poller task, or the provider's
     /// completion handler.
     polling: Mutex<poller::PollBuf>,
+    /// The poller found `polling` taken: whoever lets go of it wakes the
+    /// poller (a completion a verbs call adds just before the handler lets
+    /// go notifies nobody yet).
+    poll_wanted: AtomicBool,
     detached: AtomicBool,
     on_end: Mutex<Vec<EndHook>>,
     /// Told when a graceful end has nothing more to send: the channel that

@@ -16,8 +16,8 @@
 //! handled in the driver's turn".
 
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::atomic::{Ordering, fence};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use super::{RECV_TAG, Shared, State, fault_of, ibv_status};
 use crate::link::{EpochEnd, LinkFault};
@@ -51,7 +51,7 @@ impl PollBuf {
     }
 }
 
-enum Polled {
+pub(super) enum Polled {
     Some,
     Empty,
     Failed,
@@ -77,15 +77,37 @@ impl<D: Device + 'static> Shared<D> {
 
     /// [`Shared::poll_once`] under the `polling` lock (the poller's way
     /// in); `Empty` while the handler holds it. The handler polls the CQ
-    /// empty before it lets go, so the poller loses nothing by not waiting
-    /// (it arms before its last try, and what lands after the arm
-    /// notifies), and never blocks a worker thread on the lock.
-    fn poll_locked(&self) -> Polled {
-        match self.polling.try_lock() {
-            Ok(mut buf) => self.poll_once(&mut buf),
+    /// empty and, letting go, wakes a poller that asked meanwhile, so the
+    /// poller loses nothing by not waiting, and never blocks a worker
+    /// thread on the lock.
+    pub(super) fn poll_locked(&self) -> Polled {
+        let mut buf = match self.polling.try_lock() {
+            Ok(buf) => buf,
             // A buffer only: a panic while it was held leaves nothing to distrust.
-            Err(TryLockError::Poisoned(poisoned)) => self.poll_once(&mut poisoned.into_inner()),
-            Err(TryLockError::WouldBlock) => Polled::Empty,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                // Asked, then tried again: either this try finds it free or
+                // the holder, letting go, sees the ask (the fences pair
+                // with `let_go_of_polling`'s).
+                self.poll_wanted.store(true, Ordering::Relaxed);
+                fence(Ordering::SeqCst);
+                match self.polling.try_lock() {
+                    Ok(buf) => buf,
+                    Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+                    Err(TryLockError::WouldBlock) => return Polled::Empty,
+                }
+            }
+        };
+        self.poll_once(&mut buf)
+    }
+
+    /// Drops the handler's hold of `polling`, waking the poller if it found
+    /// the lock taken meanwhile.
+    fn let_go_of_polling(&self, buf: MutexGuard<'_, PollBuf>) {
+        drop(buf);
+        fence(Ordering::SeqCst);
+        if self.poll_wanted.swap(false, Ordering::Relaxed) {
+            self.wake_poller.notify_one();
         }
     }
 
@@ -360,7 +382,7 @@ impl<D: Device + 'static> Shared<D> {
         };
         let _in_link = self.span.enter();
         while let Polled::Some = self.poll_once(&mut buf) {}
-        drop(buf);
+        self.let_go_of_polling(buf);
         if self.finished() {
             self.wake_poller.notify_one();
         }

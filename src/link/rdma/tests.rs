@@ -1296,3 +1296,24 @@ async fn a_peers_rdma_write_or_malformed_send_is_naked_and_ends_the_epoch_as_a_v
         }
     }
 }
+
+/// A poller that finds the poll taken (the soft driver's handler at it)
+/// asks, and the holder letting go sees the ask and wakes it: a completion
+/// a verbs call adds just before the handler lets go is then polled, not
+/// left for the next completion to notify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poller_that_finds_the_poll_taken_is_woken_by_the_holder_letting_go() {
+    use std::sync::atomic::Ordering;
+    let (da, db) = (device().await, device().await);
+    let (a, _b) = pair(&da, &db, Epoch(1), small()).expect("pair");
+    let shared = a.shared();
+    let held = shared.polling.lock().expect("the poll buffer");
+    assert!(matches!(shared.poll_locked(), poller::Polled::Empty));
+    assert!(shared.poll_wanted.load(Ordering::Relaxed), "asked");
+    drop(held);
+    shared.take_completions_caught();
+    assert!(
+        !shared.poll_wanted.load(Ordering::Relaxed),
+        "the holder letting go saw the ask (and woke the poller)"
+    );
+}
