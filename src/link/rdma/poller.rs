@@ -51,7 +51,7 @@ impl PollBuf {
     }
 }
 
-pub(super) enum Polled {
+enum Polled {
     Some,
     Empty,
     Failed,
@@ -80,7 +80,7 @@ impl<D: Device + 'static> Shared<D> {
     /// empty and, letting go, wakes a poller that asked meanwhile, so the
     /// poller loses nothing by not waiting, and never blocks a worker
     /// thread on the lock.
-    pub(super) fn poll_locked(&self) -> Polled {
+    fn poll_locked(&self) -> Polled {
         let mut buf = match self.polling.try_lock() {
             Ok(buf) => buf,
             // A buffer only: a panic while it was held leaves nothing to distrust.
@@ -103,7 +103,7 @@ impl<D: Device + 'static> Shared<D> {
 
     /// Drops the handler's hold of `polling`, waking the poller if it found
     /// the lock taken meanwhile.
-    fn let_go_of_polling(&self, buf: MutexGuard<'_, PollBuf>) {
+    pub(super) fn let_go_of_polling(&self, buf: MutexGuard<'_, PollBuf>) {
         drop(buf);
         fence(Ordering::SeqCst);
         if self.poll_wanted.swap(false, Ordering::Relaxed) {

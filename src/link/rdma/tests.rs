@@ -1297,23 +1297,50 @@ async fn a_peers_rdma_write_or_malformed_send_is_naked_and_ends_the_epoch_as_a_v
     }
 }
 
-/// A poller that finds the poll taken (the soft driver's handler at it)
-/// asks, and the holder letting go sees the ask and wakes it: a completion
-/// a verbs call adds just before the handler lets go is then polled, not
-/// left for the next completion to notify.
+/// The race the poller's ask closes: completions a verbs call adds after
+/// the holder's last poll, while the poller wakes, finds the poll taken,
+/// arms again and sleeps. Letting go without polling again must still wake
+/// the poller, which then reads the flushes and ends the epoch (without
+/// the ask it slept on: the test waited out its bound).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_poller_that_finds_the_poll_taken_is_woken_by_the_holder_letting_go() {
-    use std::sync::atomic::Ordering;
+#[expect(
+    clippy::await_holding_lock,
+    reason = "the test plays the handler, holding the poll while the poller runs"
+)]
+async fn completions_added_before_the_holder_lets_go_are_polled() {
     let (da, db) = (device().await, device().await);
     let (a, _b) = pair(&da, &db, Epoch(1), small()).expect("pair");
     let shared = a.shared();
+    let armed = || shared.cq.is_armed();
+    let asleep = tokio::time::timeout(Duration::from_secs(10), async {
+        while !armed() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+    asleep.await.expect("the idle poller sleeps armed");
     let held = shared.polling.lock().expect("the poll buffer");
-    assert!(matches!(shared.poll_locked(), poller::Polled::Empty));
-    assert!(shared.poll_wanted.load(Ordering::Relaxed), "asked");
-    drop(held);
-    shared.take_completions_caught();
+    // The flushes fire the armed notification: the poller wakes, finds the
+    // poll taken, asks, arms again and sleeps.
+    shared.qp.modify_to_error().expect("to ERR");
+    let asked = || {
+        shared
+            .poll_wanted
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !(asked() && armed()) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the poller woke, asked, and armed again");
+    // Past its last try before it waits.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    shared.let_go_of_polling(held);
+    let ended = tokio::time::timeout(Duration::from_secs(5), a.recv()).await;
     assert!(
-        !shared.poll_wanted.load(Ordering::Relaxed),
-        "the holder letting go saw the ask (and woke the poller)"
+        matches!(ended, Ok(Err(LinkError::Ended { .. }))),
+        "the woken poller read the flushes: {:?}",
+        ended.map(|r| r.map(drop))
     );
 }
