@@ -108,11 +108,14 @@ impl VeloConfig {
         }
     }
 
-    /// This config with its periods raised to [`MIN_PERIOD`].
-    fn with_periods_floored(self) -> VeloConfig {
+    /// This config with its periods raised to [`MIN_PERIOD`] and
+    /// `max_message_size` cut to what the envelope's 32-bit header length
+    /// can describe (above it, encoding a message would panic).
+    fn in_range(self) -> VeloConfig {
         VeloConfig {
             lane_sweep: self.lane_sweep.max(MIN_PERIOD),
             stream_watch: self.stream_watch.max(MIN_PERIOD),
+            max_message_size: self.max_message_size.min(u32::MAX as usize),
             ..self
         }
     }
@@ -132,17 +135,33 @@ mod config_tests {
             stream_watch: Duration::ZERO,
             ..VeloConfig::default()
         }
-        .with_periods_floored();
+        .in_range();
         assert_eq!(
             (zero.lane_sweep, zero.stream_watch),
             (MIN_PERIOD, MIN_PERIOD)
         );
         let default = VeloConfig::default();
-        let kept = default.clone().with_periods_floored();
+        let kept = default.clone().in_range();
         assert_eq!(
-            (kept.lane_sweep, kept.stream_watch),
-            (default.lane_sweep, default.stream_watch)
+            (kept.lane_sweep, kept.stream_watch, kept.max_message_size),
+            (
+                default.lane_sweep,
+                default.stream_watch,
+                default.max_message_size
+            )
         );
+    }
+
+    /// A message size the envelope cannot describe is cut to what it can
+    /// (review 48a: past it, encoding a header panicked).
+    #[test]
+    fn a_message_size_past_the_envelopes_length_field_is_cut_to_it() {
+        let huge = VeloConfig {
+            max_message_size: usize::MAX,
+            ..VeloConfig::default()
+        }
+        .in_range();
+        assert_eq!(huge.max_message_size, u32::MAX as usize);
     }
 }
 

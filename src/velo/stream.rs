@@ -136,7 +136,7 @@ impl<N: Node> QpmuxTransport<N> {
     pub fn frame_transport(self: &Arc<Self>, config: VeloConfig) -> QpmuxFrameTransport<N> {
         QpmuxFrameTransport {
             transport: self.clone(),
-            config: config.with_periods_floored(),
+            config: config.in_range(),
         }
     }
 }
@@ -151,7 +151,9 @@ impl<N: Node> AsMux for QpmuxFrameTransport<N> {
 fn to_velo(frame: Frame) -> (Vec<u8>, bool) {
     match frame {
         Frame::Data(bytes) => {
-            let end = matches!(velo_frames::classify(&bytes), Kind::TransportError);
+            // velo ends the stream on any of its terminals, however it came;
+            // a peer that sent one as data gets nothing forwarded after it.
+            let end = !matches!(velo_frames::classify(&bytes), Kind::Data);
             (Vec::from(bytes), end)
         }
         Frame::Heartbeat => (velo_frames::heartbeat().to_vec(), false),
@@ -484,5 +486,25 @@ mod tests {
         assert!(end && bytes == velo_frames::finalized());
         let (_, end) = to_velo(Frame::Heartbeat);
         assert!(!end);
+    }
+
+    /// A record whose bytes are one of velo's terminals (a peer that does
+    /// not run our egress pump) ends the pump as velo ends the stream
+    /// (review 48a); items and heartbeats sent as data do not.
+    #[test]
+    fn a_terminal_sent_as_data_ends_the_pump() {
+        for terminal in [
+            velo_frames::finalized().to_vec(),
+            velo_frames::detached().to_vec(),
+            velo_frames::dropped().to_vec(),
+            velo_frames::transport_error("t".to_string()),
+        ] {
+            let (bytes, end) = to_velo(Frame::Data(Bytes::from(terminal.clone())));
+            assert!(end && bytes == terminal, "{terminal:?}");
+        }
+        let item = rmp_serde::to_vec(&StreamFrame::Item("Finalized".to_string())).expect("item");
+        for data in [item, velo_frames::heartbeat().to_vec()] {
+            assert!(!to_velo(Frame::Data(Bytes::from(data))).1);
+        }
     }
 }

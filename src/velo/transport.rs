@@ -141,7 +141,7 @@ impl<N: Node> QpmuxTransport<N> {
         QpmuxTransport {
             inner: Arc::new(Inner {
                 node,
-                config: config.with_periods_floored(),
+                config: config.in_range(),
                 key: TransportKey::new(TRANSPORT_KEY),
                 peers: Mutex::new(HashMap::new()),
                 adapter: Mutex::new(None),

@@ -19,7 +19,9 @@ pub const COUNT_MASK: u32 = 0x7fff_ffff;
 /// The immediate bit that says "the sender has a batch waiting for credit".
 pub const STARVED: u32 = 1 << 31;
 
-/// The peer reported re-posting more receives than we ever sent to.
+/// The peer reported re-posting more receives than we ever sent to. A
+/// count that went backwards lands here too: counted mod 2^31 it claims
+/// almost 2^31 new re-posts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Overclaim {
     /// The cumulative count the peer claimed (31 bits).

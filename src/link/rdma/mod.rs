@@ -61,17 +61,19 @@ const RECV_TAG: u64 = 1 << 63;
 /// `recv_depth` and `max_batch` (the bootstrap hello carries them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RdmaConfig {
-    /// Receives each end posts (R): the link credit a sender starts with. Default 32.
+    /// Receives each end posts (R): the link credit a sender starts with.
+    /// 4–65,536; default 32.
     pub recv_depth: usize,
-    /// Bytes per send and receive buffer, the largest batch. Default 64 KiB.
+    /// Bytes per send and receive buffer, the largest batch. 64 B–16 MiB;
+    /// default 64 KiB.
     pub max_batch: usize,
     /// Send buffers one end may hold at once (encoding or in flight): its
     /// cap on the node's send pool, or the size of the private pool of
-    /// [`PreparedEnd::new`]. Default 16.
+    /// [`PreparedEnd::new`]. At most [`MAX_QUEUE`]; default 16.
     pub send_buffers: usize,
     /// Signal every k-th send WR (and any WR that takes the last SQ slot or
     /// the end's last allowed buffer, or whose buffer the pool may be
-    /// waiting for). Default 8.
+    /// waiting for). At most [`MAX_QUEUE`]; default 8.
     pub signal_every: usize,
     /// RNR retries (7 = forever). Default 6: link credit is receive posts,
     /// so an honest peer never answers RNR, and one that announced receives
@@ -101,6 +103,9 @@ impl Default for RdmaConfig {
         }
     }
 }
+
+/// The most `send_buffers` or `signal_every` a link end takes.
+pub const MAX_QUEUE: usize = 1 << 16;
 
 impl RdmaConfig {
     /// The defaults with `rnr_retry = 0`: credits must make RNR unreachable,
@@ -137,22 +142,38 @@ impl RdmaConfig {
         self.recv_depth.saturating_mul(self.max_batch)
     }
 
+    /// The ranges a link end accepts. The ceilings are the hello's: a node
+    /// that announced more would be refused by every peer as malformed and
+    /// redial for ever, so it is refused here, at start.
     fn validate(&self) -> Result<(), RdmaError> {
+        use crate::link::bootstrap::{RdmaEndpoint, TcpEndpoint};
+        const _: () = assert!(RdmaEndpoint::MAX_RECV_DEPTH <= credit::COUNT_MASK);
+        let depths = Credit::MIN_DEPTH as usize..=RdmaEndpoint::MAX_RECV_DEPTH as usize;
+        // The floor: a smaller buffer holds no batch header and record.
+        let batches = TcpEndpoint::MIN_BATCH as usize..=TcpEndpoint::MAX_BATCH as usize;
+        // Bounded so the queue sizes (`sq_depth`, `cq_depth`) cannot wrap.
+        let queue = 1..=MAX_QUEUE;
         let checks = [
             (
                 "recv_depth",
                 self.recv_depth,
-                (Credit::MIN_DEPTH as usize..=credit::COUNT_MASK as usize)
-                    .contains(&self.recv_depth),
+                depths.contains(&self.recv_depth),
             ),
-            // The hello's floor; a smaller buffer holds no batch header and record.
             (
                 "max_batch",
                 self.max_batch,
-                self.max_batch >= crate::link::bootstrap::TcpEndpoint::MIN_BATCH as usize,
+                batches.contains(&self.max_batch),
             ),
-            ("send_buffers", self.send_buffers, self.send_buffers >= 1),
-            ("signal_every", self.signal_every, self.signal_every >= 1),
+            (
+                "send_buffers",
+                self.send_buffers,
+                queue.contains(&self.send_buffers),
+            ),
+            (
+                "signal_every",
+                self.signal_every,
+                queue.contains(&self.signal_every),
+            ),
         ];
         for (field, value, ok) in checks {
             if !ok {

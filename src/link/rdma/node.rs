@@ -103,13 +103,15 @@ impl RdmaNodeConfig {
         self.pool_buffers.saturating_mul(self.rdma.max_batch)
     }
 
-    /// What the node checks before it starts: `pool_buffers` is at least 1,
+    /// What the node checks before it starts: the link config is in range
+    /// (what its hello announces must pass the peer's check), `pool_buffers` is at least 1,
     /// the pool and one link's receive ring fit under `max_registered`, and
     /// `RLIMIT_MEMLOCK` (read from /proc/self/limits; skipped where
     /// unreadable) admits `max_registered` bytes. Providers that pin memory
     /// (ibverbs) fail registration past that limit; the soft provider does
     /// not pin, so [`RdmaTransport::start`] only warns.
     pub fn preflight(&self) -> Result<(), RdmaError> {
+        self.rdma.validate()?;
         if self.pool_buffers == 0 {
             return Err(RdmaError::InvalidConfig {
                 field: "pool_buffers",

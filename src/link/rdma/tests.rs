@@ -491,6 +491,79 @@ async fn a_receive_depth_past_the_credit_counters_is_an_invalid_config() {
     ));
 }
 
+/// What a node's hello would announce past the peer's check (review 48b:
+/// every peer refused it as malformed and the node redialled for ever) is
+/// refused at start; the ceilings themselves start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_the_peers_hello_check_would_refuse_is_refused_at_start() {
+    use crate::link::bootstrap::{RdmaEndpoint, TcpEndpoint};
+    let deepest = RdmaEndpoint::MAX_RECV_DEPTH as usize;
+    let widest = TcpEndpoint::MAX_BATCH as usize;
+    let past = [
+        (
+            "recv_depth",
+            RdmaConfig {
+                recv_depth: deepest + 1,
+                ..small()
+            },
+        ),
+        (
+            "max_batch",
+            RdmaConfig {
+                max_batch: widest + 1,
+                ..small()
+            },
+        ),
+        (
+            "send_buffers",
+            RdmaConfig {
+                send_buffers: MAX_QUEUE + 1,
+                ..small()
+            },
+        ),
+        (
+            "signal_every",
+            RdmaConfig {
+                signal_every: usize::MAX,
+                ..small()
+            },
+        ),
+    ];
+    for (field, rdma) in past {
+        let config = RdmaNodeConfig {
+            rdma,
+            ..node_config(A, usize::MAX)
+        };
+        assert!(
+            matches!(config.preflight(), Err(RdmaError::InvalidConfig { field: f, .. }) if f == field),
+            "{field}: {:?}",
+            config.preflight()
+        );
+        match RdmaTransport::start(device().await, config).await {
+            Ok(_) => panic!("{field}: a node no peer would accept started"),
+            Err(err) => assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput, "{field}"),
+        }
+    }
+    let ceilings = [
+        RdmaConfig {
+            recv_depth: deepest,
+            ..small()
+        },
+        RdmaConfig {
+            max_batch: widest,
+            ..small()
+        },
+        RdmaConfig {
+            send_buffers: MAX_QUEUE,
+            signal_every: MAX_QUEUE,
+            ..small()
+        },
+    ];
+    for rdma in ceilings {
+        assert_eq!(rdma.validate(), Ok(()), "{rdma:?}");
+    }
+}
+
 /// A peer whose receives are shorter than the `max_batch` it announced
 /// refuses our SEND; that is the peer's fault, so the connector backs off
 /// before redialling it (review 40c: it used to redial at once, a QP and
