@@ -669,8 +669,8 @@ async fn goodbye_after_credit_returns(config: MuxConfig, end_epoch: impl FnOnce(
     held.push(raw.recv().await.expect("the end's batch"));
     end_epoch(&mux);
     // On this one thread the peer task now runs: quiet (or idle), with no
-    // credit for the goodbye.
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    // credit for the goodbye, and sleeps until one comes.
+    assert_mostly_asleep(Duration::from_millis(60), "waiting to say goodbye").await;
     assert!(
         !raw.is_ended(),
         "the epoch ended without waiting for credit"
@@ -682,6 +682,63 @@ async fn goodbye_after_credit_returns(config: MuxConfig, end_epoch: impl FnOnce(
         view.records()
             .any(|r| matches!(r.body, RecordBody::Goodbye)),
         "no goodbye in the batch after the credit came back"
+    );
+}
+
+/// Nanoseconds this thread has run (schedstat's first field; 0 where the
+/// kernel keeps none).
+fn thread_cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Sleeps `wait` on this (current-thread) runtime and asserts its tasks
+/// ran for under half of it: a task whose timer keeps firing runs for
+/// nearly all of it.
+async fn assert_mostly_asleep(wait: Duration, what: &str) {
+    let before = thread_cpu_ns();
+    tokio::time::sleep(wait).await;
+    let ran = Duration::from_nanos(thread_cpu_ns() - before);
+    assert!(
+        ran < wait / 2,
+        "{what}: the runtime ran {ran:?} of {wait:?}"
+    );
+}
+
+/// A batch whose flush gate opened while every link credit was out waits
+/// for a credit asleep (review 48d: the gate's past deadline kept the peer
+/// task's timer firing, a busy loop for as long as the link pushed back),
+/// and goes once one returns.
+#[tokio::test]
+async fn a_batch_past_its_linger_waits_for_link_credit_without_spinning() {
+    let config = MuxConfig {
+        flush: FlushPolicy::AutoLinger {
+            max_linger: Duration::from_millis(1),
+        },
+        ..MuxConfig::default()
+    };
+    let link = MemConfig {
+        credits: 2,
+        ..MemConfig::default()
+    };
+    let (mux, raw) = raw_peer_with(config, link).await;
+    let mut tx = mux.open(B, StreamKey::new(6, 6)).expect("open");
+    let mut held = Vec::new();
+    for n in 0..2 {
+        tx.send(record(6, n, 100)).await.expect("send");
+        held.push(raw.recv().await.expect("a batch"));
+    }
+    tx.send(record(6, 2, 100)).await.expect("queued");
+    assert_mostly_asleep(Duration::from_millis(60), "waiting for link credit").await;
+    drop(held);
+    let batch = raw.recv().await.expect("the third record's batch");
+    let view = BatchView::new_checked(&batch).expect("valid");
+    assert!(
+        view.records()
+            .any(|r| matches!(r.body, RecordBody::Data(_))),
+        "no record in the batch after the credit came back"
     );
 }
 

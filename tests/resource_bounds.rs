@@ -500,12 +500,7 @@ async fn moves_at_once(old_gone_first: bool) {
         if old_gone_first {
             from_x.clear();
             for id in [10, 11] {
-                until(|| {
-                    l.node
-                        .link(PeerId(id))
-                        .is_some_and(|k| k.end_reason().is_some())
-                })
-                .await;
+                until(|| l.node.link_end(PeerId(id)).is_some()).await;
             }
         }
         let mut moves = Vec::new();

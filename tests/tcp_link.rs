@@ -310,7 +310,7 @@ async fn a_restarted_peer_on_the_same_address_gets_a_new_epoch() {
         drop(b);
         drop(b_node);
         // Wait until A's mux saw the old epoch end, so new slots open in the next one.
-        until(|| a_node.link(B).is_some_and(|l| l.is_ended()) && a.epoch(B).is_none()).await;
+        until(|| a_node.link_end(B).is_some() && a.epoch(B).is_none()).await;
         // The same node id restarts on the same address (once the port is free).
         let (b2_node, b2) = restart_on(B, addr).await;
         assert_ne!(b2_node.incarnation(), old_incarnation);
@@ -924,6 +924,46 @@ async fn a_node_waiting_out_its_backoff_accepts_the_peers_dial() {
     assert_eq!(arrived, (3, 3), "one link carries both ways");
     assert_eq!(b_node.stats().declined, 0, "not declined as a crossed dial");
     assert_eq!(b_node.stats().established, 1);
+}
+
+/// A dial waiting out its backoff when the node shuts down ends then, not
+/// when the wait is over, and is not counted as a failed dial (review 48c:
+/// it woke, failed `NotServing`, counted and warned, and held the node
+/// until then).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dial_waiting_out_its_backoff_ends_with_the_node() {
+    let alive = || {
+        tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks()
+    };
+    assert_eq!(alive(), 0, "the test's own runtime");
+    let long_wait = Duration::from_secs(60);
+    let (a_node, a) = node_backing_off(A, long_wait).await;
+    a_node.register(B, dead_addr().await);
+    let tx = a.open(B, StreamKey::new(43, 1)).expect("open");
+    within(Duration::from_secs(10), "A's dial fails", || {
+        a_node.stats().dial_failures == 1
+    })
+    .await;
+    // What A's mux does every second while it waits.
+    a_node.dialer().want_link(B);
+    assert_eq!(a_node.backoff(B), long_wait);
+    drop(tx);
+    a.shutdown();
+    a_node.shutdown();
+    bounded(a.closed()).await;
+    within(
+        Duration::from_secs(10),
+        "every task of the node ends",
+        || alive() == 0,
+    )
+    .await;
+    assert_eq!(
+        a_node.stats().dial_failures,
+        1,
+        "the stop counted as a failure"
+    );
 }
 
 /// A link asked for from a thread outside any runtime (velo's synchronous

@@ -212,7 +212,7 @@ impl Diagnosis {
             epoch,
             link_credit: format!("{:?}", link.as_ref().map(|l| l.credit())),
             link_stats: format!("{:?}", link.as_ref().map(|l| l.stats())),
-            link_end: format!("{:?}", link.as_ref().map(|l| l.end_reason())),
+            link_end: format!("{:?}", node.node().link_end(peer)),
             mux: format!("{:?}", node.mux().stats()),
             connector: format!("{:?}", node.node().stats()),
             backoff_ms: node.node().backoff(peer).as_millis(),

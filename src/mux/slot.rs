@@ -728,6 +728,10 @@ pub(crate) struct Registry {
 /// within a link outage of the bind it was meant for.
 const ABANDONED_KEPT: usize = 16_384;
 
+/// Entries a drained receive queue keeps allocated; a larger one (a burst)
+/// is freed when its consumer finds it empty.
+const KEPT_QUEUE: usize = 256;
+
 /// How long an abandoned binding is remembered: far past any link outage
 /// a late open could have waited out (a relink's retries, a dial wait);
 /// an open later than that is a new stream that reuses the key.
@@ -1085,12 +1089,10 @@ impl RxSlot {
         if state.receiver_gone {
             return Pushed::Discarded;
         }
-        if frame == Frame::Heartbeat
-            && state
-                .frames
-                .back()
-                .is_some_and(|(f, _)| *f == Frame::Heartbeat)
-        {
+        // A heartbeat costs no credit: one behind any queued frame would
+        // let a peer queue entries no window counts (review 48d), and the
+        // queued frame already shows the sender is alive.
+        if frame == Frame::Heartbeat && !state.frames.is_empty() {
             return Pushed::Buffered;
         }
         state.frames.push_back((frame, credit));
@@ -1230,6 +1232,11 @@ impl SlotReceiver {
         }
         let mut state = lock(&self.rx.state);
         let Some((frame, credit)) = state.frames.pop_front() else {
+            if state.frames.capacity() > KEPT_QUEUE {
+                // A burst's queue is not kept for the stream's life: the
+                // window bounds what is queued, not what stays allocated.
+                state.frames = VecDeque::new();
+            }
             if state.ended {
                 return Err(RecvError::Ended);
             }
@@ -1448,6 +1455,40 @@ mod tests {
             }));
         }
         (slots, consumers, order)
+    }
+
+    /// Heartbeats queue only into an empty queue (each costs no credit, so
+    /// behind data they were entries no window counted), and a burst's
+    /// queue is freed once its consumer has read it all (review 48d).
+    #[test]
+    fn heartbeats_behind_frames_are_not_queued_and_a_read_burst_frees_its_queue() {
+        let registry = Registry::new(64 * 1024, 16, 16);
+        let control = control(1 << 20);
+        let key = StreamKey::new(1, 1);
+        let mut receiver = registry.bind(key).unwrap();
+        let OpenOutcome::Attached(rx) = registry.open(key, &control) else {
+            panic!("the binding takes the peer's open");
+        };
+        rx.push_unwoken(Frame::Heartbeat, 0);
+        let burst = 4 * KEPT_QUEUE;
+        for _ in 0..burst {
+            rx.push_unwoken(Frame::Data(Bytes::new()), 64);
+            rx.push_unwoken(Frame::Heartbeat, 0);
+        }
+        assert_eq!(
+            lock(&rx.state).frames.len(),
+            1 + burst,
+            "one heartbeat, first"
+        );
+        assert_eq!(receiver.try_recv(), Ok(Frame::Heartbeat));
+        for _ in 0..burst {
+            assert_eq!(receiver.try_recv(), Ok(Frame::Data(Bytes::new())));
+        }
+        assert!(lock(&rx.state).frames.capacity() > KEPT_QUEUE);
+        assert_eq!(receiver.try_recv(), Err(RecvError::Empty));
+        assert!(lock(&rx.state).frames.capacity() <= KEPT_QUEUE);
+        rx.push_unwoken(Frame::Heartbeat, 0);
+        assert_eq!(receiver.try_recv(), Ok(Frame::Heartbeat), "alone, it goes");
     }
 
     /// Pushes one frame to each slot, unwoken, and collects the wake-ups owed.

@@ -350,7 +350,9 @@ fn end_of_io(err: &io::Error) -> EpochEnd {
         io::ErrorKind::ConnectionReset
         | io::ErrorKind::ConnectionAborted
         | io::ErrorKind::BrokenPipe
-        | io::ErrorKind::TimedOut => EpochEnd::PeerLost,
+        | io::ErrorKind::TimedOut
+        // The stream ended inside a frame: the peer went mid-write.
+        | io::ErrorKind::UnexpectedEof => EpochEnd::PeerLost,
         kind => EpochEnd::Fault(LinkFault::Io(kind)),
     }
 }
@@ -718,7 +720,9 @@ async fn write_loop(inner: Arc<Inner>) {
         };
         let mut state = inner.lock();
         state.writer_busy = false;
-        state.batches_sent += work.len() as u64;
+        if written.is_ok() {
+            state.batches_sent += work.len() as u64;
+        }
         state.free.extend(work.into_iter().map(|q| q.buf));
         drop(state);
         inner.wake_send.notify_waiters();
@@ -1093,5 +1097,31 @@ mod tests {
             matches!(theirs, Ok(EpochEnd::PeerClosed | EpochEnd::PeerLost)),
             "the socket was shut, so the peer hears: {theirs:?}"
         );
+    }
+
+    /// A stream that ends inside a frame is the peer gone mid-write, not a
+    /// fault of ours (review 48c).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_ending_inside_a_frame_is_the_peer_lost() {
+        use tokio::io::AsyncWriteExt;
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (dialed, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let config = TcpLinkConfig::default();
+        let link = TcpLink::new(
+            dialed.expect("connect"),
+            Vec::new(),
+            Epoch(1),
+            &config,
+            config.max_batch,
+        )
+        .expect("link");
+        let mut raw = accepted.expect("accept").0;
+        // A 100-byte frame's length, ten of its bytes, then the FIN.
+        raw.write_all(&100u32.to_be_bytes()).await.expect("write");
+        raw.write_all(&[7; 10]).await.expect("write");
+        raw.shutdown().await.expect("fin");
+        let ended = tokio::time::timeout(Duration::from_secs(10), link.ended()).await;
+        assert_eq!(ended, Ok(EpochEnd::PeerLost));
     }
 }

@@ -540,7 +540,13 @@ struct PeerState<L> {
     /// registered. A stranger counts against that source's
     /// `max_peers_per_source`.
     source: Option<IpAddr>,
+    /// The live link, or the last one until the mux has let go of it (its
+    /// verdict then sets the backoff and it is dropped: a dead epoch must
+    /// not hold its sockets, QP or registered ring for as long as nobody
+    /// sends to the peer).
     current: Option<L>,
+    /// How the last link dropped from `current` ended.
+    last_end: Option<EpochEnd>,
     backoff: Duration,
     retry_at: Option<Instant>,
     /// Our dials the peer declined `Unavailable` in a row.
@@ -563,6 +569,7 @@ impl<L> Default for PeerState<L> {
             incarnation: None,
             source: None,
             current: None,
+            last_end: None,
             backoff: Duration::ZERO,
             retry_at: None,
             declines: 0,
@@ -570,6 +577,9 @@ impl<L> Default for PeerState<L> {
         }
     }
 }
+
+/// The mux has yet to serve a link to its end (see [`Mux::is_judging`]).
+struct Judging;
 
 type Peers<E> = HashMap<PeerId, PeerState<<E as EpochMaker>::Link>>;
 
@@ -981,44 +991,28 @@ impl<E: EpochMaker> NodeInner<E> {
     /// way; while an accepted handshake is, the ask is kept for its end, and
     /// while the mux still judges the last link, for its release.
     fn dial_for(&self, peer: PeerId, state: &mut PeerState<E::Link>) -> Option<Option<Instant>> {
+        if state.dial != Dial::Idle && !Self::live(state) {
+            // An ask kept for an accept under way stays kept (review 48c:
+            // cleared here, a failed accept left nobody to dial): our dial
+            // under way answers this one, or the kept ask does.
+            return None;
+        }
         state.wanted = false;
-        if self.shutdown.load(Ordering::Acquire)
-            || Self::live(state)
-            || state.dial != Dial::Idle
-            || state.addr.is_none()
-        {
+        if self.shutdown.load(Ordering::Acquire) || Self::live(state) || state.addr.is_none() {
             return None;
         }
         if state.accepting > 0 {
             state.wanted = true;
             return None;
         }
-        if let Some(previous) = state.current.take() {
-            if (self.mux.get()).is_some_and(|mux| mux.is_judging(peer, previous.epoch())) {
-                // The mux has yet to read what the epoch carried, and its
-                // verdict sets the wait: its release of the link asks again.
-                state.current = Some(previous);
+        match self.settle_ended(peer, state) {
+            // The mux has yet to read what the epoch carried, and its
+            // verdict sets the wait: its release of the link asks again.
+            Err(Judging) => {
                 state.wanted = true;
                 return None;
             }
-            let violated = match E::end_reason(&previous) {
-                Some(EpochEnd::Violation(_)) => true,
-                Some(EpochEnd::Fault(fault)) => fault.blames_peer(),
-                _ => false,
-            } || self
-                .mux
-                .get()
-                .is_some_and(|mux| mux.ended_in_violation(peer, previous.epoch()));
-            if E::carried_traffic(&previous) && !violated {
-                // The path worked: this is a fresh failure, redial at once.
-                state.backoff = Duration::ZERO;
-                state.retry_at = None;
-            } else {
-                // Up and dead before a batch, or the peer broke the protocol
-                // or left its receives unposted (it would again): a failed
-                // attempt like a failed dial.
-                self.back_off(state);
-            }
+            Ok(previous) => drop(previous),
         }
         let wait = state.retry_at.filter(|at| *at > Instant::now());
         state.dial = if wait.is_some() {
@@ -1027,6 +1021,44 @@ impl<E: EpochMaker> NodeInner<E> {
             Dial::Connecting
         };
         Some(wait)
+    }
+
+    /// Takes the ended link out of `state.current`, its verdict set in the
+    /// backoff, for the caller to drop (after unlocking, where it can);
+    /// `Err` while the mux still judges it: its release comes later.
+    fn settle_ended(
+        &self,
+        peer: PeerId,
+        state: &mut PeerState<E::Link>,
+    ) -> Result<Option<E::Link>, Judging> {
+        let Some(previous) = state.current.take_if(|link| E::end_reason(link).is_some()) else {
+            return Ok(None);
+        };
+        if (self.mux.get()).is_some_and(|mux| mux.is_judging(peer, previous.epoch())) {
+            state.current = Some(previous);
+            return Err(Judging);
+        }
+        let end = E::end_reason(&previous);
+        let violated = match &end {
+            Some(EpochEnd::Violation(_)) => true,
+            Some(EpochEnd::Fault(fault)) => fault.blames_peer(),
+            _ => false,
+        } || self
+            .mux
+            .get()
+            .is_some_and(|mux| mux.ended_in_violation(peer, previous.epoch()));
+        if E::carried_traffic(&previous) && !violated {
+            // The path worked: this is a fresh failure, redial at once.
+            state.backoff = Duration::ZERO;
+            state.retry_at = None;
+        } else {
+            // Up and dead before a batch, or the peer broke the protocol
+            // or left its receives unposted (it would again): a failed
+            // attempt like a failed dial.
+            self.back_off(state);
+        }
+        state.last_end = end;
+        Ok(Some(previous))
     }
 
     /// Our hello to `peer`; its `peer_credit` is what the epoch's install
@@ -1183,9 +1215,21 @@ impl<E: EpochMaker> Connector<E> {
         self.inner.readdress(state, Some(addr));
     }
 
-    /// The current link to `peer`, if any (ended or not): a test hook to fail it.
+    /// The current link to `peer`, if any: a test hook to fail it. An ended
+    /// one is kept only until the mux has let go of it.
     pub fn link(&self, peer: PeerId) -> Option<E::Link> {
         self.inner.peers().get(&peer)?.current.clone()
+    }
+
+    /// How `peer`'s current link ended, or else the last one the node let
+    /// go of; `None` while it is live or before its first link.
+    pub fn link_end(&self, peer: PeerId) -> Option<EpochEnd> {
+        let peers = self.inner.peers();
+        let state = peers.get(&peer)?;
+        match &state.current {
+            Some(link) => E::end_reason(link),
+            None => state.last_end,
+        }
     }
 
     /// The address blob peers need to reach this node ([`crate::link::address`]).
@@ -1387,16 +1431,19 @@ impl<E: EpochMaker> Dialer for NodeDialer<E> {
         };
         let mut peers = inner.peers();
         // An ask that came while the mux was still judging the link is
-        // answered now, with its verdict.
-        let dial = match peers.get_mut(&peer) {
+        // answered now, with its verdict; without one the verdict is kept
+        // for the next ask and the link dropped.
+        let (dial, ended) = match peers.get_mut(&peer) {
             Some(state) if state.wanted && !NodeInner::<E>::live(state) => {
-                inner.dial_for(peer, state)
+                (inner.dial_for(peer, state), None)
             }
-            _ => None,
+            Some(state) => (None, inner.settle_ended(peer, state).ok().flatten()),
+            None => (None, None),
         };
         // A peer that only dialled in is let go with its last link; one
         // registered here stays until it is unregistered.
         inner.release(peers, peer);
+        drop(ended);
         if let Some(wait) = dial {
             inner.runtime.spawn(dial_task(inner.clone(), peer, wait));
         }
@@ -1405,9 +1452,24 @@ impl<E: EpochMaker> Dialer for NodeDialer<E> {
 
 async fn dial_task<E: EpochMaker>(inner: Arc<NodeInner<E>>, peer: PeerId, wait: Option<Instant>) {
     if let Some(at) = wait {
-        sleep_until(at).await;
+        let shutdown = inner.shutdown_notify.notified();
+        tokio::pin!(shutdown);
+        shutdown.as_mut().enable();
+        if !inner.shutdown.load(Ordering::Acquire) {
+            tokio::select! {
+                () = sleep_until(at) => {}
+                () = shutdown => {}
+            }
+        }
         let mut peers = inner.peers();
         let state = inner.entry(&mut peers, peer);
+        if inner.shutdown.load(Ordering::Acquire) {
+            // Not a failed dial: the node stopped while this one waited,
+            // and the task lets go of the node now, not after the backoff.
+            state.dial = Dial::Idle;
+            inner.release(peers, peer);
+            return;
+        }
         if NodeInner::<E>::live(state) || state.accepting > 0 {
             // The peer's dial got (or is getting) there first: replacing its
             // link would end a working epoch. The mux asks again if it dies;
@@ -2097,6 +2159,28 @@ mod tests {
         for (min, max) in [(ms(50), ms(50)), (ms(1), MAX_BACKOFF)] {
             assert!(TcpNode::bind(with(min, max), local).await.is_ok());
         }
+    }
+
+    /// A re-ask while our own dial is under way leaves an ask kept for an
+    /// accept under way kept (review 48c: it was cleared, and the accept's
+    /// failure then left nobody to dial).
+    #[tokio::test]
+    async fn an_ask_while_our_dial_is_under_way_keeps_the_ask_kept_for_an_accept() {
+        use super::{Dial, TcpNode, TcpNodeConfig};
+        use crate::mux::PeerId;
+        let local = "127.0.0.1:0".parse().expect("an address");
+        let node = TcpNode::bind(TcpNodeConfig::new(PeerId(7)), local)
+            .await
+            .expect("bind");
+        let peer = PeerId(8);
+        node.register(peer, "127.0.0.1:9".parse().expect("an address"));
+        let mut peers = node.inner.peers();
+        let state = peers.get_mut(&peer).expect("registered");
+        state.dial = Dial::Connecting;
+        state.accepting = 1;
+        state.wanted = true;
+        assert_eq!(node.inner.dial_for(peer, state), None, "no second dial");
+        assert!(state.wanted, "the kept ask stays kept");
     }
 
     /// A failed dial's verdict is kept only while it is about the peer as

@@ -533,12 +533,15 @@ impl PeerCore {
     // ---- outputs ----
 
     /// The earliest time `handle_timeout` or the flush gate needs attention.
-    pub fn poll_timeout(&self) -> Instant {
+    /// A gate already open at `now` needs none: its batch waits for a send
+    /// buffer, whose arrival wakes the task (a past deadline kept the
+    /// timer firing for as long as the link pushed back, a busy loop).
+    pub fn poll_timeout(&self, now: Instant) -> Instant {
         let mut at = self.sweep_at;
         if let Some(h) = self.heartbeat_at {
             at = at.min(h);
         }
-        if let Some(gate) = self.gate_deadline() {
+        if let Some(gate) = self.gate_deadline().filter(|gate| *gate > now) {
             at = at.min(gate);
         }
         at
@@ -735,8 +738,10 @@ impl PeerCore {
                     continue;
                 }
             }
-            slot.inlet.close(SendError::Dropped(reason));
-            dropped += 1;
+            // A producer already ended (`TooLarge`) has had its one terminal.
+            if slot.inlet.close(SendError::Dropped(reason)) {
+                dropped += 1;
+            }
         }
         self.opened_in_batch.clear();
         self.closed_in_batch.clear();
@@ -2759,6 +2764,40 @@ mod tests {
             })
         );
         assert_eq!(core.counters.snapshot().messages_too_large, 1);
+    }
+
+    /// A stream already ended `TooLarge`, its close not yet written when
+    /// the epoch dies, is not counted among the slots dropped: its producer
+    /// had its one terminal (review 48d).
+    #[tokio::test]
+    async fn a_stream_ended_too_large_is_not_counted_dropped_with_its_epoch() {
+        let mut core = core();
+        let mut tx = open(&core, 1);
+        tx.send(Bytes::from(vec![1u8; 1001]))
+            .await
+            .expect("queued: no peer limit heard yet");
+        let terms = PeerTerms {
+            max_record: 1000,
+            ..PeerTerms::announced_by(&core.config)
+        };
+        core.set_peer_terms(terms, core.config.peer_window, Instant::now());
+        core.handle_control(Instant::now());
+        // A batch with room for the Open but not the close that follows.
+        let mut buf = vec![0u8; 48];
+        let len = core.poll_batch(&mut buf, Instant::now());
+        let view = BatchView::new_checked(&buf[..len]).expect("valid");
+        let written: Vec<_> = view.records().map(|r| format!("{:?}", r.body)).collect();
+        assert!(
+            written.iter().all(|r| !r.starts_with("Close")),
+            "{written:?}"
+        );
+        let ended = tx.send(Bytes::from_static(b"x")).await;
+        assert!(
+            matches!(ended, Err(SendError::TooLarge { .. })),
+            "{ended:?}"
+        );
+        core.fail_all(DropReason::EpochEnded { epoch: Epoch(1) });
+        assert_eq!(core.counters.snapshot().slots_dropped, 0);
     }
 
     /// Once the peer's terms are heard, a record past its `max_record` is

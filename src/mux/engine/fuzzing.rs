@@ -93,9 +93,9 @@ impl PeerHarness {
         self.core.handle_timeout(now);
     }
 
-    /// The next deadline.
-    pub fn poll_timeout(&self) -> Instant {
-        self.core.poll_timeout()
+    /// The next deadline, as of `now`.
+    pub fn poll_timeout(&self, now: Instant) -> Instant {
+        self.core.poll_timeout(now)
     }
 
     /// The next batch to send, written into `buf`; 0 when nothing is owed.

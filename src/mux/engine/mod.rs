@@ -845,8 +845,12 @@ async fn wait_for_link<L: Link>(
         }
         let mut next_check = if wants_link {
             now + REDIAL_INTERVAL
-        } else {
+        } else if held.is_empty() {
             idle_since + shared.config.idle_retire
+        } else {
+            // What is held goes as consumers read, and their reads wake
+            // this task: a zero idle period must not look every tick.
+            idle_since + shared.config.idle_retire.max(shared.config.credit_sweep)
         };
         if let Some(until) = drain_until {
             next_check = next_check.min(until);
@@ -1262,7 +1266,7 @@ impl<L: Link> InlineWriter for EpochCell<L> {
             // an idle core whose retirement that timer does not count, is
             // the task's to see to.
             Ok(!turn.core.wants_write(now)
-                && turn.core.poll_timeout() >= turn.parked_until
+                && turn.core.poll_timeout(now) >= turn.parked_until
                 && (turn.parked_idle || turn.core.idle_since().is_none()))
         }));
         self.settle(turn, written)
@@ -1307,7 +1311,7 @@ impl<L: Link> Arrivals for EpochCell<L> {
             let now = Instant::now();
             Ok(!any
                 || (turn.parked_writing || !turn.core.wants_write(now))
-                    && turn.core.poll_timeout() >= turn.parked_until
+                    && turn.core.poll_timeout(now) >= turn.parked_until
                     && (turn.parked_idle || turn.core.idle_since().is_none()))
         }));
         if !self.settle(turn, decoded) {
@@ -1569,7 +1573,7 @@ async fn serve_epoch<L: Link>(
     let wake = entry.control.wake.notified();
     let arrived = entry.link_arrived.notified();
     let received = link.recv();
-    let timer = sleep_until(turn.core.poll_timeout());
+    let timer = sleep_until(turn.core.poll_timeout(Instant::now()));
     // The wait for a send buffer lives across turns too, for as long as
     // the core has something to write: a link waiting on an exhausted pool
     // keeps its place in the pool's line while batches come in.
@@ -1608,7 +1612,7 @@ async fn serve_epoch<L: Link>(
         if core.goodbye_received() {
             break EpochEnd::PeerClosed;
         }
-        let mut deadline = core.poll_timeout();
+        let mut deadline = core.poll_timeout(now);
         if let Some(until) = drain_until {
             deadline = deadline.min(until);
         }
@@ -1617,11 +1621,12 @@ async fn serve_epoch<L: Link>(
         match core.idle_since() {
             Some(since) if ending.is_none() && !messages_waiting => {
                 let retire_at = since + config.idle_retire;
-                if now >= retire_at && entry.control.state().dirty_inlets.is_empty() {
+                if now < retire_at {
+                    deadline = deadline.min(retire_at);
+                } else if entry.control.state().dirty_inlets.is_empty() {
                     let until = *idle_goodbye_until.get_or_insert(now + config.shutdown_linger);
                     ending = Some((EpochEnd::Closed, until));
                 }
-                deadline = deadline.min(retire_at);
             }
             // Work came back while the goodbye waited: no longer idle.
             _ => idle_goodbye_until = None,
