@@ -729,7 +729,7 @@ pub(crate) struct Registry {
 const ABANDONED_KEPT: usize = 16_384;
 
 /// Entries a drained receive queue keeps allocated; a larger one (a burst)
-/// is freed when its consumer finds it empty.
+/// is shrunk to this when its consumer finds it empty.
 const KEPT_QUEUE: usize = 256;
 
 /// How long an abandoned binding is remembered: far past any link outage
@@ -1235,7 +1235,7 @@ impl SlotReceiver {
             if state.frames.capacity() > KEPT_QUEUE {
                 // A burst's queue is not kept for the stream's life: the
                 // window bounds what is queued, not what stays allocated.
-                state.frames = VecDeque::new();
+                state.frames.shrink_to(KEPT_QUEUE);
             }
             if state.ended {
                 return Err(RecvError::Ended);

@@ -106,16 +106,15 @@ pub mod velo_frames {
         if bytes == dropped() {
             return Kind::Dropped;
         }
+        // velo's decoder also takes other encodings of its sentinels (a
+        // longer string type, the variant's number): it ends a stream on
+        // those too (review 48e).
         match rmp_serde::from_slice::<StreamFrame<()>>(bytes) {
             Ok(StreamFrame::TransportError(_)) => Kind::TransportError,
-            Ok(
-                StreamFrame::Item(())
-                | StreamFrame::SenderError(_)
-                | StreamFrame::Dropped
-                | StreamFrame::Detached
-                | StreamFrame::Finalized
-                | StreamFrame::Heartbeat,
-            )
+            Ok(StreamFrame::Finalized) => Kind::Finalized,
+            Ok(StreamFrame::Detached) => Kind::Detached,
+            Ok(StreamFrame::Dropped) => Kind::Dropped,
+            Ok(StreamFrame::Item(()) | StreamFrame::SenderError(_) | StreamFrame::Heartbeat)
             | Err(_) => Kind::Data,
         }
     }
@@ -502,6 +501,14 @@ mod tests {
             let (bytes, end) = to_velo(Frame::Data(Bytes::from(terminal.clone())));
             assert!(end && bytes == terminal, "{terminal:?}");
         }
+        // The same terminal as velo's decoder also reads it: the variant
+        // name as a str8 rather than a fixstr.
+        let mut str8 = vec![0xd9, 9];
+        str8.extend_from_slice(b"Finalized");
+        let decoded: StreamFrame<()> = rmp_serde::from_slice(&str8).expect("velo reads it");
+        assert!(matches!(decoded, StreamFrame::Finalized));
+        assert_eq!(velo_frames::classify(&str8), Kind::Finalized);
+        assert!(to_velo(Frame::Data(Bytes::from(str8))).1);
         let item = rmp_serde::to_vec(&StreamFrame::Item("Finalized".to_string())).expect("item");
         for data in [item, velo_frames::heartbeat().to_vec()] {
             assert!(!to_velo(Frame::Data(Bytes::from(data))).1);

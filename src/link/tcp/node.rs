@@ -1434,10 +1434,15 @@ impl<E: EpochMaker> Dialer for NodeDialer<E> {
         // answered now, with its verdict; without one the verdict is kept
         // for the next ask and the link dropped.
         let (dial, ended) = match peers.get_mut(&peer) {
-            Some(state) if state.wanted && !NodeInner::<E>::live(state) => {
-                (inner.dial_for(peer, state), None)
+            Some(state) => {
+                // Settled first: an ask that finds a dial under way dials
+                // nothing, and the link must not wait for the next ask.
+                let ended = inner.settle_ended(peer, state).ok().flatten();
+                let dial = (state.wanted && !NodeInner::<E>::live(state))
+                    .then(|| inner.dial_for(peer, state))
+                    .flatten();
+                (dial, ended)
             }
-            Some(state) => (None, inner.settle_ended(peer, state).ok().flatten()),
             None => (None, None),
         };
         // A peer that only dialled in is let go with its last link; one
@@ -2181,6 +2186,51 @@ mod tests {
         state.wanted = true;
         assert_eq!(node.inner.dial_for(peer, state), None, "no second dial");
         assert!(state.wanted, "the kept ask stays kept");
+    }
+
+    /// An ended link is dropped when the mux lets go of it though an ask
+    /// waits and our dial is under way (review 48e: the ask went to
+    /// `dial_for`, which dials nothing then, and the link stayed).
+    #[tokio::test]
+    async fn a_released_link_is_dropped_while_our_dial_is_under_way() {
+        use super::{Dial, TcpNode, TcpNodeConfig};
+        use crate::link::Link;
+        use crate::link::tcp::{TcpLink, TcpLinkConfig};
+        use crate::mux::{PeerId, protocol::Epoch};
+        let local = "127.0.0.1:0".parse().expect("an address");
+        let node = TcpNode::bind(TcpNodeConfig::new(PeerId(7)), local)
+            .await
+            .expect("bind");
+        let peer = PeerId(8);
+        node.register(peer, "127.0.0.1:9".parse().expect("an address"));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let dialing = tokio::net::TcpStream::connect(listener.local_addr().expect("address"));
+        let (dialed, accepted) = tokio::join!(dialing, listener.accept());
+        let config = TcpLinkConfig::default();
+        let link = TcpLink::new(
+            dialed.expect("connect"),
+            Vec::new(),
+            Epoch(2),
+            &config,
+            1 << 16,
+        )
+        .expect("link");
+        drop(accepted.expect("accept"));
+        tokio::time::timeout(std::time::Duration::from_secs(10), link.ended())
+            .await
+            .expect("the link ends with its peer's socket");
+        {
+            let mut peers = node.inner.peers();
+            let state = peers.get_mut(&peer).expect("registered");
+            state.current = Some(link);
+            state.wanted = true;
+            state.dial = Dial::Connecting;
+        }
+        node.dialer().link_released(peer);
+        assert!(node.link(peer).is_none(), "the ended link was kept");
+        assert!(node.link_end(peer).is_some());
     }
 
     /// A failed dial's verdict is kept only while it is about the peer as
