@@ -250,6 +250,11 @@ impl CompletionQueue for IbvCq {
                 rdma_mummy_sys::ibv_poll_cq(self.raw_cq().as_ptr(), want as i32, raw.as_mut_ptr())
             };
             if got < 0 {
+                if n > 0 {
+                    // Those already translated are retired from their rings:
+                    // hand them out, and the error with the next poll.
+                    break;
+                }
                 return Err(VerbsError::CqOverrun);
             }
             if got == 0 {

@@ -484,8 +484,9 @@ impl EventLog {
 }
 
 pub(crate) struct DevInner {
-    /// Declared first: the context outlives every field that refers to it
-    /// only through sideway's own Arcs; nothing here holds raw handles.
+    /// A shared `Arc`: every PD, CQ, channel and QP holds its own, so the
+    /// context closes after the last of them whatever the field order;
+    /// nothing here holds raw handles.
     pub(crate) ctx: Arc<DeviceContext>,
     pub(crate) name: String,
     pub(crate) port: u8,
@@ -505,8 +506,9 @@ pub(crate) struct DevInner {
 /// them; the async-event task holds one too (see `cq::EventWatch`).
 ///
 /// Destroy order when the last `IbvDevice` clone goes:
-/// 1. the async-event task is told to stop; it deregisters the context's
-///    async fd from the reactor, then drops its context `Arc`;
+/// 1. the async-event task is told to stop, and goes when it next runs
+///    (asynchronously, so possibly after the steps below): it deregisters
+///    the context's async fd from the reactor, then drops its context `Arc`;
 /// 2. QPs, then CQs and PDs, go as their owners drop them (each keeps what
 ///    it was created from);
 /// 3. the context closes with its last `Arc`.

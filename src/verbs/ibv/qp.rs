@@ -455,7 +455,8 @@ pub struct IbvQp {
 }
 
 // SAFETY: `raw` is only used for ibv_post_send/ibv_post_recv, which libibverbs
-// makes thread-safe per QP; everything else is behind mutexes or immutable.
+// makes thread-safe per QP (and which are serialised here anyway, each under
+// its ring's mutex); everything else is behind mutexes or immutable.
 unsafe impl Send for IbvQp {}
 // SAFETY: as above.
 unsafe impl Sync for IbvQp {}
