@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::task::Poll;
 
@@ -65,6 +65,10 @@ pub(crate) struct CqInner {
     /// QPs posting to this CQ, by QPN: completions are translated through them.
     pub(crate) qps: Mutex<HashMap<u32, Weak<QpShared>>>,
     events_acked: AtomicU32,
+    /// A poll failed: every later poll fails too. A provider consumes the
+    /// entry it failed on (mlx5), so the next `ibv_poll_cq` would succeed
+    /// past a completion nobody saw (review 48g).
+    failed: AtomicBool,
     depth: usize,
 }
 
@@ -91,6 +95,7 @@ impl IbvCq {
                 channel,
                 qps: Mutex::new(HashMap::new()),
                 events_acked: AtomicU32::new(0),
+                failed: AtomicBool::new(false),
                 depth,
             }),
         })
@@ -242,6 +247,9 @@ impl CompletionQueue for IbvCq {
             .qps
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        if self.inner.failed.load(Ordering::Relaxed) {
+            return Err(VerbsError::CqOverrun);
+        }
         while n < out.len() {
             let want = (out.len() - n).min(BATCH);
             // SAFETY: the CQ is alive (held by self); `raw` has room for `want`
@@ -250,9 +258,10 @@ impl CompletionQueue for IbvCq {
                 rdma_mummy_sys::ibv_poll_cq(self.raw_cq().as_ptr(), want as i32, raw.as_mut_ptr())
             };
             if got < 0 {
+                self.inner.failed.store(true, Ordering::Relaxed);
                 if n > 0 {
                     // Those already translated are retired from their rings:
-                    // hand them out, and the error with the next poll.
+                    // hand them out; the next poll reports the failure.
                     break;
                 }
                 return Err(VerbsError::CqOverrun);
