@@ -334,6 +334,63 @@ async fn peer_device_dropped_gives_retry_exceeded() {
     );
 }
 
+/// A datagram the kernel refuses (here a broadcast address, refused without
+/// SO_BROADCAST) is counted and its send retried by RC until the retry
+/// budget ends the QP, rather than lost unseen (review 48h).
+#[tokio::test]
+async fn a_send_the_kernel_refuses_is_counted_and_retried() {
+    use qpmux::verbs::{
+        AccessFlags, CompletionQueue, Device, Gid, InitAttr, MemoryRegion, Mtu, QpCaps,
+        QueuePair, RtrAttr, RtsAttr, SendOpcode, SendWr, Sge, WcStatus,
+    };
+    let dev = SoftDevice::open_udp(UdpConfig::default())
+        .await
+        .expect("device");
+    let pd = dev.alloc_pd().expect("pd");
+    let cq = dev.create_cq(16).expect("cq");
+    let qp = dev.create_qp(&pd, &cq, &cq, QpCaps::default()).expect("qp");
+    let mr = dev.reg_mr(&pd, 4096, AccessFlags::LOCAL_WRITE).expect("mr");
+    qp.modify_to_init(InitAttr {
+        access: AccessFlags::LOCAL_WRITE,
+    })
+    .expect("init");
+    qp.modify_to_rtr(RtrAttr {
+        path_mtu: Mtu::Mtu1024,
+        dest_qpn: qp.qp_num(),
+        rq_psn: qp.initial_psn(),
+        remote_gid: Gid::from_ipv4(std::net::Ipv4Addr::BROADCAST),
+        remote_udp_port: 4791,
+        min_rnr_timer: 1,
+    })
+    .expect("rtr");
+    qp.modify_to_rts(RtsAttr {
+        sq_psn: qp.initial_psn(),
+        timeout: 8,
+        retry_cnt: 1,
+        rnr_retry: 0,
+    })
+    .expect("rts");
+    mr.write(0, b"refused").expect("write");
+    qp.post_send(&[SendWr {
+        wr_id: 1,
+        opcode: SendOpcode::Send,
+        sg_list: &[Sge {
+            mr: &mr,
+            offset: 0,
+            len: 7,
+        }],
+        signaled: true,
+        inline: false,
+    }])
+    .expect("send");
+    let mut wc = [verbs_suite::blank_wc()];
+    let mut h = UdpHarness::new();
+    assert!(h.wait_until(|| cq.poll(&mut wc).expect("poll") == 1).await);
+    assert_eq!(wc[0].status, WcStatus::RetryExcErr);
+    let stats = dev.stats();
+    assert!(stats.tx_refused >= 2, "the send and its retry: {stats:?}");
+}
+
 /// Over IPv6 loopback the GID is the IPv6 address and the ICRC covers the
 /// IPv6 pseudo-header. Skips when `::1` cannot be bound.
 #[tokio::test]

@@ -252,7 +252,11 @@ impl SoftDevice {
 
     /// Datagram counters.
     pub fn stats(&self) -> DeviceStats {
-        self.shared.core().stats
+        let mut stats = self.shared.core().stats;
+        if let Some(port) = self.shared.port.get() {
+            stats.tx_refused = port.send_errors();
+        }
+        stats
     }
 
     /// Fault hook: while partitioned the device drops every datagram it would

@@ -247,6 +247,8 @@ impl SoftDevice {
             start: std::time::Instant::now(),
             parting: std::sync::Mutex::new(None),
             parted: tokio::sync::Notify::new(),
+            send_errors: Default::default(),
+            send_error_warning: Default::default(),
         });
         if dev.shared().port.set(port.clone()).is_err() {
             unreachable!("a new device has no port");
@@ -342,6 +344,12 @@ pub(crate) struct Port {
     parting: std::sync::Mutex<Option<Outbox>>,
     /// Signalled once `parting` is set.
     parted: tokio::sync::Notify,
+    /// Datagrams the kernel refused other than for a full buffer (a
+    /// firewall's EPERM, EMSGSIZE past the path MTU): lost, as on a wire,
+    /// and retransmitted by RC; counted and warned of, since otherwise
+    /// they show only as `RETRY_EXC_ERR` epoch deaths.
+    send_errors: std::sync::atomic::AtomicU64,
+    send_error_warning: std::sync::Mutex<crate::warn_gate::WarnGate>,
 }
 
 impl Port {
@@ -359,6 +367,29 @@ impl Port {
 
     /// One non-blocking `sendmsg` of `contents`, cut into `segment`-byte
     /// datagrams (GSO) when longer.
+    /// A datagram the kernel refused (not for a full buffer): counted, and
+    /// warned of at most once a second.
+    fn send_refused(&self, err: &std::io::Error, dst: SocketAddr) {
+        self.send_errors
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let admitted = self
+            .send_error_warning
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .admit(tokio::time::Instant::now());
+        match admitted {
+            Some(suppressed) => {
+                tracing::warn!(error = %err, %dst, suppressed, "soft RoCE send refused; RC retransmits it")
+            }
+            None => tracing::debug!(error = %err, %dst, "soft RoCE send refused"),
+        }
+    }
+
+    /// Datagrams the kernel refused so far ([`DeviceStats::tx_refused`]).
+    pub(crate) fn send_errors(&self) -> u64 {
+        self.send_errors.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn try_send(&self, dst: SocketAddr, contents: &[u8], segment: usize) -> std::io::Result<()> {
         let transmit = UdpTransmit {
             destination: dst,
@@ -472,11 +503,11 @@ impl Outbox {
                         match port.try_send(dst, bytes, segment) {
                             Ok(()) => {}
                             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Err(k),
-                            Err(e) => tracing::debug!(error = %e, %dst, "soft RoCE send failed"),
+                            Err(e) => port.send_refused(&e, dst),
                         }
                     }
                 }
-                Err(e) => tracing::debug!(error = %e, %dst, "soft RoCE send failed"),
+                Err(e) => port.send_refused(&e, dst),
             }
             i += n;
         }
@@ -642,6 +673,10 @@ impl Driver {
         shutdown: Arc<tokio::sync::Notify>,
     ) -> DriverEnd {
         loop {
+            // A socket kept readable (a flood of datagrams that leave nothing
+            // to send: unknown QPNs, wrong sources) must not hold the worker:
+            // nothing else in a turn spends tokio's budget (review 48h).
+            tokio::task::consume_budget().await;
             // Handle timers and collect output under the lock; send without it.
             let deadline = {
                 let Some(shared) = dev.upgrade() else {
