@@ -239,6 +239,8 @@ struct Counters {
     rx_wrong_source: u64,
     /// Datagrams outside the port's partition.
     rx_bad_pkey: u64,
+    /// Datagrams the kernel refused to send (a firewall, the path MTU).
+    tx_refused: u64,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -882,6 +884,7 @@ fn sample_counters(node: &Soft, shared: &Shared) {
             rx_malformed: device.rx_malformed,
             rx_wrong_source: device.rx_wrong_source,
             rx_bad_pkey: device.rx_bad_pkey,
+            tx_refused: device.tx_refused,
         }
     });
 }
