@@ -340,8 +340,8 @@ async fn peer_device_dropped_gives_retry_exceeded() {
 #[tokio::test]
 async fn a_send_the_kernel_refuses_is_counted_and_retried() {
     use qpmux::verbs::{
-        AccessFlags, CompletionQueue, Device, Gid, InitAttr, MemoryRegion, Mtu, QpCaps,
-        QueuePair, RtrAttr, RtsAttr, SendOpcode, SendWr, Sge, WcStatus,
+        AccessFlags, CompletionQueue, Device, Gid, InitAttr, MemoryRegion, Mtu, QpCaps, QueuePair,
+        RtrAttr, RtsAttr, SendOpcode, SendWr, Sge, WcStatus,
     };
     let dev = SoftDevice::open_udp(UdpConfig::default())
         .await

@@ -120,7 +120,13 @@ impl<D: Device + 'static> Shared<D> {
                 Polled::Some
             }
             Err(err) => {
-                tracing::warn!(%err, "polling the CQ failed; ending the epoch");
+                // A CQ that failed stays failed (the ibverbs provider's is
+                // sticky), and the stall sweep may look again after the end.
+                if self.lock().ended.is_none() {
+                    tracing::warn!(%err, "polling the CQ failed; ending the epoch");
+                } else {
+                    tracing::debug!(%err, "polling the CQ failed after the epoch ended");
+                }
                 self.end(EpochEnd::Fault(fault_of(&err)));
                 Polled::Failed
             }

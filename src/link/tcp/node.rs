@@ -2166,19 +2166,25 @@ mod tests {
         }
     }
 
+    /// A node (no mux) with one peer registered at an address nothing dials.
+    async fn node_with_a_registered_peer() -> (super::TcpNode, crate::mux::PeerId) {
+        use crate::mux::PeerId;
+        let local = "127.0.0.1:0".parse().expect("an address");
+        let node = super::TcpNode::bind(super::TcpNodeConfig::new(PeerId(7)), local)
+            .await
+            .expect("bind");
+        let peer = PeerId(8);
+        node.register(peer, "127.0.0.1:9".parse().expect("an address"));
+        (node, peer)
+    }
+
     /// A re-ask while our own dial is under way leaves an ask kept for an
     /// accept under way kept (review 48c: it was cleared, and the accept's
     /// failure then left nobody to dial).
     #[tokio::test]
     async fn an_ask_while_our_dial_is_under_way_keeps_the_ask_kept_for_an_accept() {
-        use super::{Dial, TcpNode, TcpNodeConfig};
-        use crate::mux::PeerId;
-        let local = "127.0.0.1:0".parse().expect("an address");
-        let node = TcpNode::bind(TcpNodeConfig::new(PeerId(7)), local)
-            .await
-            .expect("bind");
-        let peer = PeerId(8);
-        node.register(peer, "127.0.0.1:9".parse().expect("an address"));
+        use super::Dial;
+        let (node, peer) = node_with_a_registered_peer().await;
         let mut peers = node.inner.peers();
         let state = peers.get_mut(&peer).expect("registered");
         state.dial = Dial::Connecting;
@@ -2193,16 +2199,11 @@ mod tests {
     /// `dial_for`, which dials nothing then, and the link stayed).
     #[tokio::test]
     async fn a_released_link_is_dropped_while_our_dial_is_under_way() {
-        use super::{Dial, TcpNode, TcpNodeConfig};
+        use super::Dial;
         use crate::link::Link;
         use crate::link::tcp::{TcpLink, TcpLinkConfig};
-        use crate::mux::{PeerId, protocol::Epoch};
-        let local = "127.0.0.1:0".parse().expect("an address");
-        let node = TcpNode::bind(TcpNodeConfig::new(PeerId(7)), local)
-            .await
-            .expect("bind");
-        let peer = PeerId(8);
-        node.register(peer, "127.0.0.1:9".parse().expect("an address"));
+        use crate::mux::protocol::Epoch;
+        let (node, peer) = node_with_a_registered_peer().await;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");

@@ -50,7 +50,7 @@ pub struct DeviceStats {
     /// while inline sends declined: handed to the driver, which sent them
     /// first.
     pub tx_backlogged: u64,
-    /// Of those, datagrams the kernel refused other than for a full buffer
+    /// Datagrams emitted (`tx_datagrams`, either path) that the kernel refused other than for a full buffer
     /// (a firewall's EPERM, EMSGSIZE past the path MTU): lost as on a wire,
     /// and retransmitted by RC; warned of at most once a second.
     pub tx_refused: u64,

@@ -365,8 +365,6 @@ impl Port {
         }
     }
 
-    /// One non-blocking `sendmsg` of `contents`, cut into `segment`-byte
-    /// datagrams (GSO) when longer.
     /// A datagram the kernel refused (not for a full buffer): counted, and
     /// warned of at most once a second.
     fn send_refused(&self, err: &std::io::Error, dst: SocketAddr) {
@@ -390,6 +388,8 @@ impl Port {
         self.send_errors.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// One non-blocking `sendmsg` of `contents`, cut into `segment`-byte
+    /// datagrams (GSO) when longer.
     fn try_send(&self, dst: SocketAddr, contents: &[u8], segment: usize) -> std::io::Result<()> {
         let transmit = UdpTransmit {
             destination: dst,
