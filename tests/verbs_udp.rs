@@ -334,14 +334,55 @@ async fn peer_device_dropped_gives_retry_exceeded() {
     );
 }
 
+type SoftQp = <SoftDevice as qpmux::verbs::Device>::Qp;
+type SoftMr = <SoftDevice as qpmux::verbs::Device>::Mr;
+
+/// Takes `qp` from RESET to RTS toward `remote` (its QPN, first PSN, GID
+/// and UDP port), with the RC attributes given.
+fn connect_qp(
+    qp: &SoftQp,
+    remote: (qpmux::verbs::Qpn, qpmux::verbs::Psn, qpmux::verbs::Gid, u16),
+    rts: qpmux::verbs::RtsAttr,
+) {
+    use qpmux::verbs::{AccessFlags, InitAttr, Mtu, QueuePair, RtrAttr};
+    qp.modify_to_init(InitAttr {
+        access: AccessFlags::LOCAL_WRITE,
+    })
+    .expect("init");
+    let (dest_qpn, rq_psn, remote_gid, remote_udp_port) = remote;
+    qp.modify_to_rtr(RtrAttr {
+        path_mtu: Mtu::Mtu1024,
+        dest_qpn,
+        rq_psn,
+        remote_gid,
+        remote_udp_port,
+        min_rnr_timer: 1,
+    })
+    .expect("rtr");
+    qp.modify_to_rts(rts).expect("rts");
+}
+
+/// One signaled SEND (id 1) of `mr[..len]`.
+fn send_one(qp: &SoftQp, mr: &SoftMr, len: usize) {
+    use qpmux::verbs::{QueuePair, SendOpcode, SendWr, Sge};
+    qp.post_send(&[SendWr {
+        wr_id: 1,
+        opcode: SendOpcode::Send,
+        sg_list: &[Sge { mr, offset: 0, len }],
+        signaled: true,
+        inline: false,
+    }])
+    .expect("send");
+}
+
 /// A datagram the kernel refuses (here a broadcast address, refused without
 /// SO_BROADCAST) is counted and its send retried by RC until the retry
 /// budget ends the QP, rather than lost unseen (review 48h).
 #[tokio::test]
 async fn a_send_the_kernel_refuses_is_counted_and_retried() {
     use qpmux::verbs::{
-        AccessFlags, CompletionQueue, Device, Gid, InitAttr, MemoryRegion, Mtu, QpCaps, QueuePair,
-        RtrAttr, RtsAttr, SendOpcode, SendWr, Sge, WcStatus,
+        AccessFlags, CompletionQueue, Device, Gid, MemoryRegion, QpCaps, QueuePair, RtsAttr,
+        WcStatus,
     };
     let dev = SoftDevice::open_udp(UdpConfig::default())
         .await
@@ -350,39 +391,16 @@ async fn a_send_the_kernel_refuses_is_counted_and_retried() {
     let cq = dev.create_cq(16).expect("cq");
     let qp = dev.create_qp(&pd, &cq, &cq, QpCaps::default()).expect("qp");
     let mr = dev.reg_mr(&pd, 4096, AccessFlags::LOCAL_WRITE).expect("mr");
-    qp.modify_to_init(InitAttr {
-        access: AccessFlags::LOCAL_WRITE,
-    })
-    .expect("init");
-    qp.modify_to_rtr(RtrAttr {
-        path_mtu: Mtu::Mtu1024,
-        dest_qpn: qp.qp_num(),
-        rq_psn: qp.initial_psn(),
-        remote_gid: Gid::from_ipv4(std::net::Ipv4Addr::BROADCAST),
-        remote_udp_port: 4791,
-        min_rnr_timer: 1,
-    })
-    .expect("rtr");
-    qp.modify_to_rts(RtsAttr {
+    let broadcast = Gid::from_ipv4(std::net::Ipv4Addr::BROADCAST);
+    let rts = RtsAttr {
         sq_psn: qp.initial_psn(),
         timeout: 8,
         retry_cnt: 1,
         rnr_retry: 0,
-    })
-    .expect("rts");
+    };
+    connect_qp(&qp, (qp.qp_num(), qp.initial_psn(), broadcast, 4791), rts);
     mr.write(0, b"refused").expect("write");
-    qp.post_send(&[SendWr {
-        wr_id: 1,
-        opcode: SendOpcode::Send,
-        sg_list: &[Sge {
-            mr: &mr,
-            offset: 0,
-            len: 7,
-        }],
-        signaled: true,
-        inline: false,
-    }])
-    .expect("send");
+    send_one(&qp, &mr, 7);
     let mut wc = [verbs_suite::blank_wc()];
     let mut h = UdpHarness::new();
     assert!(h.wait_until(|| cq.poll(&mut wc).expect("poll") == 1).await);
@@ -396,8 +414,7 @@ async fn a_send_the_kernel_refuses_is_counted_and_retried() {
 #[tokio::test]
 async fn ping_over_ipv6_loopback() {
     use qpmux::verbs::{
-        AccessFlags, CompletionQueue, Device, InitAttr, MemoryRegion, Mtu, QpCaps, QueuePair,
-        RecvWr, RtrAttr, RtsAttr, SendOpcode, SendWr, Sge,
+        AccessFlags, CompletionQueue, Device, MemoryRegion, QpCaps, QueuePair, RecvWr, RtsAttr, Sge,
     };
     let config = UdpConfig {
         bind: "[::1]:0".parse().expect("addr"),
@@ -417,31 +434,25 @@ async fn ping_over_ipv6_loopback() {
         let cq = dev.create_cq(16).expect("cq");
         let qp = dev.create_qp(&pd, &cq, &cq, QpCaps::default()).expect("qp");
         let mr = dev.reg_mr(&pd, 4096, AccessFlags::LOCAL_WRITE).expect("mr");
-        qp.modify_to_init(InitAttr {
-            access: AccessFlags::LOCAL_WRITE,
-        })
-        .expect("init");
         ends.push((cq, qp, mr));
     }
     for (me, peer, dev) in [(0, 1, &b), (1, 0, &a)] {
         let port = dev.query_port();
         let qp = &ends[me].1;
-        qp.modify_to_rtr(RtrAttr {
-            path_mtu: Mtu::Mtu1024,
-            dest_qpn: ends[peer].1.qp_num(),
-            rq_psn: ends[peer].1.initial_psn(),
-            remote_gid: port.gid_table[0],
-            remote_udp_port: port.udp_port,
-            min_rnr_timer: 1,
-        })
-        .expect("rtr");
-        qp.modify_to_rts(RtsAttr {
+        let theirs = &ends[peer].1;
+        let remote = (
+            theirs.qp_num(),
+            theirs.initial_psn(),
+            port.gid_table[0],
+            port.udp_port,
+        );
+        let rts = RtsAttr {
             sq_psn: qp.initial_psn(),
             timeout: 12,
             retry_cnt: 3,
             rnr_retry: 3,
-        })
-        .expect("rts");
+        };
+        connect_qp(qp, remote, rts);
     }
     let (cq_b, qp_b, mr_b) = &ends[1];
     qp_b.post_recv(&[RecvWr {
@@ -455,18 +466,7 @@ async fn ping_over_ipv6_loopback() {
     .expect("recv");
     let (_, qp_a, mr_a) = &ends[0];
     mr_a.write(0, b"over ipv6").expect("write");
-    qp_a.post_send(&[SendWr {
-        wr_id: 1,
-        opcode: SendOpcode::Send,
-        sg_list: &[Sge {
-            mr: mr_a,
-            offset: 0,
-            len: 9,
-        }],
-        signaled: true,
-        inline: false,
-    }])
-    .expect("send");
+    send_one(qp_a, mr_a, 9);
     let mut wc = [verbs_suite::blank_wc()];
     let mut h = UdpHarness::new();
     assert!(
