@@ -825,6 +825,18 @@ fn registered_bytes(t: &Transport) -> u64 {
         .1
 }
 
+/// A and B linked, a stream carried A → B; with A's registered bytes
+/// before the link, which its receive ring now adds to.
+async fn a_linked_to_b() -> (Transport, Transport, u64) {
+    let a = transport(A, None).await;
+    let b = transport(B, None).await;
+    mesh(&[&a, &b]);
+    let idle = registered_bytes(&a);
+    stream(a.mux(), B, b.mux(), 7, 2).await;
+    assert!(registered_bytes(&a) > idle, "a link end holds its ring");
+    (a, b, idle)
+}
+
 /// `unregister` forgets a peer for good (what a server that serves many
 /// short-lived clients relies on): its link ends and is released, its
 /// receive ring leaving the registered-memory gauge, and a slot opened to it
@@ -832,12 +844,7 @@ fn registered_bytes(t: &Transport) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unregistered_peer_is_released_and_not_dialled_again() {
     bounded(async {
-        let a = transport(A, None).await;
-        let b = transport(B, None).await;
-        mesh(&[&a, &b]);
-        let idle = registered_bytes(&a);
-        stream(a.mux(), B, b.mux(), 7, 2).await;
-        assert!(registered_bytes(&a) > idle, "a link end holds its ring");
+        let (a, b, idle) = a_linked_to_b().await;
         // The peer goes away; then it is forgotten.
         b.shutdown();
         drop(b);
@@ -864,12 +871,7 @@ async fn an_unregistered_peer_is_released_and_not_dialled_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registered_peers_dead_link_is_let_go_without_waiting_for_work() {
     bounded(async {
-        let a = transport(A, None).await;
-        let b = transport(B, None).await;
-        mesh(&[&a, &b]);
-        let idle = registered_bytes(&a);
-        stream(a.mux(), B, b.mux(), 7, 2).await;
-        assert!(registered_bytes(&a) > idle, "a link end holds its ring");
+        let (a, b, idle) = a_linked_to_b().await;
         assert_eq!(a.node().link_end(B), None, "live");
         b.shutdown();
         drop(b);

@@ -91,8 +91,8 @@ pub mod velo_frames {
         TransportError,
     }
 
-    /// Classifies velo frame bytes (items by prefix, sentinels by their exact
-    /// encoding, `TransportError` by decode).
+    /// Classifies velo frame bytes (items by prefix, sentinels by velo's own
+    /// encoding first, then anything else by decode).
     pub fn classify(bytes: &[u8]) -> Kind {
         if bytes.starts_with(ITEM_PREFIX) {
             return Kind::Data;
